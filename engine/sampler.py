@@ -1,0 +1,264 @@
+"""Choosing the next token for every sampled row of a step, vectorized over the batch.
+
+`SamplingBatch.build(...)` turns the sequences being sampled into tensors once per step;
+`Sampler.sample(logits, batch)` applies, in order: penalties (repetition, presence, frequency),
+logit_bias, token suppression (min_tokens), the structured-output bitmask, then greedy argmax or
+temperature + top_k / top_p / min_p filtering + Gumbel-max with hashed noise (kernels/random.py),
+so a row's randomness depends only on (its seed, its output position, token id). Logprobs are the
+raw model's (log_softmax of the unprocessed logits). Stop conditions live in the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepserve.engine.outputs import TokenLogprob
+from deepserve.engine.request import Sequence
+from deepserve.kernels.random import _signed, gumbel_noise, token_keys
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class Penalties:
+    presence: Tensor  # [N, 1]
+    frequency: Tensor  # [N, 1]
+    repetition: Tensor  # [N, 1]
+    output_counts: Tensor  # [N, V] float32: occurrences of each token in the output so far
+    prompt_mask: Tensor  # [N, V] bool: token occurs in the prompt
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling inputs of one step. Optional parts are None when no row uses them."""
+
+    num_rows: int
+    all_greedy: bool
+    greedy: Tensor  # [N] bool
+    temperature: Tensor  # [N, 1] float32 (1.0 on greedy rows)
+    seeds: Tensor  # [N] int64
+    positions: Tensor  # [N] int64: output position of the token being sampled
+    top_k: Tensor | None  # [N] int64, V where disabled
+    top_p: Tensor | None  # [N, 1] float32
+    min_p: Tensor | None  # [N, 1] float32
+    penalties: Penalties | None
+    bias: tuple[Tensor, Tensor, Tensor] | None  # (rows, token ids, values)
+    suppress: tuple[Tensor, Tensor] | None  # (rows, token ids) forced to -inf
+    bitmask: Tensor | None  # [N, ceil(V/32)] int32, filled by the grammar matchers
+    max_logprobs: int  # -1: no row wants logprobs
+    logprob_rows: list[int]  # rows whose caller asked for logprobs
+    logprob_k: list[int]  # top-k count asked for, per entry of logprob_rows
+
+    @staticmethod
+    def build(
+        seqs: list[Sequence], eos_ids: tuple[int, ...], vocab_size: int, device: torch.device
+    ) -> SamplingBatch:
+        n = len(seqs)
+        params = [s.params for s in seqs]
+        greedy_list = [p.greedy for p in params]
+        all_greedy = all(greedy_list)
+
+        def col(values: list, dtype: torch.dtype) -> Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        temps = [1.0 if g else p.temperature for g, p in zip(greedy_list, params, strict=True)]
+        top_k = top_p = min_p = None
+        if not all_greedy:
+            if any(p.top_k > 0 for p in params):
+                top_k = col([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64)
+            if any(p.top_p < 1.0 for p in params):
+                top_p = col([p.top_p for p in params], torch.float32)[:, None]
+            if any(p.min_p > 0.0 for p in params):
+                min_p = col([p.min_p for p in params], torch.float32)[:, None]
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        return SamplingBatch(
+            num_rows=n,
+            all_greedy=all_greedy,
+            greedy=col(greedy_list, torch.bool),
+            temperature=col(temps, torch.float32)[:, None],
+            seeds=col([_signed(s.seed) for s in seqs], torch.int64),
+            positions=col([s.num_output_tokens for s in seqs], torch.int64),
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            penalties=_build_penalties(seqs, vocab_size, device),
+            bias=_build_bias(seqs, device),
+            suppress=_build_suppress(seqs, eos_ids, device),
+            bitmask=None,
+            max_logprobs=max((params[i].logprobs for i in logprob_rows), default=-1),
+            logprob_rows=logprob_rows,
+            logprob_k=[params[i].logprobs for i in logprob_rows],
+        )
+
+
+def _build_penalties(
+    seqs: list[Sequence], vocab_size: int, device: torch.device
+) -> Penalties | None:
+    params = [s.params for s in seqs]
+    if all(
+        p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1
+        for p in params
+    ):
+        return None
+    n = len(seqs)
+    out_rows, out_toks, prompt_rows, prompt_toks = [], [], [], []
+    for i, s in enumerate(seqs):
+        out = s.output_token_ids
+        out_rows += [i] * len(out)
+        out_toks += out
+        if s.params.repetition_penalty != 1:
+            prompt_rows += [i] * s.num_prompt_tokens
+            prompt_toks += s.token_ids[: s.num_prompt_tokens]
+    counts = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
+    if out_toks:
+        idx = (torch.tensor(out_rows, device=device), torch.tensor(out_toks, device=device))
+        counts.index_put_(idx, torch.ones(len(out_toks), device=device), accumulate=True)
+    prompt_mask = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)
+    if prompt_toks:
+        prompt_mask[torch.tensor(prompt_rows), torch.tensor(prompt_toks)] = True
+
+    def col(values: list[float]) -> Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+
+    return Penalties(
+        presence=col([p.presence_penalty for p in params]),
+        frequency=col([p.frequency_penalty for p in params]),
+        repetition=col([p.repetition_penalty for p in params]),
+        output_counts=counts,
+        prompt_mask=prompt_mask,
+    )
+
+
+def _build_bias(seqs: list[Sequence], device: torch.device) -> tuple[Tensor, Tensor, Tensor] | None:
+    rows, toks, vals = [], [], []
+    for i, s in enumerate(seqs):
+        for tok, val in (s.params.logit_bias or {}).items():
+            rows.append(i)
+            toks.append(int(tok))
+            vals.append(float(val))
+    if not rows:
+        return None
+    return (
+        torch.tensor(rows, device=device),
+        torch.tensor(toks, device=device),
+        torch.tensor(vals, dtype=torch.float32, device=device),
+    )
+
+
+def _build_suppress(
+    seqs: list[Sequence], eos_ids: tuple[int, ...], device: torch.device
+) -> tuple[Tensor, Tensor] | None:
+    """Stop and EOS tokens are banned while a row has fewer than min_tokens outputs."""
+    rows, toks = [], []
+    for i, s in enumerate(seqs):
+        p = s.params
+        if s.num_output_tokens < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+            rows += [i] * len(banned)
+            toks += sorted(banned)
+    if not rows:
+        return None
+    return torch.tensor(rows, device=device), torch.tensor(toks, device=device)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]  # per row; None where the caller did not ask
+
+
+class Sampler:
+    """Stateless apart from a cached per-token hash table."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self._token_keys = token_keys(vocab_size, device)
+
+    def sample(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """logits: [N, V] float32 (may be padded past the vocabulary; extra columns are dropped)."""
+        logits = logits[:, : self.vocab_size].float()
+        raw = logits
+        logits = self._process(logits, batch)
+        tokens = logits.argmax(dim=-1)
+        if not batch.all_greedy:
+            sampled = self._sample_random(logits, batch)
+            tokens = torch.where(batch.greedy, tokens, sampled)
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, self._logprobs(raw, tokens, token_list, batch))
+
+    def _process(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
+        parts = (batch.penalties, batch.bias, batch.suppress, batch.bitmask)
+        if all(part is None for part in parts):
+            return logits
+        logits = logits.clone()
+        if batch.penalties is not None:
+            logits = apply_penalties(logits, batch.penalties)
+        if batch.bias is not None:
+            rows, toks, vals = batch.bias
+            logits.index_put_((rows, toks), vals, accumulate=True)
+        if batch.suppress is not None:
+            logits[batch.suppress] = float("-inf")
+        if batch.bitmask is not None:
+            from deepserve.engine.structured import apply_bitmask
+
+            apply_bitmask(logits, batch.bitmask)
+        return logits
+
+    def _sample_random(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
+        scaled = logits / batch.temperature
+        scaled = apply_filters(scaled, batch.top_k, batch.top_p, batch.min_p)
+        noise = gumbel_noise(batch.seeds, batch.positions, self._token_keys)
+        return (scaled + noise).argmax(dim=-1)
+
+    def _logprobs(
+        self, raw: Tensor, tokens: Tensor, token_list: list[int], batch: SamplingBatch
+    ) -> list[TokenLogprob | None]:
+        out: list[TokenLogprob | None] = [None] * batch.num_rows
+        if batch.max_logprobs < 0:
+            return out
+        rows = torch.tensor(batch.logprob_rows, device=raw.device)
+        logprobs = torch.log_softmax(raw[rows], dim=-1)
+        chosen = logprobs.gather(1, tokens[rows][:, None])[:, 0].tolist()
+        top_vals = top_ids = None
+        if batch.max_logprobs > 0:
+            top = logprobs.topk(batch.max_logprobs, dim=-1)
+            top_vals, top_ids = top.values.tolist(), top.indices.tolist()
+        for j, row in enumerate(batch.logprob_rows):
+            k = batch.logprob_k[j]
+            top_pairs = list(zip(top_ids[j][:k], top_vals[j][:k], strict=True)) if k else []
+            out[row] = TokenLogprob(token_list[row], chosen[j], top_pairs)
+        return out
+
+
+def apply_penalties(logits: Tensor, p: Penalties) -> Tensor:
+    """Repetition (prompt + output, divides positive logits), then presence and frequency."""
+    seen = p.prompt_mask | (p.output_counts > 0)
+    rep = torch.where(logits > 0, logits / p.repetition, logits * p.repetition)
+    logits = torch.where(seen, rep, logits)
+    logits = logits - p.frequency * p.output_counts
+    return logits - p.presence * (p.output_counts > 0).float()
+
+
+def apply_filters(
+    logits: Tensor, top_k: Tensor | None, top_p: Tensor | None, min_p: Tensor | None
+) -> Tensor:
+    """Set filtered tokens to -inf. top_k then top_p on the sorted row, then min_p."""
+    if top_k is not None or top_p is not None:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if top_k is not None:
+            ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+            drop |= ranks >= top_k[:, None]
+        if top_p is not None:
+            probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+            before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+            drop |= before >= top_p
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    if min_p is not None:
+        probs = torch.softmax(logits, dim=-1)
+        limit = probs.max(dim=-1, keepdim=True).values * min_p
+        logits = logits.masked_fill(probs < limit, float("-inf"))
+    return logits
