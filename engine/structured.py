@@ -1,0 +1,191 @@
+"""Structured outputs: compile output constraints to xgrammar grammars and mask logits with them.
+
+Lives here: `GrammarCache` (tokenizer info + a byte-bounded xgrammar compile cache),
+`CompiledGrammar`, the per-sequence `GrammarMatcherState`, and the batch bitmask helpers
+`allocate_bitmask` / `apply_bitmask` the sampler uses. Not here: deciding which requests are
+constrained (the scheduler), sampling itself (the sampler), protocol parsing (server/).
+
+The bitmask is int32 `[batch, ceil(vocab_size / 32)]`, bit `t % 32` of word `t // 32` set when
+token `t` is allowed; `vocab_size` is the model's logits width, which may exceed the tokenizer's
+vocabulary (those padding ids are never allowed under a grammar).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import xgrammar as xgr
+
+from deepserve.engine.errors import InvalidRequestError
+from deepserve.engine.sampling_params import StructuredOutput
+
+# An unbounded compile cache grows with every distinct schema a client sends (CVE-2025-32381).
+DEFAULT_CACHE_BYTES = 64 * 2**20
+_EOS_SPELLINGS = ("<|im_end|>", "<｜end▁of▁sentence｜>", "<|endoftext|>", "</s>", "<|eot_id|>")
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    grammar: xgr.CompiledGrammar
+    kind: str
+    compile_seconds: float  # 0.0 when served from the cache's memo of this exact constraint
+
+
+def tokenizer_info(
+    tokenizer, vocab_size: int, stop_token_ids: Sequence[int] | None = None
+) -> xgr.TokenizerInfo:
+    """xgrammar's view of a `tokenizers.Tokenizer`: vocab strings, encoding type, stop ids."""
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    encoded = [""] * vocab_size
+    for token, idx in vocab.items():
+        if idx < vocab_size:
+            encoded[idx] = token
+    metadata = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer.to_str())
+    detected = xgr.TokenizerInfo._detect_vocab_type_from_vocab(vocab)
+    if detected is not None:
+        metadata["vocab_type"] = detected
+    stops = list(stop_token_ids) if stop_token_ids else _default_stop_ids(vocab)
+    return xgr.TokenizerInfo(
+        encoded,
+        vocab_type=metadata["vocab_type"],
+        vocab_size=vocab_size,
+        stop_token_ids=stops,
+        add_prefix_space=metadata["add_prefix_space"],
+    )
+
+
+def _default_stop_ids(vocab: dict[str, int]) -> list[int]:
+    for spelling in _EOS_SPELLINGS:
+        if spelling in vocab:
+            return [vocab[spelling]]
+    raise InvalidRequestError("cannot tell the tokenizer's EOS token; pass stop_token_ids")
+
+
+class GrammarCache:
+    """Compiles `StructuredOutput`s for one tokenizer; xgrammar's cache is bounded in bytes."""
+
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        *,
+        stop_token_ids: Sequence[int] | None = None,
+        cache_limit_bytes: int = DEFAULT_CACHE_BYTES,
+        max_threads: int = 1,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.info = tokenizer_info(tokenizer, vocab_size, stop_token_ids)
+        self._compiler = xgr.GrammarCompiler(
+            self.info, max_threads=max_threads, cache_limit_bytes=cache_limit_bytes
+        )
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        return list(self.info.stop_token_ids)
+
+    def cache_bytes(self) -> int:
+        return self._compiler.get_cache_size_bytes()
+
+    def compile(self, structured: StructuredOutput) -> CompiledGrammar:
+        """Compile (or fetch from cache); InvalidRequestError for a bad schema or grammar."""
+        start = time.perf_counter()
+        try:
+            grammar = self._compile(structured)
+        except InvalidRequestError:
+            raise
+        except (RuntimeError, ValueError, TypeError, KeyError) as e:
+            # xgrammar reports bad input as RuntimeError/ValueError (or subclasses of them).
+            raise InvalidRequestError(f"invalid {structured.kind} constraint: {e}") from e
+        return CompiledGrammar(grammar, structured.kind, time.perf_counter() - start)
+
+    def _compile(self, s: StructuredOutput) -> xgr.CompiledGrammar:
+        if s.kind == "json_object":
+            return self._compiler.compile_builtin_json_grammar()
+        if s.kind == "json_schema":
+            _check_json(s.spec, "json_schema")
+            # Compact JSON: free whitespace lets a small model loop on blanks until max_tokens.
+            return self._compiler.compile_json_schema(
+                s.spec, any_whitespace=False, strict_mode=True
+            )
+        if s.kind == "regex":
+            return self._compiler.compile_regex(s.spec)
+        if s.kind == "ebnf":
+            return self._compiler.compile_grammar(s.spec)
+        if s.kind == "structural_tag":
+            _check_json(s.spec, "structural_tag")
+            return self._compiler.compile_structural_tag(s.spec)
+        raise InvalidRequestError(f"unknown structured output kind {s.kind!r}")
+
+
+def _check_json(text: str, what: str) -> None:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError(f"{what} is not valid JSON: {e}") from e
+
+
+class GrammarMatcherState:
+    """One sequence's position in its grammar. Call order per step: fill_bitmask, then accept."""
+
+    def __init__(self, compiled: CompiledGrammar) -> None:
+        self._matcher = xgr.GrammarMatcher(compiled.grammar)
+        self.kind = compiled.kind
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into `bitmask[row]` (a CPU int32 tensor)."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one token; False (state unchanged) when the grammar forbids it."""
+        return self._matcher.accept_token(token_id)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (rejected speculative drafts)."""
+        if num_tokens > 0:
+            self._matcher.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        """True once the grammar has accepted its stop token: the sequence must end."""
+        return self._matcher.is_terminated()
+
+    def is_completed(self) -> bool:
+        """True when the output so far is a complete match (a stop token would be accepted)."""
+        return self._matcher.is_completed()
+
+
+def allocate_bitmask(batch: int, vocab_size: int) -> torch.Tensor:
+    """An all-allowed int32 bitmask `[batch, ceil(vocab_size / 32)]` (unconstrained rows stay -1)."""
+    return torch.full((batch, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+def reset_bitmask(bitmask: torch.Tensor) -> None:
+    bitmask.fill_(-1)
+
+
+def apply_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None
+) -> None:
+    """Set disallowed logits to -inf in place, for all rows or only `rows` (a LongTensor).
+
+    `logits` is `[B, V_logits]` and `bitmask` `[B, W]`; ids at or past `W * 32` are disallowed,
+    mask bits past `V_logits` are ignored. One vectorized op per call, no per-request Python.
+    """
+    mask = bitmask.to(logits.device, non_blocking=True)
+    target = logits if rows is None else logits[rows]
+    if rows is not None:
+        mask = mask[rows.to(mask.device)]
+    shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
+    allowed = ((mask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
+    width = target.shape[-1]
+    if allowed.shape[1] < width:
+        pad = allowed.new_zeros(allowed.shape[0], width - allowed.shape[1])
+        allowed = torch.cat([allowed, pad], dim=1)
+    masked = target.masked_fill(~allowed[:, :width], float("-inf"))
+    if rows is None:
+        logits.copy_(masked)
+    else:
+        logits[rows] = masked
