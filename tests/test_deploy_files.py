@@ -1,0 +1,323 @@
+"""The deployment files hold together: compose structure, the Dockerfile's inputs, Prometheus
+targets, Grafana provisioning and dashboard. Docker cannot run here; these are the static checks
+`docker compose config` and a build would otherwise catch, plus the ones they would not."""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+import json
+import re
+import runpy
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from deploy_compose import (
+    COMPOSE_FILE,
+    DASHBOARD_FILE,
+    DATASOURCE_FILE,
+    DOCKER_DIR,
+    PROMETHEUS_FILE,
+    REPO,
+    compose_variables,
+    container_port,
+    interpolate,
+    is_deepserve,
+    load_compose,
+)
+
+from deepserve.server.cli import build_parser
+
+DOCKERFILE = DOCKER_DIR / "Dockerfile"
+WORKERS = ("prefill", "decode-1", "decode-2")
+PUBLISHED = {"frontend", "prometheus", "grafana"}
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return load_compose()
+
+
+def _services(compose: dict) -> dict[str, dict]:
+    return compose["services"]
+
+
+def _bind_sources(service: dict) -> list[str]:
+    out = []
+    for volume in service.get("volumes", []):
+        source = volume.split(":", 1)[0] if isinstance(volume, str) else volume.get("source", "")
+        if source.startswith((".", "/")):
+            out.append(source)
+    return out
+
+
+def test_root_compose_includes_the_docker_compose_file():
+    root = yaml.safe_load((REPO / "compose.yaml").read_text())
+    included = [entry if isinstance(entry, str) else entry["path"] for entry in root["include"]]
+    assert [(REPO / p).resolve() for p in included] == [COMPOSE_FILE.resolve()]
+
+
+def test_compose_has_the_disaggregated_topology(compose):
+    services = _services(compose)
+    assert {"redis", "frontend", *WORKERS, "prometheus", "grafana"} <= set(services)
+    roles = {n: services[n]["command"][services[n]["command"].index("--role") + 1] for n in WORKERS}
+    assert roles == {"prefill": "prefill", "decode-1": "decode", "decode-2": "decode"}
+    frontend = services["frontend"]["command"]
+    assert frontend[0] == "frontend"
+    for worker in WORKERS:
+        assert any(f"//{worker}:{container_port(worker, services[worker])}" in a for a in frontend)
+
+
+def test_every_service_has_an_image_or_a_build(compose):
+    for name, service in _services(compose).items():
+        assert service.get("image") or service.get("build"), name
+
+
+def test_build_context_and_dockerfile_exist(compose):
+    for name, service in _services(compose).items():
+        build = service.get("build")
+        if build is None:
+            continue
+        context = (DOCKER_DIR / build["context"]).resolve()
+        assert context == REPO, name
+        assert (context / build.get("dockerfile", "Dockerfile")).is_file(), name
+
+
+def test_every_bind_mounted_file_exists(compose):
+    for name, service in _services(compose).items():
+        for source in _bind_sources(service):
+            assert (DOCKER_DIR / source).exists(), f"{name}: {source}"
+
+
+def test_named_volumes_are_declared(compose):
+    declared = set(compose.get("volumes") or {})
+    for name, service in _services(compose).items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":", 1)[0]
+            if not source.startswith((".", "/")):
+                assert source in declared, f"{name}: {source}"
+
+
+def test_only_frontend_and_the_uis_are_published(compose):
+    published = {n for n, s in _services(compose).items() if s.get("ports")}
+    assert published == PUBLISHED
+    assert _services(compose)["frontend"]["ports"] == ["8000:8000"]
+
+
+def test_depends_on_names_existing_services(compose):
+    services = _services(compose)
+    for name, service in services.items():
+        for dep in service.get("depends_on") or []:
+            assert dep in services, f"{name} -> {dep}"
+
+
+def test_every_variable_has_a_default():
+    """`docker compose up` works with an empty environment: load_compose({}) raises otherwise,
+    and a bare ${VAR} would silently become empty."""
+    text = COMPOSE_FILE.read_text()
+    for name in compose_variables():
+        uses = re.findall(rf"\$\{{{name}(:?-)?[^}}]*\}}", text)
+        assert uses and all(op for op in uses), f"${{{name}}} has no default"
+
+
+def test_secrets_come_from_the_environment():
+    env = {"DEEPSERVE_INTERNAL_TOKEN": "tok-123", "DEEPSERVE_REDIS_PASSWORD": "pw-456"}
+    services = load_compose(env=env)["services"]
+    for name in (*WORKERS, "frontend"):
+        command = services[name]["command"]
+        assert command[command.index("--internal-token") + 1] == "tok-123", name
+        assert command[command.index("--kv-store") + 1].startswith("redis://:pw-456@redis:"), name
+    assert "pw-456" in services["redis"]["command"]
+
+
+def test_deepserve_commands_parse_with_the_real_cli(compose):
+    parser = build_parser()
+    for name, service in _services(compose).items():
+        if is_deepserve(service):
+            args = parser.parse_args([str(a) for a in service["command"]])
+            assert args.command in {"frontend", "worker"}, name
+
+
+def test_interpolation_follows_compose_rules():
+    env = {"SET": "x", "EMPTY": ""}
+    assert interpolate("${SET:-d} ${EMPTY:-d} ${EMPTY-d} ${UNSET-d} $$HOME", env) == "x d  d $HOME"
+
+
+# ---- Dockerfile -----------------------------------------------------------------------------
+
+
+def _dockerfile_instructions() -> list[tuple[str, str]]:
+    text = DOCKERFILE.read_text().replace("\\\n", " ")
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            keyword, _, rest = line.partition(" ")
+            out.append((keyword.upper(), rest.strip()))
+    return out
+
+
+def _dockerignore_patterns() -> list[str]:
+    lines = (REPO / ".dockerignore").read_text().splitlines()
+    return [ln.strip().rstrip("/") for ln in lines if ln.strip() and not ln.startswith("#")]
+
+
+def _ignored(path: str, patterns: list[str]) -> bool:
+    parts = Path(path).parts
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    return any(fnmatch.fnmatch(p, pat) for p in prefixes for pat in patterns)
+
+
+def _copy_sources() -> list[str]:
+    sources = []
+    for keyword, rest in _dockerfile_instructions():
+        if keyword == "COPY" and "--from=" not in rest:
+            sources += rest.split()[:-1]
+    return sources
+
+
+def test_dockerfile_copies_existing_unignored_files():
+    patterns = _dockerignore_patterns()
+    sources = _copy_sources()
+    assert sources
+    for source in sources:
+        assert (REPO / source).exists(), source
+        assert not _ignored(source, patterns), f"{source} is excluded by .dockerignore"
+
+
+def test_dockerfile_copies_every_package_root():
+    tree = ast.parse((REPO / "setup.py").read_text())
+    roots = next(
+        ast.literal_eval(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "ROOTS"
+    )
+    copied = {Path(s).parts[0] for s in _copy_sources()}
+    assert set(roots) <= copied
+    assert {"pyproject.toml", "setup.py", "README.md"} <= copied
+
+
+def test_dockerfile_variants_runs_as_non_root_and_bakes_the_model():
+    instructions = _dockerfile_instructions()
+    stages = {rest.split(" AS ")[-1].strip() for kw, rest in instructions if kw == "FROM"}
+    assert {"base-cpu", "base-cuda", "build", "runtime"} <= stages
+    assert ("ARG", "VARIANT=cpu") in instructions
+    users = [rest for kw, rest in instructions if kw == "USER"]
+    assert users and users[-1] not in {"root", "0"}
+    assert any(kw == "HEALTHCHECK" for kw, _ in instructions)
+    assert any(kw == "RUN" and "deepserve fetch-model" in rest for kw, rest in instructions)
+    assert ("ENTRYPOINT", '["deepserve"]') in instructions
+
+
+def test_dockerfile_default_command_parses_with_the_real_cli():
+    cmd = next(rest for kw, rest in _dockerfile_instructions() if kw == "CMD")
+    args = build_parser().parse_args(json.loads(cmd))
+    assert args.command == "serve"
+
+
+# ---- Prometheus -----------------------------------------------------------------------------
+
+
+def _scrape_targets() -> list[str]:
+    config = yaml.safe_load(PROMETHEUS_FILE.read_text())
+    return [
+        target
+        for job in config["scrape_configs"]
+        for static in job.get("static_configs", [])
+        for target in static["targets"]
+    ]
+
+
+def test_prometheus_scrapes_every_deepserve_service(compose):
+    services = _services(compose)
+    expected = {f"{n}:{container_port(n, s)}" for n, s in services.items() if is_deepserve(s)}
+    assert expected <= set(_scrape_targets())
+
+
+def test_prometheus_targets_are_compose_services(compose):
+    services = _services(compose)
+    for target in _scrape_targets():
+        host, port = target.rsplit(":", 1)
+        if host == "localhost":
+            continue
+        assert host in services, target
+        assert int(port) == container_port(host, services[host]), target
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+def test_prometheus_config_passes_promtool():
+    result = subprocess.run(
+        ["promtool", "check", "config", "--syntax-only", str(PROMETHEUS_FILE)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# ---- Grafana --------------------------------------------------------------------------------
+
+
+def _datasource_uid() -> str:
+    (source,) = yaml.safe_load(DATASOURCE_FILE.read_text())["datasources"]
+    assert source["type"] == "prometheus"
+    return source["uid"]
+
+
+def _dashboard() -> dict:
+    return json.loads(DASHBOARD_FILE.read_text())
+
+
+def _panels(dashboard: dict) -> list[dict]:
+    out = []
+    for panel in dashboard["panels"]:
+        out.append(panel)
+        out += panel.get("panels", [])
+    return out
+
+
+def test_datasource_points_at_the_compose_prometheus(compose):
+    (source,) = yaml.safe_load(DATASOURCE_FILE.read_text())["datasources"]
+    assert source["url"] == "http://prometheus:9090"
+    assert "prometheus" in _services(compose)
+
+
+def test_dashboard_provisioning_path_is_the_mounted_folder(compose):
+    provider_file = DOCKER_DIR / "grafana" / "provisioning" / "dashboards" / "deepserve.yml"
+    (provider,) = yaml.safe_load(provider_file.read_text())["providers"]
+    mounts = dict(v.split(":")[:2] for v in _services(compose)["grafana"]["volumes"])
+    assert mounts["./grafana/dashboards"] == provider["options"]["path"]
+    assert mounts["./grafana/provisioning"] == "/etc/grafana/provisioning"
+
+
+def test_dashboard_panels_use_the_provisioned_datasource():
+    uid = _datasource_uid()
+    panels = [p for p in _panels(_dashboard()) if p["type"] != "row"]
+    assert panels
+    for panel in panels:
+        assert panel["datasource"] == {"type": "prometheus", "uid": uid}, panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == uid, panel["title"]
+            assert target["expr"].strip(), panel["title"]
+
+
+def test_dashboard_ids_and_grid_are_consistent():
+    dashboard = _dashboard()
+    panels = _panels(dashboard)
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids))
+    assert dashboard["uid"] and dashboard["title"]
+    for panel in panels:
+        grid = panel["gridPos"]
+        assert grid["x"] >= 0 and grid["x"] + grid["w"] <= 24, panel["title"]
+        for target in panel.get("targets", []):
+            assert target["refId"], panel["title"]
+
+
+def test_dashboard_json_is_the_builder_output():
+    builder = runpy.run_path(str(DOCKER_DIR / "grafana" / "build_dashboard.py"))
+    assert DASHBOARD_FILE.read_text() == builder["render"](), (
+        "run docker/grafana/build_dashboard.py"
+    )
