@@ -1,0 +1,152 @@
+"""The Redis-backed `BlockStore` (redis-py): the default shared L2 tier.
+
+URL forms: `redis://[[user]:password@]host:port/db`, `rediss://...` for TLS. Reads are one
+pipelined round trip of MGETs however many blocks are asked for; writes are SET NX with a TTL, so a
+block is written once per key and then left to Redis's own eviction (run the server with
+`maxmemory-policy allkeys-lru`, see docs/kvcache.md).
+
+Faults never reach the caller: every redis/socket error is counted and turned into a miss (or a
+skipped write). Socket and connect timeouts are bounded, redis-py's own retries are off (a retry
+would multiply the time a dead store costs), and a circuit breaker skips the store entirely while
+it is down. The connection pool reconnects on the first call after the server is back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from deepserve.kvcache.circuit_breaker import CircuitBreaker
+from deepserve.kvcache.metrics import KVCacheMetrics
+from deepserve.kvcache.store import BlockStore
+
+
+@dataclass(frozen=True)
+class RedisStoreConfig:
+    url: str
+    ttl_s: int = 3600  # every entry expires; Redis's maxmemory policy evicts before that if full
+    timeout_s: float = 0.2  # socket connect and read timeout: well under a TTFT budget
+    key_prefix: str = "dskv:"
+    keys_per_mget: int = 16  # bounds one reply's size; all MGETs still go in one round trip
+    breaker_threshold: int = 2
+    breaker_cooldown_s: float = 0.5
+    breaker_max_cooldown_s: float = 5.0
+
+
+_FAULTS = (redis.RedisError, OSError)
+
+
+class RedisStore(BlockStore):
+    def __init__(
+        self,
+        config: RedisStoreConfig,
+        metrics: KVCacheMetrics | None = None,
+        tier: str = "store",
+        breaker: CircuitBreaker | None = None,
+    ) -> None:
+        self._config = config
+        self._metrics = metrics
+        self._tier = tier
+        self._breaker = breaker or CircuitBreaker(
+            config.breaker_threshold, config.breaker_cooldown_s, config.breaker_max_cooldown_s
+        )
+        self._client = redis.Redis.from_url(
+            config.url,
+            socket_timeout=config.timeout_s,
+            socket_connect_timeout=config.timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
+            health_check_interval=0,
+        )
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        if not keys:
+            return []
+        names = [self._config.key_prefix + k for k in keys]
+        step = self._config.keys_per_mget
+
+        def run(pipe: redis.client.Pipeline) -> None:
+            for i in range(0, len(names), step):
+                pipe.mget(names[i : i + step])
+
+        replies = self._pipeline("get", run)
+        if replies is None:
+            return [None] * len(keys)
+        values = [v for chunk in replies for v in chunk]
+        self._count_bytes("in", sum(len(v) for v in values if v is not None))
+        return values
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        names = [self._config.key_prefix + k for k in keys]
+
+        def run(pipe: redis.client.Pipeline) -> None:
+            for name in names:
+                pipe.exists(name)
+
+        replies = self._pipeline("exists", run)
+        return [bool(r) for r in replies] if replies is not None else [False] * len(keys)
+
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> int:
+        """Ask which keys exist first (cheap), then send only the absent values, SET NX + TTL."""
+        if not items:
+            return 0
+        present = self.exists_many([k for k, _ in items])
+        todo = [(k, v) for (k, v), p in zip(items, present, strict=True) if not p]
+        if not todo or self._breaker.is_open:
+            return 0
+        cfg = self._config
+
+        def run(pipe: redis.client.Pipeline) -> None:
+            for key, value in todo:
+                pipe.set(cfg.key_prefix + key, value, nx=True, ex=cfg.ttl_s)
+
+        replies = self._pipeline("put", run)
+        if replies is None:
+            return 0
+        written = [v for (_, v), ok in zip(todo, replies, strict=True) if ok]
+        self._count_bytes("out", sum(len(v) for v in written))
+        return len(written)
+
+    def delete(self, keys: Sequence[str]) -> None:
+        if keys:
+            names = [self._config.key_prefix + k for k in keys]
+            self._pipeline("delete", lambda pipe: pipe.delete(*names))
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _pipeline(self, op: str, build) -> list | None:
+        """Run one pipelined round trip; None (counted as an error) on any store fault."""
+        if not self._breaker.allow():
+            return None
+        start = time.perf_counter()
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            build(pipe)
+            replies = pipe.execute()
+        except _FAULTS:
+            self._breaker.record_failure()
+            self._observe_fault(op)
+            return None
+        self._breaker.record_success()
+        if self._metrics is not None:
+            self._metrics.latency.labels(self._tier, op).observe(time.perf_counter() - start)
+            self._metrics.breaker_open.labels(self._tier).set(0)
+        return replies
+
+    def _observe_fault(self, op: str) -> None:
+        if self._metrics is not None:
+            self._metrics.store_errors.labels(self._tier, op).inc()
+            self._metrics.breaker_open.labels(self._tier).set(int(self._breaker.is_open))
+
+    def _count_bytes(self, direction: str, n: int) -> None:
+        if self._metrics is not None and n:
+            counter = self._metrics.bytes_in if direction == "in" else self._metrics.bytes_out
+            counter.labels(self._tier).inc(n)

@@ -1,0 +1,145 @@
+"""The facade the engine uses for the tiers below its own device pool: L1 host RAM, L2 shared store.
+
+- `lookup(keys)`: how long a prefix of a block-key chain each tier holds (no data moved).
+- `fetch_prefix(keys)`: the longest contiguous prefix, from L1 then L2, decoded and validated; L2
+  is read in one pipelined round trip. A block that fails validation is a miss, is deleted from its
+  tier, and is counted as an integrity failure. L2 hits are kept in L1 for next time.
+- `offload(items)`: evicted device blocks go to L1 in the background (bounded queue).
+- `write_through(items)`: full prompt blocks go to L2 in the background (bounded queue); the store
+  writes each key once.
+
+Payloads are raw block bytes (any buffer); framing and checks are codec.py's. What does not live
+here: which device blocks to evict or fill (the engine's block manager decides that).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from deepserve.kvcache.codec import BlockFormatError, BlockSpec, decode_block, encode_block
+from deepserve.kvcache.host_cache import HostCache
+from deepserve.kvcache.metrics import KVCacheMetrics
+from deepserve.kvcache.store import BlockStore
+from deepserve.kvcache.write_queue import Item, WriteQueue
+
+HOST, STORE = "host", "store"
+
+
+@dataclass(frozen=True)
+class TierLookup:
+    host_blocks: int  # leading keys present in L1
+    store_blocks: int  # keys right after those, present in L2
+
+
+@dataclass
+class FetchedPrefix:
+    payloads: list[memoryview]  # validated payloads of keys[:len(payloads)]
+    host_blocks: int  # how many of them came from L1 (they come first)
+    store_blocks: int  # how many came from L2
+
+
+class TieredKVCache:
+    def __init__(
+        self,
+        spec: BlockSpec,
+        metrics: KVCacheMetrics,
+        host: HostCache | None = None,
+        store: BlockStore | None = None,
+        max_pending_bytes: int = 256 * 2**20,
+    ) -> None:
+        self.spec = spec
+        self.metrics = metrics
+        self.host = host
+        self.store = store
+        self._offload_q = self._queue("kv-offload-host", self._write_host, HOST, max_pending_bytes)
+        self._store_q = self._queue("kv-write-store", self._write_store, STORE, max_pending_bytes)
+
+    def _queue(self, name, sink, tier: str, max_bytes: int) -> WriteQueue | None:
+        if (self.host if tier == HOST else self.store) is None:
+            return None
+        drop = self.metrics.dropped.labels(tier).inc
+        return WriteQueue(name, sink, max_bytes, on_drop=drop)
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[str]) -> TierLookup:
+        n_host = self.host.prefix_length(keys) if self.host is not None else 0
+        rest = keys[n_host:]
+        n_store = 0
+        if self.store is not None and rest:
+            for present in self.store.exists_many(rest):
+                if not present:
+                    break
+                n_store += 1
+        return TierLookup(n_host, n_store)
+
+    def fetch_prefix(self, keys: Sequence[str]) -> FetchedPrefix:
+        """Validated payloads for the longest prefix of `keys` held by L1, then L2."""
+        out: list[memoryview] = []
+        if self.host is not None and keys:
+            out += self._fetch_tier(HOST, keys, self.host.get_many, self.host.delete)
+        n_host = len(out)
+        rest = keys[n_host:]
+        if self.store is not None and rest:
+            found = self._fetch_tier(STORE, rest, self.store.get_many, self.store.delete)
+            out += found
+        return FetchedPrefix(out, n_host, len(out) - n_host)
+
+    def _fetch_tier(self, tier: str, keys: Sequence[str], get_many, delete) -> list[memoryview]:
+        start = time.perf_counter()
+        values = get_many(keys)
+        good: list[tuple[str, bytes, memoryview]] = []
+        for key, value in zip(keys, values, strict=True):
+            if value is None:
+                break
+            try:
+                good.append((key, value, decode_block(self.spec, key, value)))
+            except BlockFormatError:
+                delete([key])
+                self.metrics.integrity_failures.labels(tier).inc()
+                break  # a chain with a gap is only usable up to the gap
+        if tier == STORE and self.host is not None:
+            for key, value, _ in good:
+                self.host.put(key, value)
+        elif tier == HOST:
+            self.metrics.bytes_in.labels(HOST).inc(sum(len(v) for _, v, _ in good))
+        self.metrics.record_lookup(tier, len(keys), len(good))
+        self.metrics.latency.labels(tier, "fetch").observe(time.perf_counter() - start)
+        return [view for _, _, view in good]
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def offload(self, items: Sequence[Item]) -> int:
+        """Queue evicted device blocks for L1; returns how many were accepted."""
+        return self._offload_q.submit(items) if self._offload_q is not None else 0
+
+    def write_through(self, items: Sequence[Item]) -> int:
+        """Queue full prompt blocks for L2; returns how many were accepted."""
+        return self._store_q.submit(items) if self._store_q is not None else 0
+
+    def _write_host(self, items: list[Item]) -> None:
+        assert self.host is not None
+        for key, payload in items:
+            self.host.put(key, encode_block(self.spec, key, payload))
+
+    def _write_store(self, items: list[Item]) -> None:
+        assert self.store is not None
+        start = time.perf_counter()
+        self.store.put_many([(key, encode_block(self.spec, key, p)) for key, p in items])
+        self.metrics.latency.labels(STORE, "write_through").observe(time.perf_counter() - start)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def drain(self, timeout: float | None = 10.0) -> bool:
+        """Wait for queued offloads and write-throughs to finish (tests, benchmarks, shutdown)."""
+        queues = [q for q in (self._offload_q, self._store_q) if q is not None]
+        return all(q.drain(timeout) for q in queues)
+
+    def close(self) -> None:
+        for q in (self._offload_q, self._store_q):
+            if q is not None:
+                q.close()
+        if self.store is not None:
+            self.store.close()
