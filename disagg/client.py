@@ -1,0 +1,124 @@
+"""`WorkerClient`: the async HTTP client for one worker's internal API (httpx, NDJSON streams).
+
+Every call carries the shared secret and a bounded timeout: connecting, the wait for the first
+event, and the gap between events. Transport failures and 5xx become `WorkerUnavailableError`; 4xx
+become `WorkerRejectedError`. Not here: which worker to call (router/) or the PD flow (disagg/flow.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+
+from deepserve.disagg import protocol as P
+from deepserve.disagg.errors import WorkerRejectedError, WorkerUnavailableError
+
+
+@dataclass(frozen=True)
+class ClientTimeouts:
+    connect: float = 2.0
+    control: float = 5.0  # abort, load, health
+    first_event: float = 120.0  # queueing + prefill on a busy CPU worker
+    between_events: float = 30.0
+
+
+class WorkerClient:
+    def __init__(self, url: str, token: str, timeouts: ClientTimeouts | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.timeouts = timeouts or ClientTimeouts()
+        t = self.timeouts
+        self._http = httpx.AsyncClient(
+            base_url=self.url,
+            headers=P.bearer(token),
+            timeout=httpx.Timeout(t.control, connect=t.connect),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def generate(self, req: P.GenerateRequest) -> AsyncIterator[P.StreamEvent]:
+        """Stream the worker's events for `req`; raise on failure, never end silently early."""
+        t = self.timeouts
+        timeout = httpx.Timeout(t.control, connect=t.connect, read=t.between_events)
+        started = False
+        try:
+            async with self._http.stream(
+                "POST", P.GENERATE_PATH, json=req.to_json(), timeout=timeout
+            ) as resp:
+                await _raise_for_status(resp)
+                lines = resp.aiter_lines()
+                async with asyncio.timeout(t.first_event):
+                    first = await _next_event(lines)
+                event = first
+                while event is not None:
+                    _raise_for_event_error(event, started)
+                    started = started or any(o["token_ids"] for o in event.outputs)
+                    yield event
+                    if event.finished:
+                        return
+                    event = await _next_event(lines)
+                raise WorkerUnavailableError(f"{self.url}: stream ended early", started)
+        except (httpx.TransportError, TimeoutError) as e:
+            raise WorkerUnavailableError(f"{self.url}: {type(e).__name__}: {e}", started) from e
+
+    async def abort(self, request_id: str) -> None:
+        await self._post(P.ABORT_PATH, {"request_id": request_id})
+
+    async def load(self) -> P.WorkerLoad:
+        return P.WorkerLoad.from_json(await self._get(P.LOAD_PATH))
+
+    async def health(self) -> P.WorkerHealth:
+        return P.WorkerHealth.from_json(await self._get(P.HEALTH_PATH))
+
+    async def metrics(self) -> str:
+        resp = await self._request("GET", P.METRICS_PATH)
+        return resp.text
+
+    async def _get(self, path: str) -> dict:
+        return (await self._request("GET", path)).json()
+
+    async def _post(self, path: str, body: dict) -> dict:
+        return (await self._request("POST", path, json=body)).json()
+
+    async def _request(self, method: str, path: str, **kw) -> httpx.Response:
+        try:
+            resp = await self._http.request(method, path, **kw)
+        except httpx.TransportError as e:
+            raise WorkerUnavailableError(f"{self.url}{path}: {type(e).__name__}: {e}") from e
+        await _raise_for_status(resp)
+        return resp
+
+
+async def _next_event(lines: AsyncIterator[str]) -> P.StreamEvent | None:
+    async for line in lines:
+        if line.strip():
+            return P.StreamEvent.from_json(json.loads(line))
+    return None
+
+
+def _raise_for_event_error(event: P.StreamEvent, started: bool) -> None:
+    if event.error is not None:
+        raise WorkerUnavailableError(f"worker error: {event.error}", started)
+
+
+async def _raise_for_status(resp: httpx.Response) -> None:
+    if resp.status_code < 400:
+        return
+    await resp.aread()
+    message = _error_message(resp)
+    # A wrong secret is the deployment's fault and overload is the worker's: neither is the request's.
+    if resp.status_code < 500 and resp.status_code not in (401, 403, 429):
+        raise WorkerRejectedError(message, resp.status_code)
+    raise WorkerUnavailableError(f"{resp.url}: {resp.status_code} {message}")
+
+
+def _error_message(resp: httpx.Response) -> str:
+    try:
+        return str(resp.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return resp.text[:500] or f"status {resp.status_code}"

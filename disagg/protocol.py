@@ -1,0 +1,221 @@
+"""The worker's internal API as plain data: what the router sends a worker and what comes back.
+
+Token ids in; streamed token deltas, logprobs, finish reason and cached-token counts out. Every
+message is a dataclass with `to_json()` / `from_json()` so both ends agree on one shape. HTTP
+routes and the shared-secret header live here too, because they are part of the contract.
+
+Not here: the HTTP client (disagg/client.py), the worker app (server/worker.py), routing (router/).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from deepserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from deepserve.engine.sampling_params import SamplingParams, StructuredOutput
+
+GENERATE_PATH = "/internal/generate"
+ABORT_PATH = "/internal/abort"
+LOAD_PATH = "/internal/load"
+HEALTH_PATH = "/internal/health"
+METRICS_PATH = "/metrics"
+AUTH_HEADER = "authorization"
+KV_EVENTS_CHANNEL = "deepserve:kv-events"  # Redis pub/sub channel of EventBatch messages
+
+# How a worker runs one request. "full": prefill and decode on this worker (colocated).
+# "prefill": compute the prompt's KV and one token, write the full blocks to the shared tier,
+# return their keys. "decode": continue after `resume_token_ids` (the prefill worker's output),
+# loading the prompt's blocks from the shared tier as a prefix hit.
+MODES = ("full", "prefill", "decode")
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {AUTH_HEADER: f"Bearer {token}"}
+
+
+def sampling_to_dict(params: SamplingParams) -> dict[str, Any]:
+    d = dataclasses.asdict(params)
+    # JSON object keys are strings; the worker turns them back into token ids.
+    d["logit_bias"] = {str(k): v for k, v in (params.logit_bias or {}).items()} or None
+    d["stop_token_ids"] = list(params.stop_token_ids)
+    d["extra"] = {k: v for k, v in params.extra.items() if _is_json_scalar(v)}
+    return d
+
+
+def sampling_from_dict(d: dict[str, Any]) -> SamplingParams:
+    d = dict(d)
+    if d.get("structured") is not None:
+        d["structured"] = StructuredOutput(**d["structured"])
+    if d.get("logit_bias") is not None:
+        d["logit_bias"] = {int(k): float(v) for k, v in d["logit_bias"].items()}
+    d["stop_token_ids"] = tuple(d.get("stop_token_ids") or ())
+    known = {f.name for f in dataclasses.fields(SamplingParams)}
+    return SamplingParams(**{k: v for k, v in d.items() if k in known})
+
+
+def _is_json_scalar(v: Any) -> bool:
+    return v is None or isinstance(v, str | int | float | bool)
+
+
+@dataclass
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]  # sampling_to_dict(SamplingParams)
+    mode: str = "full"
+    resume_token_ids: list[int] = field(default_factory=list)  # decode: tokens already emitted
+    resume_logprobs: list[float] = field(default_factory=list)
+    kv_keys: list[str] = field(default_factory=list)  # decode: blocks the prefill worker stored
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> GenerateRequest:
+        if d.get("mode", "full") not in MODES:
+            raise ValueError(f"mode must be one of {MODES}")
+        return cls(**{k: d[k] for k in _field_names(cls) if k in d})
+
+
+@dataclass
+class StreamEvent:
+    """One line of a generate stream: a RequestOutput delta, or an error that ends the stream."""
+
+    request_id: str
+    outputs: list[dict[str, Any]]  # CompletionOutput as JSON
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    finished: bool = False
+    kv_keys: list[str] = field(default_factory=list)  # prefill mode: keys of the stored blocks
+    error: str | None = None  # set only on the last event of a stream that failed
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> StreamEvent:
+        return cls(**{k: d[k] for k in _field_names(cls) if k in d})
+
+    @classmethod
+    def from_output(cls, out: RequestOutput, kv_keys: list[str] | None = None) -> StreamEvent:
+        return cls(
+            request_id=out.request_id,
+            outputs=[completion_to_json(c) for c in out.outputs],
+            prompt_tokens=out.prompt_tokens,
+            cached_tokens=out.cached_tokens,
+            cached_tokens_by_tier=dict(out.cached_tokens_by_tier),
+            finished=out.finished,
+            kv_keys=kv_keys or [],
+        )
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            outputs=[completion_from_json(c) for c in self.outputs],
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
+            cached_tokens_by_tier=dict(self.cached_tokens_by_tier),
+            finished=self.finished,
+        )
+
+
+def completion_to_json(c: CompletionOutput) -> dict[str, Any]:
+    logprobs = None
+    if c.logprobs is not None:
+        logprobs = [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in c.logprobs]
+    return {
+        "index": c.index,
+        "token_ids": list(c.token_ids),
+        "logprobs": logprobs,
+        "finish_reason": c.finish_reason,
+        "stop_token_id": c.stop_token_id,
+    }
+
+
+def completion_from_json(d: dict[str, Any]) -> CompletionOutput:
+    logprobs = None
+    if d.get("logprobs") is not None:
+        logprobs = [
+            TokenLogprob(int(t), float(lp), [(int(a), float(b)) for a, b in top])
+            for t, lp, top in d["logprobs"]
+        ]
+    return CompletionOutput(
+        index=d["index"],
+        token_ids=list(d["token_ids"]),
+        logprobs=logprobs,
+        finish_reason=d.get("finish_reason"),
+        stop_token_id=d.get("stop_token_id"),
+    )
+
+
+@dataclass
+class WorkerLoad:
+    """What a worker reports on /internal/load; the router's least-load and health input."""
+
+    role: str
+    running: int
+    waiting: int
+    kv_usage: float
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    cache_hit_tokens: int = 0  # prompt tokens served from any cache tier since start
+    prompt_tokens: int = 0  # prompt tokens seen since start
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> WorkerLoad:
+        return cls(**{k: d[k] for k in _field_names(cls) if k in d})
+
+
+@dataclass
+class WorkerHealth:
+    status: str  # "ok"
+    role: str
+    model: str
+    worker_id: str  # what the worker calls itself in the KV events it publishes
+    block_size: int = 16
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> WorkerHealth:
+        return cls(**{k: d[k] for k in _field_names(cls) if k in d})
+
+
+@dataclass
+class BlockEvent:
+    """A KV block a worker's device cache gained ("stored") or lost ("removed").
+
+    Carries the block's token ids and its parent's key so the router can rebuild the prefix tree
+    without knowing how keys are hashed. parent None: the first block of a sequence.
+    """
+
+    kind: str  # "stored" | "removed" | "cleared" (the worker's whole cache is gone)
+    key: str = ""
+    parent: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class EventBatch:
+    """One pub/sub message: a worker's block events, in order."""
+
+    worker_id: str
+    events: list[BlockEvent]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> EventBatch:
+        return cls(d["worker_id"], [BlockEvent(**e) for e in d["events"]])
+
+
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]

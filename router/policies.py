@@ -1,0 +1,100 @@
+"""Routing policies: given the healthy candidates for a request, pick one worker.
+
+`round_robin`, `least_load` (queue depth, then KV usage), `power_of_two` (the less loaded of two
+random picks) and `cache_aware` (the worker holding the longest cached prefix of the request's whole
+token sequence, unless it is much busier than the least loaded one). Policies keep their own small
+state (a counter, a seeded RNG); health and retries are the router's business, not theirs.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Protocol
+
+from deepserve.router.pool import Worker
+from deepserve.router.prefix_index import PrefixIndex
+
+POLICIES = ("round_robin", "least_load", "power_of_two", "cache_aware")
+
+
+class Policy(Protocol):
+    def choose(self, candidates: list[Worker], token_ids: list[int]) -> Worker: ...
+
+
+class RoundRobin:
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, candidates: list[Worker], token_ids: list[int]) -> Worker:
+        w = candidates[self._next % len(candidates)]
+        self._next += 1
+        return w
+
+
+class LeastLoad:
+    """Lowest load score; ties go round robin so idle workers share the work."""
+
+    def __init__(self) -> None:
+        self._rr = RoundRobin()
+
+    def choose(self, candidates: list[Worker], token_ids: list[int]) -> Worker:
+        best = min(w.load_score() for w in candidates)
+        return self._rr.choose([w for w in candidates if w.load_score() == best], token_ids)
+
+
+class PowerOfTwo:
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, candidates: list[Worker], token_ids: list[int]) -> Worker:
+        if len(candidates) == 1:
+            return candidates[0]
+        a, b = self._rng.sample(candidates, 2)
+        return a if a.load_score() <= b.load_score() else b
+
+
+@dataclass(frozen=True)
+class CacheAwareConfig:
+    block_size: int = 16
+    # Fall back to least load when the best-matching worker's load exceeds the least loaded one's
+    # by more than `balance_abs` AND more than `balance_rel` times it.
+    balance_abs: float = 4.0
+    balance_rel: float = 1.5
+
+
+class CacheAware:
+    def __init__(self, index: PrefixIndex, config: CacheAwareConfig | None = None) -> None:
+        self.index = index
+        self.config = config or CacheAwareConfig()
+        self._least = LeastLoad()
+
+    def choose(self, candidates: list[Worker], token_ids: list[int]) -> Worker:
+        by_id = {w.worker_id: w for w in candidates if w.worker_id is not None}
+        block_size = next((w.block_size for w in candidates if w.block_size), None)
+        matched = self.index.match(token_ids, block_size or self.config.block_size)
+        scored = [(n, w) for wid, n in matched.items() if (w := by_id.get(wid)) is not None]
+        if not scored:
+            return self._least.choose(candidates, token_ids)
+        best_n = max(n for n, _ in scored)
+        best = min((w for n, w in scored if n == best_n), key=Worker.load_score)
+        if self._too_busy(best, candidates):
+            return self._least.choose(candidates, token_ids)
+        return best
+
+    def _too_busy(self, best: Worker, candidates: list[Worker]) -> bool:
+        least = min(w.load_score() for w in candidates)
+        gap = best.load_score() - least
+        return gap > self.config.balance_abs and best.load_score() > self.config.balance_rel * least
+
+
+def make_policy(name: str, index: PrefixIndex, config: CacheAwareConfig, seed: int = 0) -> Policy:
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "least_load":
+        return LeastLoad()
+    if name == "power_of_two":
+        return PowerOfTwo(seed)
+    if name == "cache_aware":
+        return CacheAware(index, config)
+    raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")

@@ -1,0 +1,142 @@
+"""`Router`: picks a worker of a role for each request and streams its events, with retries.
+
+A worker that fails before streaming any token is charged a failure and the request is retried on
+another one (up to `max_attempts`); a failure after tokens were streamed ends the request with
+`WorkerUnavailableError(started=True)`, which the frontend turns into an error event. A 4xx is the
+request's fault: raised as `WorkerRejectedError`, never retried, never charged to the worker. When
+the caller stops early (client gone), the worker is told to abort.
+
+Not here: the prefill/decode sequence (disagg/flow.py); HTTP details (disagg/client.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deepserve.disagg import protocol as P
+from deepserve.disagg.client import ClientTimeouts, WorkerClient
+from deepserve.disagg.errors import NoWorkerError, WorkerRejectedError, WorkerUnavailableError
+from deepserve.router.health import HealthChecker
+from deepserve.router.kv_events import KVEventSubscriber
+from deepserve.router.policies import CacheAwareConfig, make_policy
+from deepserve.router.pool import HealthPolicy, Worker, WorkerPool
+from deepserve.router.prefix_index import PrefixIndex
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    workers: dict[str, tuple[str, ...]] = field(default_factory=dict)  # role -> URLs
+    pool_file: str | None = None
+    policy: str = "round_robin"
+    internal_token: str = ""
+    kv_events_url: str | None = None  # redis://...; cache_aware learns from it
+    max_attempts: int = 3
+    health_interval: float = 1.0
+    health: HealthPolicy = field(default_factory=HealthPolicy)
+    timeouts: ClientTimeouts = field(default_factory=ClientTimeouts)
+    cache_aware: CacheAwareConfig = field(default_factory=CacheAwareConfig)
+    seed: int = 0
+
+
+class Router:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.index = PrefixIndex()
+        self.pool = WorkerPool.from_urls(
+            config.workers,
+            make_client=lambda url: WorkerClient(url, config.internal_token, config.timeouts),
+            health=config.health,
+            file=Path(config.pool_file) if config.pool_file else None,
+            on_eject=self._forget_worker,
+        )
+        self.policy = make_policy(config.policy, self.index, config.cache_aware, config.seed)
+        self.health = HealthChecker(self.pool, config.health_interval)
+        self.events = (
+            KVEventSubscriber(config.kv_events_url, self.index) if config.kv_events_url else None
+        )
+        self._background: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        await self.health.probe_all()
+        self.health.start()
+        if self.events is not None:
+            self.events.start()
+
+    async def close(self) -> None:
+        await self.health.stop()
+        if self.events is not None:
+            await self.events.stop()
+        if self._background:
+            await asyncio.wait(self._background, timeout=self.config.timeouts.control)
+        await self.pool.close()
+
+    def pick(self, role: str, token_ids: list[int], exclude: set[str]) -> Worker:
+        candidates = self.pool.available(role, exclude)
+        if not candidates:
+            raise NoWorkerError(f"no healthy {role} worker left to try")
+        return self.policy.choose(candidates, token_ids)
+
+    async def stream(
+        self, role: str, req: P.GenerateRequest, route_tokens: list[int] | None = None
+    ) -> AsyncIterator[P.StreamEvent]:
+        """Events of `req` from one worker of `role`, retrying elsewhere before the first token."""
+        tried: set[str] = set()
+        last: WorkerUnavailableError | None = None
+        for _ in range(self.config.max_attempts):
+            try:
+                worker = self.pick(role, route_tokens or req.prompt_token_ids, tried)
+            except NoWorkerError as e:
+                raise NoWorkerError(f"{e} (last failure: {last})" if last else str(e)) from last
+            tried.add(worker.url)
+            try:
+                async with contextlib.aclosing(self._stream_one(worker, req)) as events:
+                    async for ev in events:
+                        yield ev
+                return
+            except WorkerUnavailableError as e:
+                if e.started:
+                    raise
+                log.warning("request %s failed on %s, retrying: %s", req.request_id, worker.url, e)
+                last = e
+        raise NoWorkerError(f"request failed on {len(tried)} {role} workers; last: {last}")
+
+    async def _stream_one(self, w: Worker, req: P.GenerateRequest) -> AsyncIterator[P.StreamEvent]:
+        w.inflight += 1
+        settled = False
+        try:
+            async with contextlib.aclosing(w.client.generate(req)) as events:
+                async for ev in events:
+                    yield ev
+            settled = True
+            self.pool.record_success(w)
+        except WorkerRejectedError:
+            settled = True
+            raise
+        except WorkerUnavailableError:
+            self.pool.record_failure(w)
+            raise
+        finally:
+            w.inflight -= 1
+            if not settled:  # stopped early, timed out or failed: the worker may still hold it
+                self.abort_on(w, req.request_id)
+
+    def abort_on(self, w: Worker, request_id: str) -> None:
+        """Tell `w` to drop the request, in the background (the caller may be being cancelled)."""
+        task = asyncio.get_running_loop().create_task(self._abort(w, request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _abort(self, w: Worker, request_id: str) -> None:
+        with contextlib.suppress(WorkerUnavailableError, WorkerRejectedError):
+            await w.client.abort(request_id)
+
+    def _forget_worker(self, w: Worker) -> None:
+        if w.worker_id is not None:
+            self.index.drop_worker(w.worker_id)

@@ -1,0 +1,106 @@
+"""Routing policies and the prefix index, on in-memory workers (no model, no network)."""
+
+from __future__ import annotations
+
+from deepserve.disagg.protocol import BlockEvent, WorkerLoad
+from deepserve.router.policies import (
+    CacheAware,
+    CacheAwareConfig,
+    LeastLoad,
+    PowerOfTwo,
+    RoundRobin,
+)
+from deepserve.router.pool import Worker
+from deepserve.router.prefix_index import PrefixIndex
+
+BS = 4
+
+
+def worker(name: str, inflight: int = 0, kv: float = 0.0) -> Worker:
+    w = Worker(url=f"http://{name}", role="mixed", client=None, worker_id=name, block_size=BS)
+    w.inflight = inflight
+    w.load = WorkerLoad(role="mixed", running=0, waiting=0, kv_usage=kv)
+    return w
+
+
+def stored(tokens: list[int]) -> list[BlockEvent]:
+    """Events for every full block of `tokens`, keyed by the token prefix itself."""
+    events, parent = [], None
+    for start in range(0, len(tokens) - BS + 1, BS):
+        key = "k" + ",".join(map(str, tokens[: start + BS]))
+        events.append(BlockEvent("stored", key, parent, tokens[start : start + BS]))
+        parent = key
+    return events
+
+
+def test_round_robin_cycles_through_workers():
+    ws = [worker("a"), worker("b"), worker("c")]
+    rr = RoundRobin()
+    assert [rr.choose(ws, []).url for _ in range(6)] == [w.url for w in ws] * 2
+
+
+def test_least_load_prefers_shorter_queue_then_lower_kv_usage():
+    a, b, c = worker("a", inflight=3), worker("b", inflight=1, kv=0.9), worker("c", inflight=1)
+    assert LeastLoad().choose([a, b, c], []) is c
+
+
+def test_least_load_spreads_ties():
+    ws = [worker("a"), worker("b")]
+    policy = LeastLoad()
+    assert {policy.choose(ws, []).url for _ in range(2)} == {"http://a", "http://b"}
+
+
+def test_power_of_two_never_picks_the_busier_of_two():
+    idle, busy = worker("idle"), worker("busy", inflight=10)
+    policy = PowerOfTwo(seed=1)
+    assert all(policy.choose([idle, busy], []) is idle for _ in range(20))
+
+
+def test_prefix_index_matches_longest_prefix_per_worker():
+    index = PrefixIndex()
+    tokens = list(range(12))
+    index.apply("a", stored(tokens))
+    index.apply("b", stored(tokens[:4]))
+    assert index.match(tokens + [99], BS) == {"a": 12, "b": 4}
+    assert index.match([7] + tokens, BS) == {}
+
+
+def test_prefix_index_forgets_removed_blocks_and_cleared_workers():
+    index = PrefixIndex()
+    events = stored(list(range(8)))
+    index.apply("a", events)
+    index.apply("a", [BlockEvent("removed", events[1].key)])
+    assert index.match(list(range(8)), BS) == {"a": 4}
+    index.apply("a", [BlockEvent("cleared")])
+    assert index.match(list(range(8)), BS) == {} and len(index) == 0
+
+
+def test_prefix_index_stays_bounded():
+    index = PrefixIndex(max_blocks=3)
+    index.apply("a", stored(list(range(40))))
+    assert len(index) == 3
+
+
+def test_cache_aware_sends_prefix_to_its_holder():
+    index = PrefixIndex()
+    a, b = worker("a", inflight=2), worker("b")
+    conversation = list(range(100, 120))
+    index.apply("a", stored(conversation))
+    policy = CacheAware(index, CacheAwareConfig(block_size=BS))
+    assert policy.choose([a, b], conversation + [1, 2, 3]) is a
+
+
+def test_cache_aware_falls_back_to_least_load_when_holder_is_overloaded():
+    index = PrefixIndex()
+    a, b = worker("a", inflight=20), worker("b", inflight=1)
+    conversation = list(range(100, 120))
+    index.apply("a", stored(conversation))
+    policy = CacheAware(index, CacheAwareConfig(block_size=BS, balance_abs=4, balance_rel=1.5))
+    assert policy.choose([a, b], conversation) is b
+
+
+def test_cache_aware_spreads_unrelated_requests():
+    policy = CacheAware(PrefixIndex(), CacheAwareConfig(block_size=BS))
+    ws = [worker("a"), worker("b")]
+    picks = {policy.choose(ws, [i] * 8).url for i in range(4)}
+    assert picks == {"http://a", "http://b"}
