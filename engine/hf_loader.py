@@ -1,0 +1,94 @@
+"""Reads an HF checkpoint folder into the engine's common form: config.json, safetensors weights
+(single file or sharded with model.safetensors.index.json), tokenizer.json, and the chat template,
+BOS and EOS ids from tokenizer_config.json / generation_config.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+
+from deepserve.engine.errors import ModelNotFoundError, UnsupportedModelError
+from deepserve.engine.tokenizer import load_tokenizer_json
+
+
+@dataclass
+class HFCheckpoint:
+    config: dict
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    chat_template: str | None
+    weight_files: list[Path]
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UnsupportedModelError(f"{path} is not valid JSON: {e}") from e
+
+
+def weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(_read_json(index)["weight_map"].values()))
+        files = [folder / s for s in shards]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    missing = [f.name for f in files if not f.exists()]
+    if not files or missing:
+        raise ModelNotFoundError(
+            f"no safetensors weights in {folder}" + (f" (missing {missing})" if missing else "")
+        )
+    return files
+
+
+def read_hf_folder(folder: Path) -> HFCheckpoint:
+    if not (folder / "config.json").exists():
+        raise ModelNotFoundError(f"{folder} has no config.json")
+    config = _read_json(folder / "config.json")
+    files = weight_files(folder)
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    tokenizer = load_tokenizer_json(folder / "tokenizer.json")
+    tok_config = _optional_json(folder / "tokenizer_config.json")
+    gen_config = _optional_json(folder / "generation_config.json")
+    bos = _token_id(tokenizer, tok_config.get("bos_token"), gen_config.get("bos_token_id"))
+    bos = bos if bos is not None else config.get("bos_token_id")
+    return HFCheckpoint(
+        config=config,
+        weights=weights,
+        tokenizer=tokenizer,
+        bos_token_id=bos,
+        eos_token_ids=_eos_ids(config, tok_config, gen_config, tokenizer),
+        chat_template=tok_config.get("chat_template"),
+        weight_files=files,
+    )
+
+
+def _optional_json(path: Path) -> dict:
+    return _read_json(path) if path.exists() else {}
+
+
+def _token_id(tokenizer: Tokenizer, token, fallback: int | None) -> int | None:
+    if isinstance(token, dict):
+        token = token.get("content")
+    if isinstance(token, str) and tokenizer.token_to_id(token) is not None:
+        return tokenizer.token_to_id(token)
+    return fallback
+
+
+def _eos_ids(config: dict, tok_config: dict, gen_config: dict, tokenizer: Tokenizer) -> list[int]:
+    """generation_config's eos list wins (it names every end-of-turn token); then the config's."""
+    for source in (gen_config.get("eos_token_id"), config.get("eos_token_id")):
+        if source is not None:
+            return [source] if isinstance(source, int) else list(source)
+    eos = _token_id(tokenizer, tok_config.get("eos_token"), None)
+    return [eos] if eos is not None else []

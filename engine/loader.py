@@ -1,0 +1,152 @@
+"""`load_model(config)`: from a model name to a ready `LoadedModel` (model on its device and dtype,
+tokenizer, `ModelInfo`). Reading files is delegated to gguf_loader / hf_loader; building the network
+to the class the architecture names (engine/models/registry.py)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import xxhash
+from tokenizers import Tokenizer
+
+from deepserve.engine.config import EngineConfig
+from deepserve.engine.errors import UnsupportedModelError
+from deepserve.engine.model_registry import resolve_model
+from deepserve.engine.models.base import CausalLM
+from deepserve.engine.models.common import WeightStore
+from deepserve.engine.models.registry import architecture_of, model_class
+from deepserve.kernels.registry import get_kernels
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_FULL_HASH_LIMIT = 4 * 2**30  # above this, weight identity hashes sampled chunks, not every byte
+_CHUNK = 2**20
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    family: str  # "llama" | "deepseek_v3"
+    architecture: str
+    path: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    chat_template: str | None
+    fingerprint: str
+    num_mtp_layers: int
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    tokenizer: Tokenizer
+    info: ModelInfo
+
+
+@dataclass
+class _Checkpoint:
+    config: dict
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    chat_template: str | None
+    files: list[Path]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise UnsupportedModelError(f"dtype {name!r} is not supported ({', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    path = resolve_model(config.model)
+    dtype = torch_dtype(config.dtype)
+    ckpt = _read_checkpoint(path)
+    arch = architecture_of(ckpt.config)
+    cls = model_class(arch)
+    fingerprint = model_fingerprint(ckpt.config, ckpt.files)
+    store = WeightStore(ckpt.weights, torch.device(config.device), dtype)
+    with torch.inference_mode():
+        model = cls(
+            ckpt.config, store, get_kernels(config.device, config.batch_invariant), fingerprint
+        )
+    leftover = store.unused()
+    if leftover:
+        raise UnsupportedModelError(
+            f"checkpoint {path} has {len(leftover)} tensors the {arch} model does not use, "
+            f"e.g. {leftover[:3]}"
+        )
+    max_len = model.max_position_embeddings
+    if config.max_model_len is not None:
+        max_len = min(max_len, config.max_model_len)
+    info = ModelInfo(
+        name=config.model,
+        family=model.family,
+        architecture=arch,
+        path=str(path),
+        vocab_size=model.vocab_size,
+        max_model_len=max_len,
+        eos_token_ids=ckpt.eos_token_ids,
+        bos_token_id=ckpt.bos_token_id,
+        chat_template=ckpt.chat_template,
+        fingerprint=fingerprint,
+        num_mtp_layers=getattr(model, "num_mtp_layers", 0),
+    )
+    return LoadedModel(model=model, tokenizer=ckpt.tokenizer, info=info)
+
+
+def _read_checkpoint(path: Path) -> _Checkpoint:
+    if path.suffix == ".gguf":
+        from deepserve.engine.gguf_loader import read_gguf
+
+        g = read_gguf(path)
+        return _Checkpoint(
+            g.config,
+            g.weights,
+            g.tokenizer,
+            g.bos_token_id,
+            g.eos_token_ids,
+            g.chat_template,
+            [path],
+        )
+    from deepserve.engine.hf_loader import read_hf_folder
+
+    h = read_hf_folder(path)
+    return _Checkpoint(
+        h.config,
+        h.weights,
+        h.tokenizer,
+        h.bos_token_id,
+        h.eos_token_ids,
+        h.chat_template,
+        h.weight_files,
+    )
+
+
+def model_fingerprint(config: dict, files: list[Path]) -> str:
+    """xxh3-128 over the canonical architecture config and the weight files' bytes (sampled for very
+    large checkpoints). Stable across processes and copies; salts prefix-cache keys."""
+    h = xxhash.xxh3_128()
+    h.update(json.dumps(config, sort_keys=True, default=str).encode())
+    total = sum(f.stat().st_size for f in files)
+    for f in files:
+        h.update(f"{f.stat().st_size}".encode())
+        with f.open("rb") as fh:
+            if total <= _FULL_HASH_LIMIT:
+                while chunk := fh.read(16 * _CHUNK):
+                    h.update(chunk)
+            else:
+                _hash_sampled(h, fh, f.stat().st_size)
+    return h.hexdigest()
+
+
+def _hash_sampled(h, fh, size: int, samples: int = 64) -> None:
+    for i in range(samples):
+        fh.seek(i * max(size - _CHUNK, 0) // max(samples - 1, 1))
+        h.update(fh.read(_CHUNK))

@@ -1,0 +1,54 @@
+"""Pieces shared by the model families: reading HF-style config values, moving weights onto the
+model's device/dtype, and the SwiGLU MLP. Family-specific layers live in their own modules."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deepserve.engine.errors import UnsupportedModelError
+from deepserve.kernels.registry import KernelSet
+
+Weights = dict[str, torch.Tensor]
+
+
+class WeightStore:
+    """Hands out checkpoint tensors (HF names) on the target device/dtype, and reports what is missing
+    or left over so a mismatched checkpoint fails loudly instead of running with garbage."""
+
+    def __init__(self, weights: Weights, device: torch.device, dtype: torch.dtype) -> None:
+        self._weights = weights
+        self._used: set[str] = set()
+        self.device = device
+        self.dtype = dtype
+
+    def has(self, name: str) -> bool:
+        return name in self._weights
+
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if name not in self._weights:
+            raise UnsupportedModelError(f"checkpoint is missing tensor {name!r}")
+        self._used.add(name)
+        return self._weights[name].to(device=self.device, dtype=dtype or self.dtype).contiguous()
+
+    def cat(self, names: list[str], dim: int = 0) -> torch.Tensor:
+        """Several tensors fused along `dim` (e.g. q/k/v into one projection: one matmul, not three)."""
+        return torch.cat([self.get(n) for n in names], dim=dim).contiguous()
+
+    def unused(self) -> list[str]:
+        return sorted(set(self._weights) - self._used)
+
+
+def require(config: dict, key: str):
+    if key not in config or config[key] is None:
+        raise UnsupportedModelError(f"model config is missing {key!r}")
+    return config[key]
+
+
+def swiglu(
+    k: KernelSet, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one [2*I, H] weight."""
+    gu = k.linear(x, gate_up)
+    gate, up = gu.chunk(2, dim=-1)
+    return k.linear(F.silu(gate) * up, down)

@@ -1,0 +1,146 @@
+"""The `llama` family (SmolLM2, Llama 2/3): GQA attention with RoPE (llama3 scaling when configured),
+RMSNorm, SwiGLU MLP, optionally tied embeddings.
+
+Weights arrive as a dict of HF-named tensors (the loaders translate GGUF names); q/k/v and gate/up are
+fused at construction so a layer is four matmuls. KV cache layout per layer: `[K | V]` on the last dim,
+each `num_kv_heads * head_dim` wide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from deepserve.engine.attention import AttentionMetadata
+from deepserve.engine.models.base import KVCacheSpec
+from deepserve.engine.models.common import WeightStore, require, swiglu
+from deepserve.kernels.attention_ref import write_kv
+from deepserve.kernels.registry import KernelSet
+from deepserve.kernels.rope import apply_rope, build_rope_tables
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf(cls, c: dict) -> LlamaArgs:
+        heads = require(c, "num_attention_heads")
+        hidden = require(c, "hidden_size")
+        return cls(
+            vocab_size=require(c, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=require(c, "intermediate_size"),
+            num_layers=require(c, "num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or hidden // heads,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=c.get("rope_theta", 10000.0),
+            rope_scaling=c.get("rope_scaling"),
+            max_position_embeddings=c.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        )
+
+
+@dataclass
+class _Layer:
+    attn_norm: torch.Tensor
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, hidden]
+    o: torch.Tensor
+    mlp_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * I, hidden]
+    down: torch.Tensor
+
+
+class LlamaForCausalLM:
+    family = "llama"
+
+    def __init__(
+        self, config: dict, weights: WeightStore, kernels: KernelSet, fingerprint: str
+    ) -> None:
+        a = self.args = LlamaArgs.from_hf(config)
+        self.k = kernels
+        self.fingerprint = fingerprint
+        self.vocab_size = a.vocab_size
+        self.max_position_embeddings = a.max_position_embeddings
+        self.device, self.dtype = weights.device, weights.dtype
+        self.kv_cache_spec = KVCacheSpec(a.num_layers, 2 * a.num_kv_heads * a.head_dim, self.dtype)
+        self.scale = a.head_dim**-0.5
+        self.embed = weights.get("model.embed_tokens.weight")
+        self.layers = [self._load_layer(weights, i) for i in range(a.num_layers)]
+        self.norm = weights.get("model.norm.weight")
+        tied = a.tie_word_embeddings or not weights.has("lm_head.weight")
+        self.lm_head = self.embed if tied else weights.get("lm_head.weight")
+        self.rope = build_rope_tables(
+            a.head_dim, a.rope_theta, a.rope_scaling, a.max_position_embeddings, self.device
+        )
+
+    def _load_layer(self, w: WeightStore, i: int) -> _Layer:
+        p = f"model.layers.{i}."
+        attn = [p + f"self_attn.{n}_proj.weight" for n in ("q", "k", "v")]
+        return _Layer(
+            attn_norm=w.get(p + "input_layernorm.weight"),
+            qkv=w.cat(attn),
+            o=w.get(p + "self_attn.o_proj.weight"),
+            mlp_norm=w.get(p + "post_attention_layernorm.weight"),
+            gate_up=w.cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+            down=w.get(p + "mlp.down_proj.weight"),
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        a, k = self.args, self.k
+        h = F.embedding(input_ids, self.embed)
+        cos, sin = self.rope.cos[positions], self.rope.sin[positions]
+        for i, layer in enumerate(self.layers):
+            h = h + self._attention(
+                layer, k.rms_norm(h, layer.attn_norm, a.rms_norm_eps), cos, sin, attn, kv_cache[i]
+            )
+            h = h + swiglu(
+                k, k.rms_norm(h, layer.mlp_norm, a.rms_norm_eps), layer.gate_up, layer.down
+            )
+        return k.rms_norm(h, self.norm, a.rms_norm_eps)
+
+    def _attention(
+        self,
+        layer: _Layer,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionMetadata,
+        cache: torch.Tensor,  # [num_blocks, block_size, 2 * Hkv * D]
+    ) -> torch.Tensor:
+        a = self.args
+        tokens, hq, hkv, d = x.shape[0], a.num_heads, a.num_kv_heads, a.head_dim
+        qkv = self.k.linear(x, layer.qkv)
+        qk = apply_rope(qkv[:, : (hq + hkv) * d].view(tokens, hq + hkv, d), cos, sin)
+        q, key = qk[:, :hq], qk[:, hq:]
+        value = qkv[:, (hq + hkv) * d :].view(tokens, hkv, d)
+        k_cache = cache[..., : hkv * d].unflatten(-1, (hkv, d))
+        v_cache = cache[..., hkv * d :].unflatten(-1, (hkv, d))
+        write_kv(k_cache, attn.slot_mapping, key)
+        write_kv(v_cache, attn.slot_mapping, value)
+        out = self.k.paged_attention(q, k_cache, v_cache, attn, self.scale)
+        return self.k.linear(out.reshape(tokens, hq * d), layer.o)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.k.linear(hidden, self.lm_head).float()
