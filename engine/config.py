@@ -14,6 +14,18 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class KVTierConfig:
+    """KV tiers below the device pool (kvcache/): L1 host RAM and an optional shared L2 store."""
+
+    host_bytes: int = 0  # L1 size; 0 = no host tier
+    store_url: str | None = None  # redis://[:password@]host:port/db, rediss://..., or file:///dir
+    store_ttl_s: int = 3600  # every L2 entry expires; the store's maxmemory policy evicts sooner
+    store_timeout_s: float = 0.2  # connect/read timeout of one L2 round trip
+    store_max_bytes: int = 8 * 2**30  # size cap for a file:// store (Redis uses its maxmemory)
+    max_pending_bytes: int = 256 * 2**20  # background offload/write-through queue, each
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2-135m"  # a built-in name or a checkpoint path (HF folder or .gguf file)
     device: str = "cpu"
@@ -28,4 +40,5 @@ class EngineConfig:
     batch_invariant: bool = False
     num_threads: int | None = None  # torch intra-op threads on the CPU; None: torch's default
     speculative: SpeculativeConfig | None = None
+    kv_tiers: KVTierConfig | None = None  # None: device prefix cache only
     seed: int = 0  # model init seed for generated checkpoints; not the sampling seed

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from deepserve.engine.config import EngineConfig, SpeculativeConfig
+from deepserve.engine.config import EngineConfig, KVTierConfig, SpeculativeConfig
 from deepserve.engine.model_registry import DEFAULT_MODEL
 
 
@@ -33,6 +33,32 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--speculative", choices=["mtp", "ngram"], default=None)
     g.add_argument("--num-speculative-tokens", type=int, default=3)
+    add_kv_tier_args(p)
+
+
+def add_kv_tier_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("KV cache tiers (docs/kvcache.md)")
+    g.add_argument("--kv-host-bytes", type=int, default=0, help="L1 host RAM for KV blocks")
+    g.add_argument(
+        "--kv-store",
+        default=None,
+        help="L2 store: redis://[:pw@]host:port/db, rediss://, file:///dir",
+    )
+    g.add_argument("--kv-store-ttl", type=int, default=3600, help="L2 entry TTL in seconds")
+    g.add_argument(
+        "--kv-store-timeout", type=float, default=0.2, help="L2 connect/read timeout in seconds"
+    )
+
+
+def kv_tier_config_from_args(args: argparse.Namespace) -> KVTierConfig | None:
+    if not args.kv_host_bytes and not args.kv_store:
+        return None
+    return KVTierConfig(
+        host_bytes=args.kv_host_bytes,
+        store_url=args.kv_store,
+        store_ttl_s=args.kv_store_ttl,
+        store_timeout_s=args.kv_store_timeout,
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -53,6 +79,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         batch_invariant=args.batch_invariant,
         num_threads=args.num_threads,
         speculative=spec,
+        kv_tiers=kv_tier_config_from_args(args),
     )
 
 
