@@ -1,0 +1,177 @@
+"""`AsyncEngine`: the engine for asyncio callers (the server, the worker). Steps run on one thread.
+
+The synchronous `LLMEngine` lives entirely on a dedicated engine thread; callers on any event loop
+talk to it through a locked inbox (adds and aborts) and receive `RequestOutput` deltas on
+per-request asyncio queues, fed with `loop.call_soon_threadsafe`. The thread sleeps on a condition
+variable when there is nothing to run. Validation (`check_request`, grammar compilation) happens on
+the caller's side before anything is queued, so a bad request raises at once and never reaches the
+engine thread. Protocol conversion is server/'s job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from deepserve.engine.config import EngineConfig
+from deepserve.engine.errors import EngineError, InvalidRequestError
+from deepserve.engine.llm_engine import LLMEngine
+from deepserve.engine.outputs import EngineLoad, RequestOutput
+from deepserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    grammar: object
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class EngineDeadError(EngineError):
+    """The engine thread stopped (shutdown or a crash); no more requests are served."""
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, loaded=None) -> None:
+        self.engine = LLMEngine(config, loaded)
+        self.config = config
+        self.tokenizer = self.engine.tokenizer
+        self.model_info = self.engine.model_info
+        self._cond = threading.Condition()
+        self._adds: list[_Add] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, _Stream] = {}
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._load = self.engine.load()
+        self._thread = threading.Thread(target=self._run, name="deepserve-engine", daemon=True)
+        self._thread.start()
+
+    # ---- caller side ----------------------------------------------------------------------
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError for a request the engine would refuse."""
+        self.engine.check_request(prompt_token_ids, params)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's deltas; leaving the iteration early aborts the request."""
+        self._raise_if_dead()
+        self.check_request(prompt_token_ids, params)
+        grammar = self.engine.compile_grammar(params)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._cond:
+            if request_id in self._streams:
+                raise InvalidRequestError(f"request id {request_id!r} is already running")
+            self._streams[request_id] = stream
+            self._adds.append(_Add(request_id, list(prompt_token_ids), params, grammar))
+            self._cond.notify()
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request; its blocks are freed before the next step runs."""
+        with self._cond:
+            self._aborts.append(request_id)
+            self._cond.notify()
+
+    def load(self) -> EngineLoad:
+        return self._load
+
+    async def shutdown(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        await asyncio.to_thread(self._thread.join)
+        self.engine.close()
+
+    def _raise_if_dead(self) -> None:
+        if self._stopping or not self._thread.is_alive():
+            raise EngineDeadError(f"the engine is not running ({self._error or 'shut down'})")
+
+    # ---- engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._take_inbox():
+                outputs = self.engine.step()
+                self._load = self.engine.load()  # before delivery: a finished caller sees it freed
+                for out in outputs:
+                    self._deliver(out)
+            self._fail_all(EngineDeadError("the engine shut down"))
+        except BaseException as e:  # deliver the crash to every waiting caller, then stop
+            self._error = e
+            self._fail_all(e)
+            raise
+
+    def _take_inbox(self) -> bool:
+        """Apply queued adds and aborts; sleep while idle. False when shutting down."""
+        with self._cond:
+            while not (
+                self._stopping or self._adds or self._aborts or self.engine.has_unfinished()
+            ):
+                self._cond.wait()
+            if self._stopping:
+                return False
+            adds, self._adds = self._adds, []
+            aborts, self._aborts = self._aborts, []
+        for add in adds:
+            self._admit(add)
+        finals = [out for rid in aborts if (out := self.engine.abort(rid)) is not None]
+        self._load = self.engine.load()
+        for out in finals:
+            self._deliver(out)
+        return True
+
+    def _admit(self, add: _Add) -> None:
+        try:
+            self.engine.add_request(add.request_id, add.prompt_token_ids, add.params, add.grammar)
+        except InvalidRequestError as e:  # e.g. a duplicate id racing another caller
+            self._deliver_error(add.request_id, e)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        with self._cond:
+            stream = self._streams.get(out.request_id)
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+        if stream is not None:
+            _post(stream, out)
+
+    def _deliver_error(self, request_id: str, error: BaseException) -> None:
+        with self._cond:
+            stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            _post(stream, error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._cond:
+            streams, self._streams = self._streams, {}
+        dead = error if isinstance(error, EngineDeadError) else EngineDeadError(repr(error))
+        for stream in streams.values():
+            _post(stream, dead)
+
+
+def _post(stream: _Stream, item: object) -> None:
+    # RuntimeError: the caller's loop is closed, so nobody is listening any more.
+    with contextlib.suppress(RuntimeError):
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)

@@ -1,0 +1,292 @@
+"""The synchronous engine core: admit requests, run steps, stream deltas, abort, report load.
+
+`LLMEngine` wires the parts together (model, block manager, scheduler, model runner) and applies
+each step's results: progress of every scheduled chunk, sampled tokens, stop conditions, and the
+per-request output deltas. It is single-threaded by design; `AsyncEngine` runs it on its own thread
+and `LLM` drives it in a loop. Request validation happens here, in `check_request`, before anything
+is queued.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+
+import torch
+
+from deepserve.engine.block_manager import BlockManager
+from deepserve.engine.config import EngineConfig
+from deepserve.engine.errors import InvalidRequestError
+from deepserve.engine.model_runner import ModelRunner, StepResult, num_kv_blocks
+from deepserve.engine.outputs import CompletionOutput, EngineLoad, RequestOutput, TokenLogprob
+from deepserve.engine.request import Request, Sequence, derive_seed
+from deepserve.engine.sampling_params import SamplingParams
+from deepserve.engine.scheduler import Scheduler, SchedulerOutput
+
+# Measured on the 2-core machine (benchmarks/engine_cpu.py): one intra-op thread was fastest for
+# decode-heavy batches, as vLLM-CPU found too; more threads contend with the API process.
+DEFAULT_CPU_THREADS = 1
+
+
+def default_num_threads(config: EngineConfig) -> int | None:
+    if config.num_threads is not None:
+        return config.num_threads
+    return DEFAULT_CPU_THREADS if config.device == "cpu" else None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded=None) -> None:
+        threads = default_num_threads(config)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        if loaded is None:
+            from deepserve.engine.loader import load_model
+
+            loaded = load_model(config)
+        self.config = config
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.model_info = loaded.info
+        self.vocab_size = loaded.info.vocab_size
+        self.max_model_len = loaded.info.max_model_len
+        self.eos_token_ids = tuple(loaded.info.eos_token_ids)
+        num_blocks = config.num_kv_blocks or num_kv_blocks(
+            self.model, config.block_size, config.kv_cache_bytes
+        )
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, loaded.info.fingerprint, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+        )
+        self.runner = ModelRunner(
+            self.model,
+            num_blocks,
+            config.block_size,
+            torch.device(config.device),
+            self.eos_token_ids,
+        )
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._grammars = None
+
+    # ---- admission ------------------------------------------------------------------------
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Validate a request; return its resolved max_tokens. Raises InvalidRequestError."""
+        n_prompt = len(prompt_token_ids)
+        if n_prompt == 0:
+            raise InvalidRequestError("the prompt is empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt token id {bad[0]} is outside the vocabulary (size {self.vocab_size})"
+            )
+        params.validate(self.vocab_size)
+        if n_prompt >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {n_prompt} tokens; the context limit is {self.max_model_len} "
+                "and at least one token must be generated"
+            )
+        max_tokens = self._resolve_max_tokens(n_prompt, params.max_tokens)
+        if params.min_tokens > max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens {params.min_tokens} exceeds max_tokens {max_tokens}"
+            )
+        if params.n > self.config.max_num_seqs:
+            raise InvalidRequestError(
+                f"n={params.n} exceeds max_num_seqs {self.config.max_num_seqs}"
+            )
+        return max_tokens
+
+    def _resolve_max_tokens(self, n_prompt: int, requested: int | None) -> int:
+        room = self.max_model_len - n_prompt
+        pool_tokens = self.block_manager.num_blocks * self.block_manager.block_size
+        if requested is None:
+            requested = min(room, pool_tokens - n_prompt)
+        elif requested > room:
+            raise InvalidRequestError(
+                f"max_tokens {requested} plus the prompt's {n_prompt} tokens exceeds the "
+                f"context limit {self.max_model_len}"
+            )
+        if n_prompt + requested > pool_tokens:
+            raise InvalidRequestError(
+                f"the prompt ({n_prompt}) plus max_tokens ({requested}) does not fit the KV pool "
+                f"of {pool_tokens} tokens"
+            )
+        return requested
+
+    def compile_grammar(self, params: SamplingParams):
+        """Compile a structured-output constraint (InvalidRequestError when it is bad)."""
+        if params.structured is None:
+            return None
+        if self._grammars is None:
+            from deepserve.engine.structured import GrammarCache
+
+            self._grammars = GrammarCache(
+                self.tokenizer, self.vocab_size, stop_token_ids=list(self.eos_token_ids) or None
+            )
+        return self._grammars.compile(params.structured)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        compiled_grammar=None,
+    ) -> Request:
+        """Validate and queue. `compiled_grammar` may be passed when compiled off-thread."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already running")
+        max_tokens = self.check_request(prompt_token_ids, params)
+        if compiled_grammar is None:
+            compiled_grammar = self.compile_grammar(params)
+        seed = params.seed if params.seed is not None else secrets.randbits(64)
+        request = Request(
+            request_id, list(prompt_token_ids), params, seed, max_tokens, time.monotonic()
+        )
+        request.compiled_grammar = compiled_grammar
+        request.sequences = [self._new_sequence(request, i) for i in range(params.n)]
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def _new_sequence(self, request: Request, index: int) -> Sequence:
+        matcher = None
+        if request.compiled_grammar is not None:
+            from deepserve.engine.structured import GrammarMatcherState
+
+            matcher = GrammarMatcherState(request.compiled_grammar)
+        prompt = request.prompt_token_ids
+        return Sequence(
+            seq_id=next(self._seq_ids),
+            request=request,
+            index=index,
+            seed=derive_seed(request.seed, index),
+            token_ids=list(prompt),
+            num_prompt_tokens=len(prompt),
+            matcher=matcher,
+        )
+
+    # ---- running --------------------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule and run one step; return a delta for every request that progressed."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        result = self.runner.execute(out)
+        self._apply_progress(out)
+        touched = self._apply_samples(result)
+        return [self._make_output(r) for r in touched]
+
+    def _apply_progress(self, out: SchedulerOutput) -> None:
+        for item in out.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.register_computed(seq)
+
+    def _apply_samples(self, result: StepResult) -> list[Request]:
+        touched: dict[int, Request] = {}
+        logprobs = result.sampled.logprobs
+        for seq, token, lp in zip(result.seqs, result.sampled.token_ids, logprobs, strict=True):
+            self._append_token(seq, token, lp)
+            touched[id(seq.request)] = seq.request
+        return list(touched.values())
+
+    def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> None:
+        seq.token_ids.append(token)
+        if lp is not None:
+            seq.logprobs.append(lp)
+        reason = self._stop_reason(seq, token)
+        if reason is not None:
+            if reason == "stop" and token in self._stop_set(seq):
+                seq.stop_token_id = token
+            self.scheduler.finish(seq, reason)
+
+    def _stop_set(self, seq: Sequence) -> set[int]:
+        stops = set(seq.params.stop_token_ids)
+        if not seq.params.ignore_eos:
+            stops |= set(self.eos_token_ids)
+        return stops
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if seq.matcher is not None:
+            seq.matcher.accept(token)
+            if seq.matcher.is_terminated():
+                return "stop"
+        if seq.num_output_tokens >= params.min_tokens and token in self._stop_set(seq):
+            return "stop"
+        if seq.num_output_tokens >= seq.request.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        outputs = [c for s in request.sequences if (c := _delta(s)) is not None]
+        finished = request.is_finished
+        if finished:
+            self.requests.pop(request.request_id, None)
+        cached = max(request.num_cached_tokens, 0)
+        by_tier = {"device": request.num_device_cached_tokens}
+        if cached > request.num_device_cached_tokens:
+            by_tier["tier"] = cached - request.num_device_cached_tokens
+        return RequestOutput(
+            request_id=request.request_id,
+            outputs=outputs,
+            prompt_tokens=len(request.prompt_token_ids),
+            cached_tokens=cached,
+            cached_tokens_by_tier=by_tier,
+            finished=finished,
+        )
+
+    # ---- control --------------------------------------------------------------------------
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final delta (None if unknown)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        for seq in request.sequences:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+        request.forked = True  # samples never forked are finished too
+        return self._make_output(request)
+
+    def load(self) -> EngineLoad:
+        bm = self.block_manager
+        return EngineLoad(
+            running=self.scheduler.num_running,
+            waiting=self.scheduler.num_waiting,
+            kv_usage=bm.usage,
+            num_blocks=bm.num_blocks,
+            num_free_blocks=bm.num_free_blocks,
+        )
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def _delta(seq: Sequence) -> CompletionOutput | None:
+    """New tokens (and the finish) of one sample since the last delta; None when nothing is new."""
+    new_tokens = seq.output_token_ids[seq.num_emitted_tokens :]
+    finishing = seq.is_finished and not seq.finish_emitted
+    if not new_tokens and not finishing:
+        return None
+    logprobs = None
+    if seq.params.logprobs is not None:
+        logprobs = seq.logprobs[seq.num_emitted_logprobs :]
+        seq.num_emitted_logprobs = len(seq.logprobs)
+    seq.num_emitted_tokens += len(new_tokens)
+    seq.finish_emitted = seq.is_finished
+    return CompletionOutput(
+        index=seq.index,
+        token_ids=new_tokens,
+        logprobs=logprobs,
+        finish_reason=seq.finish_reason if seq.is_finished else None,
+        stop_token_id=seq.stop_token_id,
+    )

@@ -1,0 +1,169 @@
+"""How a scheduled step runs: the KV cache tensor, one flattened batch, the forward, the sampler.
+
+The runner owns the device KV cache (`[num_layers, num_blocks, block_size, width]`, allocated from
+the model's `KVCacheSpec`), turns a `SchedulerOutput` into one variable-length batch (no padding:
+input ids, positions, slot mapping, block tables, query start offsets, sequence lengths), runs the
+model, computes logits only for rows that are sampled, and samples them. Structured-output masks
+are filled on a helper thread while the forward runs. What to run is the scheduler's business;
+which blocks hold what is the block manager's.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from deepserve.engine.attention import AttentionMetadata
+from deepserve.engine.models.base import CausalLM
+from deepserve.engine.request import Sequence
+from deepserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from deepserve.engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn: AttentionMetadata
+    sample_rows: torch.Tensor  # [N] row of the flattened batch whose logits each sample uses
+    sample_seqs: list[Sequence]
+
+
+@dataclass
+class StepResult:
+    seqs: list[Sequence]  # one per sampled row, in row order
+    sampled: SamplerOutput
+
+
+def num_kv_blocks(model: CausalLM, block_size: int, kv_cache_bytes: int) -> int:
+    spec = model.kv_cache_spec
+    itemsize = torch.empty((), dtype=spec.dtype).element_size()
+    per_block = spec.num_layers * block_size * spec.width * itemsize
+    return max(1, kv_cache_bytes // per_block)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.eos_token_ids = eos_token_ids
+        spec = model.kv_cache_spec
+        shape = (spec.num_layers, num_blocks, block_size, spec.width)
+        self.kv_cache = torch.zeros(shape, dtype=spec.dtype, device=device)
+        self.sampler = Sampler(model.vocab_size, device)
+        self._pin = device.type == "cuda"
+        self._mask_pool: ThreadPoolExecutor | None = None
+
+    def close(self) -> None:
+        if self._mask_pool is not None:
+            self._mask_pool.shutdown(wait=True)
+            self._mask_pool = None
+
+    # ---- one step -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        inputs = self.prepare(out)
+        batch = SamplingBatch.build(
+            inputs.sample_seqs, self.eos_token_ids, self.model.vocab_size, self.device
+        )
+        masks = self._start_masks(inputs.sample_seqs)
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache)
+        self._copy_blocks(out.block_copies)
+        if not inputs.sample_seqs:
+            return StepResult([], SamplerOutput([], []))
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        if masks is not None:
+            batch.bitmask = masks.result()
+        return StepResult(inputs.sample_seqs, self.sampler.sample(logits, batch))
+
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        """Flatten the scheduled chunks into one batch (built on the host, moved once)."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        context_lens: list[int] = []
+        rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        fork_children = {id(f.parent): f.children for f in out.forks}
+        for item in out.scheduled:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            end = start + item.num_new_tokens
+            table = seq.block_table
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            query_start.append(query_start[-1] + item.num_new_tokens)
+            seq_lens.append(end)
+            context_lens.append(start)
+            if item.sample:
+                children = fork_children.get(id(seq), [])
+                rows += [query_start[-1] - 1] * (1 + len(children))
+                sample_seqs += [seq, *children]
+        width = max(len(item.seq.block_table) for item in out.scheduled)
+        tables = [i.seq.block_table + [0] * (width - len(i.seq.block_table)) for i in out.scheduled]
+        attn = AttentionMetadata(
+            query_start_loc=self._to_device(query_start, torch.int32),
+            seq_lens=self._to_device(seq_lens, torch.int32),
+            context_lens=self._to_device(context_lens, torch.int32),
+            slot_mapping=self._to_device(slots, torch.int64),
+            block_tables=self._to_device(tables, torch.int32),
+            block_size=bs,
+            query_lens_cpu=[item.num_new_tokens for item in out.scheduled],
+            seq_lens_cpu=seq_lens,
+            context_lens_cpu=context_lens,
+        )
+        return StepInputs(
+            input_ids=self._to_device(input_ids, torch.int64),
+            positions=self._to_device(positions, torch.int64),
+            attn=attn,
+            sample_rows=self._to_device(rows, torch.int64),
+            sample_seqs=sample_seqs,
+        )
+
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Forked samples get their own copy of the parent's partial last block."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        self.kv_cache[:, dst] = self.kv_cache[:, src]
+
+    # ---- structured outputs ---------------------------------------------------------------
+
+    def _start_masks(self, seqs: list[Sequence]) -> Future | None:
+        """Fill grammar bitmasks on a helper thread; the forward releases the GIL meanwhile."""
+        rows = [(i, s.matcher) for i, s in enumerate(seqs) if s.matcher is not None]
+        if not rows:
+            return None
+        from deepserve.engine.structured import allocate_bitmask
+
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="deepserve-mask")
+        bitmask = allocate_bitmask(len(seqs), self.model.vocab_size)
+
+        def fill() -> torch.Tensor:
+            for row, matcher in rows:
+                matcher.fill_bitmask(bitmask, row)
+            return bitmask
+
+        return self._mask_pool.submit(fill)
