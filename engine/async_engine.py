@@ -63,6 +63,11 @@ class AsyncEngine:
         """Raise InvalidRequestError for a request the engine would refuse."""
         self.engine.check_request(prompt_token_ids, params)
 
+    def compile_grammar(self, params: SamplingParams):
+        """Compile (and cache) a request's output constraint, e.g. on a worker thread before
+        `generate`, which then finds it cached. InvalidRequestError when it is bad."""
+        return self.engine.compile_grammar(params)
+
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
