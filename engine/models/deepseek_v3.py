@@ -1,0 +1,377 @@
+"""The `deepseek_v3` family: Multi-head Latent Attention (MLA), DeepSeekMoE, and the MTP module.
+
+MLA: queries through an optional low-rank `q_a -> norm -> q_b`; keys/values through a compressed latent
+`kv_a -> norm` (kv_lora_rank) plus one shared rope key (qk_rope_head_dim). The KV cache holds only
+`[latent | rope key]` per token per layer. Attention always runs in the absorbed form: the no-rope
+query is mapped into latent space with kv_b's key half (W_UK), attention is MQA over the cached latent,
+and the result leaves latent space through kv_b's value half (W_UV). Prefill and decode share it.
+
+DeepSeekMoE: shared experts plus routed top-k with group-limited routing (n_group / topk_group),
+sigmoid or softmax scores, e_score_correction_bias (selection only), norm_topk_prob and
+routed_scaling_factor; the first `first_k_dense_replace` layers use a dense MLP.
+
+MTP (`num_nextn_predict_layers`, stored as layers num_hidden_layers..): enorm(embedding of the next
+token) and hnorm(previous hidden) -> eh_proj -> one decoder layer -> shared_head norm. Its KV lives in
+the cache slots after the main layers.
+
+Interleaved rope (HF `rope_interleave`, the DeepSeek default) is turned into the half-split layout by
+permuting the rope rows of q_b / kv_a once at load time: q.k is unchanged under a shared permutation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from deepserve.engine.attention import AttentionMetadata
+from deepserve.engine.errors import UnsupportedModelError
+from deepserve.engine.models.base import KVCacheSpec
+from deepserve.engine.models.common import WeightStore, require, swiglu
+from deepserve.kernels.attention_ref import write_kv
+from deepserve.kernels.registry import KernelSet
+from deepserve.kernels.rope import apply_rope, build_rope_tables, yarn_get_mscale
+
+
+@dataclass(frozen=True)
+class DeepseekV3Args:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_layers: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    scoring_func: str
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    first_k_dense_replace: int
+    num_mtp_layers: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    rope_interleave: bool
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf(cls, c: dict) -> DeepseekV3Args:
+        rope = c.get("rope_scaling") or c.get("rope_parameters")
+        scoring = c.get("scoring_func", "sigmoid")
+        if scoring not in ("sigmoid", "softmax"):
+            raise UnsupportedModelError(f"MoE scoring_func {scoring!r} is not supported")
+        if c.get("attention_bias"):
+            raise UnsupportedModelError("attention_bias=True is not supported for deepseek_v3")
+        return cls(
+            vocab_size=require(c, "vocab_size"),
+            hidden_size=require(c, "hidden_size"),
+            intermediate_size=require(c, "intermediate_size"),
+            moe_intermediate_size=require(c, "moe_intermediate_size"),
+            num_layers=require(c, "num_hidden_layers"),
+            num_heads=require(c, "num_attention_heads"),
+            q_lora_rank=c.get("q_lora_rank"),
+            kv_lora_rank=require(c, "kv_lora_rank"),
+            qk_nope_head_dim=require(c, "qk_nope_head_dim"),
+            qk_rope_head_dim=require(c, "qk_rope_head_dim"),
+            v_head_dim=require(c, "v_head_dim"),
+            n_routed_experts=c.get("n_routed_experts") or 0,
+            n_shared_experts=c.get("n_shared_experts") or 0,
+            num_experts_per_tok=c.get("num_experts_per_tok") or 0,
+            n_group=c.get("n_group") or 1,
+            topk_group=c.get("topk_group") or 1,
+            scoring_func=scoring,
+            norm_topk_prob=bool(c.get("norm_topk_prob", True)),
+            routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
+            first_k_dense_replace=c.get("first_k_dense_replace", 0),
+            num_mtp_layers=c.get("num_nextn_predict_layers") or 0,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=(rope or {}).get("rope_theta", c.get("rope_theta", 10000.0)),
+            rope_scaling=rope
+            if rope and rope.get("rope_type", rope.get("type")) != "default"
+            else None,
+            rope_interleave=bool(c.get("rope_interleave", True)),
+            max_position_embeddings=c.get("max_position_embeddings", 4096),
+        )
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        scale = self.qk_head_dim**-0.5
+        mscale_all = (self.rope_scaling or {}).get("mscale_all_dim")
+        if self.rope_scaling and mscale_all:
+            scale *= yarn_get_mscale(self.rope_scaling["factor"], mscale_all) ** 2
+        return scale
+
+
+@dataclass
+class _Attention:
+    q_a: torch.Tensor | None  # [q_lora, hidden]; None when q_lora_rank is None
+    q_a_norm: torch.Tensor | None
+    q_b: torch.Tensor  # [H * qk_head_dim, q_lora or hidden]
+    kv_a: torch.Tensor  # [kv_lora + rope, hidden]
+    kv_a_norm: torch.Tensor
+    w_uk: torch.Tensor  # [H, nope, kv_lora]: no-rope query -> latent space
+    w_uv_t: torch.Tensor  # [H, kv_lora, v]: latent -> value space
+    o: torch.Tensor
+
+
+@dataclass
+class _Dense:
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+@dataclass
+class _MoE:
+    gate: torch.Tensor  # [E, hidden], float32 (router runs in float32)
+    bias: torch.Tensor | None  # [E] e_score_correction_bias, float32
+    gate_up: torch.Tensor  # [E, 2 * I, hidden]
+    down: torch.Tensor  # [E, hidden, I]
+    shared: _Dense | None
+
+
+@dataclass
+class _Layer:
+    attn_norm: torch.Tensor
+    attn: _Attention
+    mlp_norm: torch.Tensor
+    mlp: _Dense | _MoE
+
+
+@dataclass
+class _MTP:
+    embed: torch.Tensor
+    enorm: torch.Tensor
+    hnorm: torch.Tensor
+    eh_proj: torch.Tensor  # [hidden, 2 * hidden]
+    layer: _Layer
+    norm: torch.Tensor  # shared_head.norm
+    head: torch.Tensor  # shared_head.head
+
+
+def _rope_rows_to_half_split(w: torch.Tensor, head_dim: int, rope_dim: int) -> torch.Tensor:
+    """Reorder the last `rope_dim` rows of every `head_dim`-row head from interleaved pairs
+    (x0, x1, x2, x3, ...) to half-split (x0, x2, ..., x1, x3, ...)."""
+    perm = torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)])
+    heads = w.view(-1, head_dim, w.shape[-1]).clone()
+    heads[:, head_dim - rope_dim :] = heads[:, head_dim - rope_dim :][:, perm]
+    return heads.view_as(w)
+
+
+class DeepseekV3ForCausalLM:
+    family = "deepseek_v3"
+
+    def __init__(
+        self, config: dict, weights: WeightStore, kernels: KernelSet, fingerprint: str
+    ) -> None:
+        a = self.args = DeepseekV3Args.from_hf(config)
+        self.k = kernels
+        self.fingerprint = fingerprint
+        self.vocab_size = a.vocab_size
+        self.max_position_embeddings = a.max_position_embeddings
+        self.num_mtp_layers = a.num_mtp_layers
+        self.device, self.dtype = weights.device, weights.dtype
+        width = a.kv_lora_rank + a.qk_rope_head_dim
+        self.kv_cache_spec = KVCacheSpec(a.num_layers + a.num_mtp_layers, width, self.dtype)
+        self.scale = a.softmax_scale
+        self.embed = weights.get("model.embed_tokens.weight")
+        self.layers = [self._load_layer(weights, i) for i in range(a.num_layers)]
+        self.norm = weights.get("model.norm.weight")
+        self.lm_head = weights.get("lm_head.weight")
+        self.mtp = [self._load_mtp(weights, a.num_layers + j) for j in range(a.num_mtp_layers)]
+        self.rope = build_rope_tables(
+            a.qk_rope_head_dim, a.rope_theta, a.rope_scaling, a.max_position_embeddings, self.device
+        )
+
+    # ---- loading -------------------------------------------------------------------------------
+
+    def _load_layer(self, w: WeightStore, i: int) -> _Layer:
+        p = f"model.layers.{i}."
+        mlp = self._load_moe(w, p + "mlp.") if i >= self.args.first_k_dense_replace else None
+        return _Layer(
+            attn_norm=w.get(p + "input_layernorm.weight"),
+            attn=self._load_attention(w, p + "self_attn."),
+            mlp_norm=w.get(p + "post_attention_layernorm.weight"),
+            mlp=mlp or self._load_dense(w, p + "mlp."),
+        )
+
+    def _load_attention(self, w: WeightStore, p: str) -> _Attention:
+        a = self.args
+        low_rank = a.q_lora_rank is not None
+        q_b = w.get(p + ("q_b_proj.weight" if low_rank else "q_proj.weight"))
+        kv_a = w.get(p + "kv_a_proj_with_mqa.weight")
+        if a.rope_interleave:
+            q_b = _rope_rows_to_half_split(q_b, a.qk_head_dim, a.qk_rope_head_dim)
+            kv_a = _rope_rows_to_half_split(kv_a, kv_a.shape[0], a.qk_rope_head_dim)
+        kv_b = w.get(p + "kv_b_proj.weight").view(a.num_heads, -1, a.kv_lora_rank)
+        return _Attention(
+            q_a=w.get(p + "q_a_proj.weight") if low_rank else None,
+            q_a_norm=w.get(p + "q_a_layernorm.weight") if low_rank else None,
+            q_b=q_b,
+            kv_a=kv_a,
+            kv_a_norm=w.get(p + "kv_a_layernorm.weight"),
+            w_uk=kv_b[:, : a.qk_nope_head_dim].contiguous(),
+            w_uv_t=kv_b[:, a.qk_nope_head_dim :].transpose(1, 2).contiguous(),
+            o=w.get(p + "o_proj.weight"),
+        )
+
+    @staticmethod
+    def _load_dense(w: WeightStore, p: str) -> _Dense:
+        return _Dense(
+            gate_up=w.cat([p + "gate_proj.weight", p + "up_proj.weight"]),
+            down=w.get(p + "down_proj.weight"),
+        )
+
+    def _load_moe(self, w: WeightStore, p: str) -> _MoE:
+        a = self.args
+        experts = [self._load_dense(w, f"{p}experts.{e}.") for e in range(a.n_routed_experts)]
+        bias_name = p + "gate.e_score_correction_bias"
+        return _MoE(
+            gate=w.get(p + "gate.weight", torch.float32),
+            bias=w.get(bias_name, torch.float32) if w.has(bias_name) else None,
+            gate_up=torch.stack([e.gate_up for e in experts]),
+            down=torch.stack([e.down for e in experts]),
+            shared=self._load_dense(w, p + "shared_experts.") if a.n_shared_experts else None,
+        )
+
+    def _load_mtp(self, w: WeightStore, index: int) -> _MTP:
+        p = f"model.layers.{index}."
+        own = {n: w.has(p + n) for n in ("embed_tokens.weight", "shared_head.head.weight")}
+        return _MTP(
+            embed=w.get(p + "embed_tokens.weight") if own["embed_tokens.weight"] else self.embed,
+            enorm=w.get(p + "enorm.weight"),
+            hnorm=w.get(p + "hnorm.weight"),
+            eh_proj=w.get(p + "eh_proj.weight"),
+            layer=self._load_layer(w, index),
+            norm=w.get(p + "shared_head.norm.weight"),
+            head=w.get(p + "shared_head.head.weight")
+            if own["shared_head.head.weight"]
+            else self.lm_head,
+        )
+
+    # ---- forward -------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        h = F.embedding(input_ids, self.embed)
+        cos, sin = self.rope.cos[positions], self.rope.sin[positions]
+        for i, layer in enumerate(self.layers):
+            h = self._decoder_layer(layer, h, cos, sin, attn, kv_cache[i])
+        return self.k.rms_norm(h, self.norm, self.args.rms_norm_eps)
+
+    def forward_mtp(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        previous_hidden: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        mtp_index: int = 0,
+    ) -> torch.Tensor:
+        """One MTP step: `input_ids[t]` is the token after the one whose (final-normed) hidden state
+        is `previous_hidden[t]`; returns shared_head-normed hidden states for `compute_mtp_logits`."""
+        m, k, eps = self.mtp[mtp_index], self.k, self.args.rms_norm_eps
+        e = k.rms_norm(F.embedding(input_ids, m.embed), m.enorm, eps)
+        h = k.linear(torch.cat([e, k.rms_norm(previous_hidden, m.hnorm, eps)], dim=-1), m.eh_proj)
+        cos, sin = self.rope.cos[positions], self.rope.sin[positions]
+        cache = kv_cache[self.args.num_layers + mtp_index]
+        h = self._decoder_layer(m.layer, h, cos, sin, attn, cache)
+        return k.rms_norm(h, m.norm, eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.k.linear(hidden, self.lm_head).float()
+
+    def compute_mtp_logits(self, hidden: torch.Tensor, mtp_index: int = 0) -> torch.Tensor:
+        return self.k.linear(hidden, self.mtp[mtp_index].head).float()
+
+    def _decoder_layer(
+        self,
+        layer: _Layer,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionMetadata,
+        cache: torch.Tensor,
+    ) -> torch.Tensor:
+        k, eps = self.k, self.args.rms_norm_eps
+        h = h + self._attention(
+            layer.attn, k.rms_norm(h, layer.attn_norm, eps), cos, sin, attn, cache
+        )
+        x = k.rms_norm(h, layer.mlp_norm, eps)
+        if isinstance(layer.mlp, _MoE):
+            return h + self._moe(layer.mlp, x)
+        return h + swiglu(k, x, layer.mlp.gate_up, layer.mlp.down)
+
+    def _attention(
+        self,
+        w: _Attention,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionMetadata,
+        cache: torch.Tensor,  # [num_blocks, block_size, kv_lora + rope]
+    ) -> torch.Tensor:
+        a, k, eps = self.args, self.k, self.args.rms_norm_eps
+        tokens, heads, nope, lora = x.shape[0], a.num_heads, a.qk_nope_head_dim, a.kv_lora_rank
+        q_in = x if w.q_a is None else k.rms_norm(k.linear(x, w.q_a), w.q_a_norm, eps)
+        q = k.linear(q_in, w.q_b).view(tokens, heads, a.qk_head_dim)
+        ckv = k.linear(x, w.kv_a)
+        latent = k.rms_norm(ckv[:, :lora], w.kv_a_norm, eps)
+        k_pe = apply_rope(ckv[:, lora:].unsqueeze(1), cos, sin)
+        write_kv(cache, attn.slot_mapping, torch.cat([latent, k_pe[:, 0]], dim=-1))
+        q_latent = k.bmm(q[..., :nope].transpose(0, 1), w.w_uk)  # [H, T, lora]
+        q_pe = apply_rope(q[..., nope:], cos, sin)
+        q_full = torch.cat([q_latent.transpose(0, 1), q_pe], dim=-1)  # [T, H, lora + rope]
+        k_cache = cache.unsqueeze(2)  # MQA: one latent "head" shared by all query heads
+        out = k.paged_attention(q_full, k_cache, k_cache[..., :lora], attn, self.scale)
+        out = k.bmm(out.transpose(0, 1), w.w_uv_t)  # [H, T, v]
+        return k.linear(out.transpose(0, 1).reshape(tokens, heads * a.v_head_dim), w.o)
+
+    def _moe(self, w: _MoE, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self._route(w, x)
+        out = torch.zeros_like(x)
+        for e in experts.unique().tolist():
+            rows, slot = torch.where(experts == e)
+            y = swiglu(self.k, x[rows], w.gate_up[e], w.down[e])
+            out.index_add_(0, rows, (y * weights[rows, slot, None]).to(x.dtype))
+        if w.shared is not None:
+            out = out + swiglu(self.k, x, w.shared.gate_up, w.shared.down)
+        return out
+
+    def _route(self, w: _MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k experts per token within the best `topk_group` groups -> (weights, ids) [T, k]."""
+        a = self.args
+        logits = self.k.linear(x.float(), w.gate)
+        scores = logits.sigmoid() if a.scoring_func == "sigmoid" else self.k.softmax(logits, -1)
+        choice = scores if w.bias is None else scores + w.bias
+        if a.n_group > 1:
+            grouped = choice.view(x.shape[0], a.n_group, -1)
+            # with the bias (aux-loss-free balancing) a group scores by its top two experts
+            group_score = (
+                grouped.topk(2, dim=-1)[0].sum(-1) if w.bias is not None else grouped.amax(-1)
+            )
+            keep = torch.zeros_like(group_score, dtype=torch.bool)
+            keep.scatter_(1, group_score.topk(a.topk_group, dim=-1)[1], True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
+        ids = choice.topk(a.num_experts_per_tok, dim=-1)[1]
+        weights = scores.gather(1, ids)
+        if a.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * a.routed_scaling_factor, ids
