@@ -11,6 +11,7 @@ engine thread. Protocol conversion is server/'s job.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import threading
 from collections.abc import AsyncIterator
@@ -37,6 +38,9 @@ class _Stream:
     queue: asyncio.Queue
 
 
+MAX_BLOCK_EVENTS = 100_000
+
+
 class EngineDeadError(EngineError):
     """The engine thread stopped (shutdown or a crash); no more requests are served."""
 
@@ -54,6 +58,9 @@ class AsyncEngine:
         self._stopping = False
         self._error: BaseException | None = None
         self._load = self.engine.load()
+        # Block stored/removed events for KV-aware routers, drained on the engine thread every
+        # step; bounded, so an engine nobody asks keeps only the newest.
+        self._block_events: collections.deque = collections.deque(maxlen=MAX_BLOCK_EVENTS)
         self._thread = threading.Thread(target=self._run, name="deepserve-engine", daemon=True)
         self._thread.start()
 
@@ -103,6 +110,13 @@ class AsyncEngine:
     def load(self) -> EngineLoad:
         return self._load
 
+    def take_block_events(self) -> list:
+        """The block manager's `BlockStored` / `BlockRemoved` events since the last call."""
+        with self._cond:
+            events = list(self._block_events)
+            self._block_events.clear()
+        return events
+
     async def shutdown(self) -> None:
         with self._cond:
             self._stopping = True
@@ -121,6 +135,7 @@ class AsyncEngine:
             while self._take_inbox():
                 outputs = self.engine.step()
                 self._load = self.engine.load()  # before delivery: a finished caller sees it freed
+                self._keep_block_events()
                 for out in outputs:
                     self._deliver(out)
             self._fail_all(EngineDeadError("the engine shut down"))
@@ -147,6 +162,12 @@ class AsyncEngine:
         for out in finals:
             self._deliver(out)
         return True
+
+    def _keep_block_events(self) -> None:
+        events = self.engine.block_manager.take_events()
+        if events:
+            with self._cond:
+                self._block_events.extend(events)
 
     def _admit(self, add: _Add) -> None:
         try:
