@@ -7,6 +7,7 @@ config objects.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from deepserve.engine.config import EngineConfig, KVTierConfig, SpeculativeConfig
@@ -22,9 +23,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-bytes", type=int, default=512 * 2**20, help="device KV pool size")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="device KV pool in blocks")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most running requests")
-    g.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048, help="per-step token budget"
-    )
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")
     g.add_argument("--max-model-len", type=int, default=None, help="context limit")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument(
@@ -83,6 +82,69 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def add_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI/Anthropic-compatible HTTP server with one engine")
+    add_engine_args(p)
+    p.add_argument(
+        "--served-model-name", default=None, help="model name clients use (default: --model)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("DEEPSERVE_API_KEY"),
+        help="required as Bearer or x-api-key on /v1/* (default: $DEEPSERVE_API_KEY; none: open)",
+    )
+    p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger bodies get 413")
+
+
+def server_config_from_args(args: argparse.Namespace):
+    from deepserve.server.config import ServerConfig
+
+    return ServerConfig(
+        served_model_name=args.served_model_name or args.model,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or None,
+        max_body_bytes=args.max_body_bytes,
+    )
+
+
+def add_bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks against a running server")
+    bench = p.add_subparsers(dest="bench_command", required=True)
+    b = bench.add_parser("serve", help="load an OpenAI-compatible server, report latency as JSON")
+    b.add_argument("--base-url", default="http://127.0.0.1:8000")
+    b.add_argument("--endpoint", choices=["chat", "completions"], default="completions")
+    b.add_argument("--model", default=None, help="default: the server's first /v1/models entry")
+    b.add_argument("--concurrency", type=int, default=16)
+    b.add_argument("--num-prompts", type=int, default=64)
+    b.add_argument("--input-len", type=int, default=32, help="approximate prompt words")
+    b.add_argument("--output-len", type=int, default=128)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--api-key", default=os.environ.get("DEEPSERVE_API_KEY"))
+    b.add_argument("--json-schema", default=None, help="constrain chat output (file path)")
+    b.add_argument("--result-file", default=None)
+
+
+def bench_config_from_args(args: argparse.Namespace):
+    from deepserve.server.bench import BenchConfig
+
+    return BenchConfig(
+        base_url=args.base_url,
+        endpoint=args.endpoint,
+        model=args.model,
+        concurrency=args.concurrency,
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        seed=args.seed,
+        api_key=args.api_key,
+        json_schema_path=args.json_schema,
+        result_file=args.result_file,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -93,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("make-test-model", help="write the seeded tiny DeepSeek-V3 checkpoint")
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
+
+    add_serve_parser(sub)
+    add_bench_parser(sub)
 
     p = sub.add_parser("generate", help="complete a raw prompt offline and print it")
     add_engine_args(p)
@@ -117,6 +182,14 @@ def main(argv: list[str] | None = None) -> int:
 
         print(write_tiny_deepseek(Path(args.out), seed=args.seed))
         return 0
+    if args.command == "serve":
+        from deepserve.server.serve import run_serve
+
+        return run_serve(engine_config_from_args(args), server_config_from_args(args))
+    if args.command == "bench":
+        from deepserve.server.bench import run_bench
+
+        return run_bench(bench_config_from_args(args))
     if args.command == "generate":
         from deepserve.engine.llm import generate_cli
 
