@@ -20,7 +20,7 @@ class KVTierConfig:
     host_bytes: int = 0  # L1 size; 0 = no host tier
     store_url: str | None = None  # redis://[:password@]host:port/db, rediss://..., or file:///dir
     store_ttl_s: int = 3600  # every L2 entry expires; the store's maxmemory policy evicts sooner
-    store_timeout_s: float = 0.2  # connect/read timeout of one L2 round trip
+    store_timeout_s: float = 0.5  # connect/read timeout of one L2 socket operation
     store_max_bytes: int = 8 * 2**30  # size cap for a file:// store (Redis uses its maxmemory)
     max_pending_bytes: int = 256 * 2**20  # background offload/write-through queue, each
 

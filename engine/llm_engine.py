@@ -54,8 +54,13 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or num_kv_blocks(
             self.model, config.block_size, config.kv_cache_bytes
         )
+        self.kv_tiering = _make_kv_tiering(config, self.model, loaded.info.fingerprint)
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, loaded.info.fingerprint, config.enable_prefix_caching
+            num_blocks,
+            config.block_size,
+            loaded.info.fingerprint,
+            config.enable_prefix_caching,
+            tier=self.kv_tiering,
         )
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
@@ -67,6 +72,8 @@ class LLMEngine:
             torch.device(config.device),
             self.eos_token_ids,
         )
+        if self.kv_tiering is not None:
+            self.kv_tiering.bind_cache(self.runner.kv_cache)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._grammars = None
@@ -177,6 +184,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; return a delta for every request that progressed."""
         out = self.scheduler.schedule()
+        if self.kv_tiering is not None:  # lower-tier prefix hits land in their blocks first
+            loads = self.block_manager.take_pending_loads()
+            self.kv_tiering.load_pending(loads, [item.seq for item in out.scheduled])
         if out.is_empty:
             return []
         result = self.runner.execute(out)
@@ -233,7 +243,9 @@ class LLMEngine:
             self.requests.pop(request.request_id, None)
         cached = max(request.num_cached_tokens, 0)
         by_tier = {"device": request.num_device_cached_tokens}
-        if cached > request.num_device_cached_tokens:
+        if self.kv_tiering is not None:
+            by_tier |= self.kv_tiering.cached_tokens_by_tier(request.request_id, finished)
+        elif cached > request.num_device_cached_tokens:
             by_tier["tier"] = cached - request.num_device_cached_tokens
         return RequestOutput(
             request_id=request.request_id,
@@ -269,6 +281,19 @@ class LLMEngine:
 
     def close(self) -> None:
         self.runner.close()
+        if self.kv_tiering is not None:
+            self.kv_tiering.close()
+
+
+def _make_kv_tiering(config: EngineConfig, model, fingerprint: str):
+    """The KV tiers below the device pool (engine/kv_tiering.py), or None when not configured."""
+    if config.kv_tiers is None or not config.enable_prefix_caching:
+        return None
+    from deepserve.engine.kv_tiering import KVTiering
+
+    return KVTiering.from_config(
+        config.kv_tiers, model.kv_cache_spec, config.block_size, fingerprint
+    )
 
 
 def _delta(seq: Sequence) -> CompletionOutput | None:

@@ -30,7 +30,7 @@ from deepserve.kvcache.store import BlockStore
 class RedisStoreConfig:
     url: str
     ttl_s: int = 3600  # every entry expires; Redis's maxmemory policy evicts before that if full
-    timeout_s: float = 0.2  # socket connect and read timeout: well under a TTFT budget
+    timeout_s: float = 0.5  # socket connect and read timeout: well under a TTFT budget
     key_prefix: str = "dskv:"
     keys_per_mget: int = 16  # bounds one reply's size; all MGETs still go in one round trip
     breaker_threshold: int = 2

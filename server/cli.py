@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 
 from deepserve.engine.config import EngineConfig, KVTierConfig, SpeculativeConfig
@@ -79,6 +80,43 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.num_threads,
         speculative=spec,
         kv_tiers=kv_tier_config_from_args(args),
+    )
+
+
+def add_worker_parser(sub) -> None:
+    p = sub.add_parser("worker", help="one engine behind the internal token-id API (router/PD)")
+    add_engine_args(p)
+    p.add_argument("--role", choices=["prefill", "decode", "mixed"], default="mixed")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told)")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument(
+        "--internal-token",
+        default=os.environ.get("DEEPSERVE_INTERNAL_TOKEN"),
+        help="shared secret every internal call must carry (default: $DEEPSERVE_INTERNAL_TOKEN)",
+    )
+    p.add_argument("--worker-id", default=None, help="name in published KV events (unique)")
+    p.add_argument(
+        "--kv-events",
+        default=None,
+        help="redis:// URL for KV block events (default: --kv-store when it is redis)",
+    )
+
+
+def worker_config_from_args(args: argparse.Namespace):
+    from deepserve.server.worker import WorkerConfig
+
+    if not args.internal_token:
+        raise SystemExit(
+            "deepserve worker: --internal-token (or DEEPSERVE_INTERNAL_TOKEN) is required"
+        )
+    events = args.kv_events
+    if events is None and (args.kv_store or "").startswith(("redis://", "rediss://")):
+        events = args.kv_store
+    return WorkerConfig(
+        role=args.role,
+        internal_token=args.internal_token,
+        worker_id=args.worker_id or f"{socket.gethostname()}:{args.port}:{os.getpid()}",
+        kv_events_url=events,
     )
 
 
@@ -156,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
 
+    add_worker_parser(sub)
+
     add_serve_parser(sub)
     add_bench_parser(sub)
 
@@ -182,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
 
         print(write_tiny_deepseek(Path(args.out), seed=args.seed))
         return 0
+    if args.command == "worker":
+        from deepserve.server.worker import run_worker
+
+        config = worker_config_from_args(args)
+        return run_worker(engine_config_from_args(args), config, args.host, args.port)
     if args.command == "serve":
         from deepserve.server.serve import run_serve
 
