@@ -75,6 +75,9 @@ class WorkerClient:
     async def health(self) -> P.WorkerHealth:
         return P.WorkerHealth.from_json(await self._get(P.HEALTH_PATH))
 
+    async def model_card(self) -> dict:
+        return await self._get(P.MODEL_PATH)
+
     async def metrics(self) -> str:
         resp = await self._request("GET", P.METRICS_PATH)
         return resp.text

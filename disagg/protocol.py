@@ -20,6 +20,7 @@ GENERATE_PATH = "/internal/generate"
 ABORT_PATH = "/internal/abort"
 LOAD_PATH = "/internal/load"
 HEALTH_PATH = "/internal/health"
+MODEL_PATH = "/internal/model"  # the model card: ModelInfo fields + the tokenizer's JSON
 METRICS_PATH = "/metrics"
 AUTH_HEADER = "authorization"
 KV_EVENTS_CHANNEL = "deepserve:kv-events"  # Redis pub/sub channel of EventBatch messages

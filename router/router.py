@@ -62,6 +62,7 @@ class Router:
             KVEventSubscriber(config.kv_events_url, self.index) if config.kv_events_url else None
         )
         self._background: set[asyncio.Task] = set()
+        self._serving: dict[str, set[Worker]] = {}  # request id -> workers streaming it now
 
     async def start(self) -> None:
         await self.health.probe_all()
@@ -109,6 +110,7 @@ class Router:
 
     async def _stream_one(self, w: Worker, req: P.GenerateRequest) -> AsyncIterator[P.StreamEvent]:
         w.inflight += 1
+        self._serving.setdefault(req.request_id, set()).add(w)
         settled = False
         try:
             async with contextlib.aclosing(w.client.generate(req)) as events:
@@ -124,8 +126,21 @@ class Router:
             raise
         finally:
             w.inflight -= 1
+            self._unserve(req.request_id, w)
             if not settled:  # stopped early, timed out or failed: the worker may still hold it
                 self.abort_on(w, req.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request on every worker streaming it; their streams then end with "abort"."""
+        for w in self._serving.get(request_id, ()):
+            self.abort_on(w, request_id)
+
+    def _unserve(self, request_id: str, w: Worker) -> None:
+        holders = self._serving.get(request_id)
+        if holders is not None:
+            holders.discard(w)
+            if not holders:
+                del self._serving[request_id]
 
     def abort_on(self, w: Worker, request_id: str) -> None:
         """Tell `w` to drop the request, in the background (the caller may be being cancelled)."""

@@ -1,0 +1,179 @@
+"""`GenerationFlow`: one request over the router, colocated or split into prefill and decode.
+
+Colocated: the whole request runs on one `mixed` worker. Disaggregated (the pool has prefill and
+decode workers): a prefill worker computes the prompt's KV and the first token, writes the full
+blocks to the shared tier and returns their keys; that first token is passed on at once; a decode
+worker then continues from prompt + first token, finding the prompt's blocks in the shared tier
+(a prefix hit) and recomputing only the partial last block. A missing block is just a miss there,
+so a failed transfer costs time, never correctness.
+
+Continuing from prompt + first token reproduces colocated output exactly when the next tokens
+depend on the token sequence alone: greedy, no penalties, no grammar, one sample. For any other
+request the prefill worker only moves the KV and the decode worker generates every token itself.
+If no prefill worker can take a request before its first token, the decode worker does it all.
+
+Not here: picking workers, retries and aborts on one worker (router/router.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+
+from deepserve.disagg import protocol as P
+from deepserve.disagg.errors import WorkerUnavailableError
+from deepserve.engine.sampling_params import SamplingParams
+from deepserve.router.router import Router
+
+log = logging.getLogger(__name__)
+
+
+def resumable(params: SamplingParams) -> bool:
+    """True when decoding from prompt + first token gives exactly the colocated tokens."""
+    return (
+        params.n == 1
+        and params.greedy
+        and params.structured is None
+        and params.presence_penalty == 0
+        and params.frequency_penalty == 0
+        and params.repetition_penalty == 1
+    )
+
+
+class GenerationFlow:
+    def __init__(self, router: Router, max_model_len: int) -> None:
+        self.router = router
+        self.max_model_len = max_model_len
+
+    @property
+    def disaggregated(self) -> bool:
+        pool = self.router.pool
+        return pool.has_role("prefill") and pool.has_role("decode")
+
+    async def stream(
+        self, request_id: str, prompt: list[int], params: SamplingParams
+    ) -> AsyncIterator[P.StreamEvent]:
+        if not self.disaggregated:
+            role = "mixed" if self.router.pool.has_role("mixed") else "decode"
+            req = P.GenerateRequest(request_id, prompt, P.sampling_to_dict(params))
+            async with contextlib.aclosing(self.router.stream(role, req)) as events:
+                async for ev in events:
+                    yield ev
+            return
+        split = self._split if resumable(params) else self._transfer_then_decode
+        async with contextlib.aclosing(split(request_id, prompt, params)) as events:
+            async for ev in events:
+                yield ev
+
+    # ---- first token from the prefill worker, the rest from a decode worker -----------------
+
+    async def _split(
+        self, request_id: str, prompt: list[int], params: SamplingParams
+    ) -> AsyncIterator[P.StreamEvent]:
+        first_params = dataclasses.replace(
+            params, max_tokens=1, min_tokens=min(params.min_tokens, 1)
+        )
+        pre = P.GenerateRequest(request_id, prompt, P.sampling_to_dict(first_params), "prefill")
+        try:
+            first = await self._prefill(pre)
+        except WorkerUnavailableError as e:
+            log.warning("prefill failed for %s, decoding colocated: %s", request_id, e)
+            async with contextlib.aclosing(self._decode_all(request_id, prompt, params)) as evs:
+                async for ev in evs:
+                    yield ev
+            return
+        token = first.outputs[0]["token_ids"][0]
+        if self._ends_after_first(first, params, len(prompt)):
+            yield first
+            return
+        first.finished = False
+        first.outputs[0]["finish_reason"] = None
+        first.outputs[0]["stop_token_id"] = None
+        yield first
+        rest = dataclasses.replace(
+            params,
+            max_tokens=None if params.max_tokens is None else params.max_tokens - 1,
+            min_tokens=max(params.min_tokens - 1, 0),
+        )
+        dec = P.GenerateRequest(
+            request_id,
+            [*prompt, token],
+            P.sampling_to_dict(rest),
+            "decode",
+            resume_token_ids=[token],
+            kv_keys=first.kv_keys,
+        )
+        async with contextlib.aclosing(self.router.stream("decode", dec)) as events:
+            async for ev in events:
+                yield _as_prompt_of(ev, first)
+
+    def _ends_after_first(
+        self, first: P.StreamEvent, params: SamplingParams, n_prompt: int
+    ) -> bool:
+        reason = first.outputs[0]["finish_reason"]
+        return reason == "stop" or params.max_tokens == 1 or n_prompt + 1 >= self.max_model_len
+
+    async def _prefill(self, req: P.GenerateRequest) -> P.StreamEvent:
+        """Run `req` on a prefill worker; one merged event with its token, keys and cache use."""
+        merged: P.StreamEvent | None = None
+        async with contextlib.aclosing(self.router.stream("prefill", req)) as events:
+            async for ev in events:
+                merged = ev if merged is None else _merge(merged, ev)
+        if merged is None or not merged.outputs or not merged.outputs[0]["token_ids"]:
+            raise WorkerUnavailableError(f"prefill of {req.request_id} returned no token")
+        return merged
+
+    # ---- KV transfer only, every token from the decode worker -------------------------------
+
+    async def _transfer_then_decode(
+        self, request_id: str, prompt: list[int], params: SamplingParams
+    ) -> AsyncIterator[P.StreamEvent]:
+        keys: list[str] = []
+        pre = P.GenerateRequest(
+            request_id, prompt, {"max_tokens": 1, "temperature": 0.0}, "prefill"
+        )
+        try:
+            keys = (await self._prefill(pre)).kv_keys
+        except WorkerUnavailableError as e:
+            log.warning("prefill failed for %s, decode recomputes: %s", request_id, e)
+        async with contextlib.aclosing(self._decode_all(request_id, prompt, params, keys)) as evs:
+            async for ev in evs:
+                yield ev
+
+    def _decode_all(
+        self, request_id: str, prompt: list[int], params: SamplingParams, keys: list[str] = ()
+    ) -> AsyncIterator[P.StreamEvent]:
+        req = P.GenerateRequest(
+            request_id, prompt, P.sampling_to_dict(params), "decode", kv_keys=list(keys)
+        )
+        return self.router.stream("decode", req)
+
+
+def _merge(a: P.StreamEvent, b: P.StreamEvent) -> P.StreamEvent:
+    out = dict(a.outputs[0]) if a.outputs else {"index": 0, "token_ids": [], "logprobs": None}
+    for o in b.outputs:
+        out["token_ids"] = out["token_ids"] + o["token_ids"]
+        if o.get("logprobs") is not None:
+            out["logprobs"] = (out.get("logprobs") or []) + o["logprobs"]
+        out["finish_reason"] = o.get("finish_reason") or out.get("finish_reason")
+        out["stop_token_id"] = o.get("stop_token_id") or out.get("stop_token_id")
+    return dataclasses.replace(
+        b,
+        outputs=[out],
+        kv_keys=b.kv_keys or a.kv_keys,
+        prompt_tokens=a.prompt_tokens or b.prompt_tokens,
+        cached_tokens=a.cached_tokens,
+        cached_tokens_by_tier=a.cached_tokens_by_tier,
+    )
+
+
+def _as_prompt_of(ev: P.StreamEvent, first: P.StreamEvent) -> P.StreamEvent:
+    """The client's prompt is the original one; its cache use is what the prefill worker found."""
+    return dataclasses.replace(
+        ev,
+        prompt_tokens=first.prompt_tokens,
+        cached_tokens=first.cached_tokens,
+        cached_tokens_by_tier=dict(first.cached_tokens_by_tier),
+    )

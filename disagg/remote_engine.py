@@ -1,0 +1,98 @@
+"""`RemoteEngine`: the frontend's generation backend when the engines run in worker processes.
+
+It offers the face of `engine.AsyncEngine` that server/ uses (`tokenizer`, `model_info`,
+`check_request`, `generate`, `abort`, `load`, `shutdown`), so the same FastAPI app serves from an
+in-process engine or from remote workers. Requests go through `GenerationFlow` over a `Router`.
+The model card (ModelInfo fields and the tokenizer) comes from the workers themselves, so frontend
+and workers can never disagree on the vocabulary, and the frontend never loads weights.
+
+Not here: routing (router/), the prefill/decode sequence (disagg/flow.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from deepserve.disagg.errors import NoWorkerError, WorkerRejectedError, WorkerUnavailableError
+from deepserve.disagg.flow import GenerationFlow
+from deepserve.engine.errors import InvalidRequestError
+from deepserve.engine.outputs import EngineLoad, RequestOutput
+from deepserve.engine.sampling_params import SamplingParams
+from deepserve.router.router import Router
+
+
+async def fetch_model_card(router: Router, timeout: float) -> dict[str, Any]:
+    """The first model card any worker returns, waiting up to `timeout` for one to come up."""
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        for w in router.pool.workers():
+            try:
+                return await w.client.model_card()
+            except (WorkerUnavailableError, WorkerRejectedError) as e:
+                last = e
+        await asyncio.sleep(0.5)
+    raise NoWorkerError(f"no worker returned its model card within {timeout:.0f}s: {last}")
+
+
+class RemoteEngine:
+    def __init__(self, router: Router, model_info: Any, tokenizer: Tokenizer) -> None:
+        self.router = router
+        self.model_info = model_info
+        self.tokenizer = tokenizer
+        self.flow = GenerationFlow(router, model_info.max_model_len)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """The checks that need no engine; the worker repeats them all and answers 400."""
+        vocab, limit = self.model_info.vocab_size, self.model_info.max_model_len
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt token id {bad[0]} is outside the vocabulary ({vocab})"
+            )
+        params.validate(vocab)
+        n = len(prompt_token_ids)
+        if n >= limit:
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens; the context limit is {limit} "
+                "and at least one token must be generated"
+            )
+        if params.max_tokens is not None and n + params.max_tokens > limit:
+            raise InvalidRequestError(
+                f"max_tokens {params.max_tokens} plus the prompt's {n} tokens exceeds the "
+                f"context limit {limit}"
+            )
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        self.check_request(prompt_token_ids, params)
+        events = self.flow.stream(request_id, list(prompt_token_ids), params)
+        async with contextlib.aclosing(events) as stream:
+            async for ev in stream:
+                yield ev.to_output()
+
+    async def abort(self, request_id: str) -> None:
+        self.router.abort(request_id)
+
+    def load(self) -> EngineLoad:
+        workers = [w for w in self.router.pool.workers() if w.healthy]
+        loads = [w.load for w in workers if w.load is not None]
+        return EngineLoad(
+            running=sum(max(w.inflight, w.load.running if w.load else 0) for w in workers),
+            waiting=sum(ld.waiting for ld in loads),
+            kv_usage=sum(ld.kv_usage for ld in loads) / len(loads) if loads else 0.0,
+            num_blocks=sum(ld.num_blocks for ld in loads),
+            num_free_blocks=sum(ld.num_free_blocks for ld in loads),
+        )
+
+    async def shutdown(self) -> None:
+        await self.router.close()

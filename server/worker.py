@@ -1,0 +1,293 @@
+"""The `deepserve worker` app: one `AsyncEngine` behind the internal token-id API (disagg/protocol.py).
+
+Routes: generate (NDJSON stream of `StreamEvent`s), abort, load, health, model card, and Prometheus
+/metrics. Every /internal route needs the shared secret; /metrics is left open so Prometheus can
+scrape it (it holds counters only, and the worker binds 127.0.0.1 unless told otherwise).
+
+A worker also publishes its device cache's block events (stored/removed keys with their token ids)
+on Redis pub/sub, which is how a cache-aware router learns who holds which prefix. In prefill mode
+it waits until the prompt's full blocks are in the shared tier before it answers, so the decode
+worker finds them; if that wait times out the decode worker simply recomputes.
+
+Not here: routing and the prefill/decode sequence (router/, disagg/flow.py); protocol conversion
+for clients (server/app.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
+
+import xxhash
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from deepserve.disagg import protocol as P
+from deepserve.engine.async_engine import AsyncEngine
+from deepserve.engine.block_manager import block_key
+from deepserve.engine.errors import InvalidRequestError
+from deepserve.engine.outputs import RequestOutput
+from deepserve.server.metrics import CONTENT_TYPE, ServerMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    role: str  # "prefill" | "decode" | "mixed"
+    internal_token: str
+    worker_id: str  # name used in published KV events; host:port by default
+    kv_events_url: str | None = None  # redis:// for block-event pub/sub; None: no events
+    event_interval_s: float = 0.02
+    kv_flush_timeout_s: float = 5.0  # prefill: longest wait for blocks to reach the shared tier
+
+
+class Worker:
+    """State shared by the routes: the engine, config, counters, and the event publisher."""
+
+    def __init__(self, engine: AsyncEngine, config: WorkerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = ServerMetrics(
+            engine.model_info.name, config.role, engine.load, engine.config.batch_invariant
+        )
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self._publisher: asyncio.Task | None = None
+
+    # ---- generate -----------------------------------------------------------------------------
+
+    def admit(self, req: P.GenerateRequest):
+        """Validate before streaming, so a bad request is a 400 and never a broken stream."""
+        try:
+            params = P.sampling_from_dict(req.sampling)
+        except (TypeError, ValueError) as e:
+            raise InvalidRequestError(f"bad sampling parameters: {e}") from e
+        self.engine.check_request(req.prompt_token_ids, params)
+        return params
+
+    async def stream(self, req: P.GenerateRequest, params) -> AsyncIterator[bytes]:
+        first = True
+        try:
+            async for out in self.engine.generate(req.request_id, req.prompt_token_ids, params):
+                if first:
+                    self._count_prompt(out)
+                    first = False
+                self._count_generated(out)
+                keys: list[str] = []
+                if out.finished and req.mode == "prefill":
+                    keys = await self._flush_prompt_blocks(req.prompt_token_ids)
+                yield _line(P.StreamEvent.from_output(out, keys).to_json())
+        except InvalidRequestError as e:  # raced validation (e.g. a duplicate id)
+            yield _line(_error_event(req.request_id, str(e)))
+        except Exception as e:  # the stream must end with a reason, never silently
+            log.exception("request %s failed", req.request_id)
+            yield _line(_error_event(req.request_id, f"{type(e).__name__}: {e}"))
+
+    def _count_prompt(self, out: RequestOutput) -> None:
+        self.prompt_tokens += out.prompt_tokens
+        self.cached_tokens += out.cached_tokens
+        self.metrics.prompt_tokens.inc(out.prompt_tokens)
+        self.metrics.cached_tokens.inc(out.cached_tokens)
+
+    def _count_generated(self, out: RequestOutput) -> None:
+        self.metrics.generation_tokens.inc(sum(len(c.token_ids) for c in out.outputs))
+        for c in out.outputs:
+            if c.finish_reason is not None:
+                self.metrics.request_finished(c.finish_reason)
+
+    async def _flush_prompt_blocks(self, prompt: list[int]) -> list[str]:
+        """Wait until the background write-through has put the prompt's blocks in the shared
+        tier; return their keys (empty when there is no shared tier or the wait timed out)."""
+        tiering = self.engine.engine.kv_tiering
+        if tiering is None or tiering.tiers.store is None:
+            return []
+        timeout = self.config.kv_flush_timeout_s
+        if not await asyncio.to_thread(tiering.tiers.drain, timeout):
+            log.warning("KV blocks not in the shared tier after %.1fs", timeout)
+            return []
+        return prompt_block_keys(
+            self.engine.model_info.fingerprint, prompt, self.engine.config.block_size
+        )
+
+    # ---- load / health --------------------------------------------------------------------------
+
+    def load(self) -> P.WorkerLoad:
+        load = self.engine.load()
+        return P.WorkerLoad(
+            role=self.config.role,
+            running=load.running,
+            waiting=load.waiting,
+            kv_usage=load.kv_usage,
+            num_blocks=load.num_blocks,
+            num_free_blocks=load.num_free_blocks,
+            cache_hit_tokens=self.cached_tokens,
+            prompt_tokens=self.prompt_tokens,
+        )
+
+    def health(self) -> P.WorkerHealth:
+        return P.WorkerHealth(
+            status="ok",
+            role=self.config.role,
+            model=self.engine.model_info.name,
+            worker_id=self.config.worker_id,
+            block_size=self.engine.config.block_size,
+        )
+
+    def model_card(self) -> dict:
+        return {
+            "info": asdict(self.engine.model_info),
+            "tokenizer": self.engine.tokenizer.to_str(),
+        }
+
+    # ---- KV block events ------------------------------------------------------------------------
+
+    def start_events(self) -> None:
+        if self.config.kv_events_url and self._publisher is None:
+            self._publisher = asyncio.create_task(self._publish_events(), name="kv-events")
+
+    async def stop_events(self) -> None:
+        if self._publisher is not None:
+            self._publisher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._publisher
+            self._publisher = None
+
+    async def _publish_events(self) -> None:
+        import redis.asyncio as aioredis
+
+        client = aioredis.from_url(
+            self.config.kv_events_url, socket_timeout=1, socket_connect_timeout=1
+        )
+        # A (re)started worker holds nothing: routers must forget what they knew of it.
+        pending = [P.BlockEvent("cleared")]
+        try:
+            while True:
+                pending += [_block_event(e) for e in self.engine.take_block_events()]
+                if pending:
+                    batch = P.EventBatch(self.config.worker_id, pending)
+                    try:
+                        await client.publish(P.KV_EVENTS_CHANNEL, json.dumps(batch.to_json()))
+                    except (OSError, aioredis.RedisError) as e:
+                        # Dropped events only make routing less sticky, never wrong.
+                        log.warning("could not publish %d KV events: %s", len(pending), e)
+                    pending = []
+                await asyncio.sleep(self.config.event_interval_s)
+        finally:
+            await client.aclose()
+
+
+def prompt_block_keys(fingerprint: str, prompt: list[int], block_size: int) -> list[str]:
+    """Hex keys of the prompt's full blocks, chained as the block manager chains them."""
+    keys, parent = [], xxhash.xxh3_128_digest(fingerprint.encode())
+    for start in range(0, len(prompt) - block_size + 1, block_size):
+        parent = block_key(parent, prompt[start : start + block_size])
+        keys.append(parent.hex())
+    return keys
+
+
+def _block_event(e) -> P.BlockEvent:
+    if hasattr(e, "token_ids"):
+        parent = e.parent_key.hex() if e.parent_key is not None else None
+        return P.BlockEvent("stored", e.key.hex(), parent, list(e.token_ids))
+    return P.BlockEvent("removed", e.key.hex())
+
+
+def _line(obj: dict) -> bytes:
+    return (json.dumps(obj, separators=(",", ":")) + "\n").encode()
+
+
+def _error_event(request_id: str, message: str) -> dict:
+    return P.StreamEvent(request_id, [], finished=True, error=message).to_json()
+
+
+async def _json_body(request: Request) -> dict:
+    try:
+        body = json.loads(await request.body())
+    except ValueError as e:
+        raise ValueError(f"body is not JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise ValueError("body must be a JSON object")
+    return body
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error"}}, status)
+
+
+def build_worker_app(engine: AsyncEngine, config: WorkerConfig) -> FastAPI:
+    worker = Worker(engine, config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        worker.start_events()
+        try:
+            yield
+        finally:
+            await worker.stop_events()
+            await engine.shutdown()
+
+    app = FastAPI(title="deepserve worker", lifespan=lifespan)
+    app.state.worker = worker
+    expected = f"Bearer {config.internal_token}".encode()
+
+    @app.middleware("http")
+    async def require_secret(request: Request, call_next):
+        if request.url.path.startswith("/internal/"):
+            given = request.headers.get(P.AUTH_HEADER, "").encode()
+            if not hmac.compare_digest(given, expected):
+                return _error(401, "missing or wrong internal token")
+        return await call_next(request)
+
+    @app.post(P.GENERATE_PATH)
+    async def generate(request: Request):
+        try:
+            req = P.GenerateRequest.from_json(await _json_body(request))
+            params = worker.admit(req)
+        except (InvalidRequestError, TypeError, ValueError) as e:
+            return _error(400, str(e))
+        return StreamingResponse(worker.stream(req, params), media_type="application/x-ndjson")
+
+    @app.post(P.ABORT_PATH)
+    async def abort(request: Request):
+        try:
+            body = await _json_body(request)
+        except ValueError as e:
+            return _error(400, str(e))
+        if not isinstance(body.get("request_id"), str):
+            return _error(400, "request_id must be a string")
+        await engine.abort(body["request_id"])
+        return {"ok": True}
+
+    @app.get(P.LOAD_PATH)
+    async def load():
+        return worker.load().to_json()
+
+    @app.get(P.HEALTH_PATH)
+    async def health():
+        return worker.health().to_json()
+
+    @app.get(P.MODEL_PATH)
+    async def model():
+        return worker.model_card()
+
+    @app.get(P.METRICS_PATH)
+    async def metrics():
+        return PlainTextResponse(worker.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def run_worker(engine_config, config: WorkerConfig, host: str, port: int) -> int:
+    """Load the engine, then serve the internal API until SIGINT/SIGTERM."""
+    import uvicorn
+
+    engine = AsyncEngine(engine_config)
+    app = build_worker_app(engine, config)
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    return 0
