@@ -298,6 +298,13 @@ class BlockManager:
         else:
             self._free_cached[block_id] = None
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Release the blocks past the first `num_tokens` tokens (speculative slots of rejected
+        drafts). Those blocks were never registered: they hold no verified full block."""
+        keep = -(-num_tokens // self.block_size)
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop())
+
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
         """Share the parent's full blocks with `child`; copy its partial last block.
 

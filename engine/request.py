@@ -56,6 +56,10 @@ class Sequence:
     num_emitted_tokens: int = 0  # output tokens already delivered to the caller
     num_emitted_logprobs: int = 0
     finish_emitted: bool = False
+    # Speculative decoding (engine/spec_decode): draft tokens to verify next step, never part of
+    # token_ids until accepted; and the drafter's per-sequence progress (reset on preemption).
+    spec_token_ids: list[int] = field(default_factory=list)
+    draft_state: Any = None
 
     @property
     def num_tokens(self) -> int:
