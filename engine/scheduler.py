@@ -111,7 +111,12 @@ class Scheduler:
             if n == 0:  # forked this step; its first token is sampled from the parent's row
                 i += 1
                 continue
+            n += _fit_drafts(seq, budget - n)
             while not self._allocate(seq, n, None):
+                if seq.spec_token_ids:  # drop speculation before preempting anyone
+                    n -= len(seq.spec_token_ids)
+                    seq.spec_token_ids = []
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -161,7 +166,7 @@ class Scheduler:
         return self.bm.allocate(seq, n, match, extra_blocks=extra)
 
     def _commit(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
-        sample = seq.num_computed_tokens + n == seq.num_tokens
+        sample = seq.num_computed_tokens + n >= seq.num_tokens  # > when drafts ride along
         out.scheduled.append(ScheduledSeq(seq, n, sample))
         if self._completes_prompt_fork(seq, n, seq.num_computed_tokens):
             self._fork(out, seq)
@@ -183,6 +188,15 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.bm.free(seq)
+        seq.spec_token_ids = []
+        seq.draft_state = None
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+
+def _fit_drafts(seq: Sequence, budget: int) -> int:
+    """Speculative drafts verified with a decode step (engine/spec_decode), cut to the budget."""
+    if len(seq.spec_token_ids) > budget:
+        seq.spec_token_ids = seq.spec_token_ids[: max(budget, 0)]
+    return len(seq.spec_token_ids)
