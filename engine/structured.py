@@ -189,3 +189,37 @@ def apply_bitmask(
         logits.copy_(masked)
     else:
         logits[rows] = masked
+
+
+def tool_call_constraint(
+    model_format: str, tools_json: str, *, required: bool, opened_in_prompt: bool
+) -> StructuredOutput:
+    """A structural tag for DeepSeek DSML tool calls from the recipe's OutputConstraint.
+
+    model_format: xgrammar's builtin name ("deepseek_v4" or "deepseek_v4_1"). tools_json: the
+    recipe's compact JSON array of Chat Completions function tools. When the prompt already ends
+    with the tool-calls opener (tool_choice "required"), the grammar starts after it.
+    """
+    try:
+        tools = json.loads(tools_json)
+        tag = xgr.get_builtin_structural_tag(
+            model_format,
+            tools=tools,
+            tool_choice="required" if required else "auto",
+            reasoning=False,
+        )
+    except (ValueError, TypeError, KeyError) as e:
+        raise InvalidRequestError(f"tools cannot be turned into a grammar: {e}") from e
+    spec = json.loads(tag.model_dump_json())
+    if opened_in_prompt:
+        spec["format"] = _after_opener(spec["format"])
+    return StructuredOutput("structural_tag", json.dumps(spec))
+
+
+def _after_opener(fmt: dict) -> dict:
+    """Drop the leading constant opener of a sequence format (the prompt already holds it)."""
+    elements = fmt.get("elements", []) if fmt.get("type") == "sequence" else []
+    if elements and elements[0].get("type") == "const_string":
+        rest = elements[1:]
+        return rest[0] if len(rest) == 1 else {**fmt, "elements": rest}
+    return fmt

@@ -1,0 +1,129 @@
+"""`create_app`: the FastAPI application for one backend, from explicit config objects.
+
+Routes, error handlers (every error leaves as the protocol's error object with its status; bad
+input never becomes a 5xx) and the front middleware. Building the backend and running uvicorn is
+server/serve.py's job.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import deepseek_recipe as dr
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deepserve.engine.errors import EngineError, InvalidRequestError
+from deepserve.server import chat_routes, completions
+from deepserve.server.backend import Backend
+from deepserve.server.config import ServerConfig
+from deepserve.server.errors import HTTPError, error_response, message_of_conversion_error
+from deepserve.server.family import ModelFamily
+from deepserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from deepserve.server.middleware import FrontMiddleware
+from deepserve.server.protocols import CHAT, MESSAGES, RESPONSES
+from deepserve.server.state import AppState
+
+log = logging.getLogger(__name__)
+
+
+def create_app(
+    backend: Backend,
+    family: ModelFamily,
+    config: ServerConfig,
+    metrics: ServerMetrics | None = None,
+) -> FastAPI:
+    metrics = metrics or ServerMetrics(config.served_model_name, config.role, backend.load)
+    state = AppState(backend, family, config, metrics)
+    app = FastAPI(title="deepserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.deepserve = state
+    _add_routes(app, state)
+    _add_error_handlers(app)
+    app.add_middleware(
+        FrontMiddleware,
+        api_key=config.api_key,
+        max_body_bytes=config.max_body_bytes,
+        metrics=metrics,
+    )
+    return app
+
+
+def _add_routes(app: FastAPI, state: AppState) -> None:
+    created = int(time.time())
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await chat_routes.handle(request, CHAT, state)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await chat_routes.handle(request, RESPONSES, state)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await chat_routes.handle(request, MESSAGES, state)
+
+    @app.post("/v1/completions")
+    async def completion(request: Request) -> Response:
+        return await completions.handle(request, state)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {
+            "id": state.config.served_model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "deepserve",
+            "max_model_len": state.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        # The backend exists once the model is loaded; the app is only built after that.
+        return JSONResponse({"status": "ready", "model": state.config.served_model_name})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(HTTPError)
+    async def http_error(request: Request, e: HTTPError) -> Response:
+        return error_response(request.url.path, e.status, e.message, e.param)
+
+    @app.exception_handler(InvalidRequestError)
+    async def invalid(request: Request, e: InvalidRequestError) -> Response:
+        return error_response(request.url.path, 400, str(e))
+
+    @app.exception_handler(dr.ConversionError)
+    async def conversion(request: Request, e: dr.ConversionError) -> Response:
+        return error_response(request.url.path, e.status_code, message_of_conversion_error(e.body))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation(request: Request, e: RequestValidationError) -> Response:
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        return error_response(request.url.path, 400, f"{where}: {first.get('msg', 'invalid')}")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def starlette_http(request: Request, e: StarletteHTTPException) -> Response:
+        return error_response(request.url.path, e.status_code, str(e.detail))
+
+    @app.exception_handler(EngineError)
+    async def engine_error(request: Request, e: EngineError) -> Response:
+        log.error("engine error on %s: %s", request.url.path, e)
+        return error_response(request.url.path, 503, f"the engine cannot serve requests: {e}")
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception) -> Response:
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(request.url.path, 500, "internal server error")

@@ -1,0 +1,107 @@
+"""POST /v1/chat/completions, /v1/responses and /v1/messages: one request path for all three.
+
+Read the body, check the model name, then off the event loop: convert with the recipe, render and
+encode the prompt (model family), resolve max_tokens against the context, build SamplingParams,
+validate with the engine and compile any grammar, so every bad request fails with 4xx before work
+is queued. Then stream or collect the protocol chunks (server/stream.py, server/framing.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import deepseek_recipe as dr
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from deepserve.engine.errors import InvalidRequestError
+from deepserve.engine.sampling_params import SamplingParams
+from deepserve.server.errors import HTTPError, message_of_conversion_error
+from deepserve.server.framing import FrameInfo, collect, sse_body
+from deepserve.server.protocols import ProtocolSpec, parse_request
+from deepserve.server.sampling import build_sampling_params, pop_extras
+from deepserve.server.state import (
+    AppState,
+    ClientDisconnected,
+    check_model,
+    read_json,
+    until_disconnect,
+)
+from deepserve.server.stream import GenerationJob, stream_chunks
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class Prepared:
+    job: GenerationJob
+    stream: bool
+    include_usage: bool
+
+
+async def handle(request: Request, spec: ProtocolSpec, state: AppState) -> Response:
+    body = await read_json(request, state.config.max_body_bytes)
+    check_model(body, state.config.served_model_name)
+    prepared = await asyncio.to_thread(prepare, spec, body, state)
+    job = prepared.job
+    chunks = stream_chunks(state.backend, job, state.family.recipe_tokenizer, state.metrics)
+    info = FrameInfo(
+        spec,
+        job.request_id,
+        state.config.served_model_name,
+        job.params.n,
+        prepared.include_usage,
+        job,
+    )
+    if prepared.stream:
+        return StreamingResponse(
+            sse_body(chunks, info), media_type="text/event-stream", headers=SSE_HEADERS
+        )
+    try:
+        result = await until_disconnect(request, collect(chunks, info))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return JSONResponse(result)
+
+
+def prepare(spec: ProtocolSpec, body: dict, state: AppState) -> Prepared:
+    """Everything before queueing; runs on a worker thread. Raises HTTPError/InvalidRequestError."""
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    extras = pop_extras(body, spec.allows_n)
+    parsed = parse_request(
+        spec, body, state.family.conversion_options, state.config.served_model_name
+    )
+    conv = parsed.conversation
+    prompt = state.family.prepare(conv)
+    max_tokens = _resolve_max_tokens(conv, len(prompt.token_ids), state.max_model_len)
+    params = build_sampling_params(
+        body, conv.inference_options, max_tokens, extras, prompt.structured
+    )
+    validate(state, prompt.token_ids, params)
+    job = GenerationJob(
+        parsed.request_id, prompt.token_ids, params, prompt.parsing, parsed.make_generator
+    )
+    return Prepared(job, conv.stream, include_usage)
+
+
+def _resolve_max_tokens(conv: dr.ConversationRequest, n_prompt: int, context: int) -> int:
+    try:
+        return conv.resolve_max_tokens(n_prompt, context)
+    except dr.ConversionError as e:
+        raise HTTPError(e.status_code, message_of_conversion_error(e.body)) from e
+
+
+def validate(state: AppState, prompt_ids: list[int], params: SamplingParams) -> None:
+    """Engine-side checks and grammar compilation, recorded in the metrics."""
+    state.backend.check_request(prompt_ids, params)
+    if params.structured is None:
+        return
+    compile_grammar = getattr(state.backend, "compile_grammar", None)
+    if compile_grammar is None:  # a remote backend validates on its side
+        return
+    compiled = compile_grammar(params)
+    if compiled is None:
+        raise InvalidRequestError("the output constraint did not compile")
+    state.metrics.structured_request(params.structured.kind)
+    state.metrics.grammar_compile.observe(compiled.compile_seconds)

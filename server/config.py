@@ -1,0 +1,19 @@
+"""`ServerConfig`: the frontend's own settings (address, auth, limits, names), frozen, built by the CLI.
+
+Engine settings live in engine/config.py; this holds only what the HTTP layer needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # None: no authentication
+    max_body_bytes: int = 8 * 2**20  # larger bodies get 413 before they are parsed
+    role: str = "mixed"  # metrics label: "mixed" | "frontend" | "prefill" | "decode"
+    stream_keepalive_s: float = 15.0

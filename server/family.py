@@ -1,0 +1,157 @@
+"""Model families: the model-specific half of serving a chat request.
+
+A family turns a converted recipe `ConversationRequest` into prompt token ids, says how the output
+is parsed (`ParsingOptions`) and which output constraint the engine enforces. `DeepSeekFamily`
+renders with deepseek-recipe's V4 / V4.1 encodings and parses reasoning and DSML tool calls;
+`ChatMLFamily` (SmolLM2 and other HF chat models) renders with the model's own chat template and
+parses plain text. Not here: protocol request/response handling (server/chat.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import deepseek_recipe as dr
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from deepserve.engine.errors import InvalidRequestError, UnsupportedModelError
+from deepserve.engine.sampling_params import StructuredOutput
+from deepserve.engine.structured import tool_call_constraint
+
+_XGRAMMAR_FORMATS = {
+    dr.ModelVersion.DeepseekV4Pro: "deepseek_v4",
+    dr.ModelVersion.DeepseekV41Flash: "deepseek_v4_1",
+}
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    token_ids: list[int]
+    parsing: dr.ParsingOptions
+    structured: StructuredOutput | None
+
+
+class ModelFamily:
+    """Base: what every family offers the protocol layer."""
+
+    name = "base"
+    conversion_options: dr.ConversionOptions
+    recipe_tokenizer: dr.Tokenizer  # decodes `tokens` chunks inside the StreamProcessor
+
+    def prepare(self, request: dr.ConversationRequest) -> PreparedPrompt:
+        raise NotImplementedError
+
+    def constraint(self, request: dr.ConversationRequest) -> StructuredOutput | None:
+        """The json / regex constraint of a converted request (tool calls: see subclasses)."""
+        oc = request.inference_options.output_constraint
+        if oc is None:
+            return None
+        if oc.kind == "json":
+            return StructuredOutput("json_schema", oc.schema) if oc.schema else _JSON_OBJECT
+        if oc.kind == "regex":
+            return StructuredOutput("regex", oc.schema)
+        return self.tool_constraint(request, oc)
+
+    def tool_constraint(
+        self, request: dr.ConversationRequest, oc: dr.OutputConstraint
+    ) -> StructuredOutput | None:
+        if oc.kind == "tool_call_required":
+            raise InvalidRequestError(f"model family {self.name} does not support tool calls")
+        return None
+
+
+_JSON_OBJECT = StructuredOutput("json_object")
+
+
+class DeepSeekFamily(ModelFamily):
+    """DeepSeek V4 / V4.1 prompt encoding and output parsing, all from deepseek-recipe."""
+
+    name = "deepseek"
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        served_name: str,
+        version: dr.ModelVersion = dr.ModelVersion.DeepseekV4Pro,
+    ) -> None:
+        self.version = version
+        self.recipe_tokenizer = dr.Tokenizer.from_str(tokenizer.to_str())
+        encoding = (
+            dr.DeepseekV41Encoding()
+            if version == dr.ModelVersion.DeepseekV41Flash
+            else dr.DeepseekV4Encoding()
+        )
+        self.encoding = encoding.with_tokenizer(self.recipe_tokenizer)
+        self.conversion_options = dr.ConversionOptions().with_model_alias(served_name, version)
+
+    def prepare(self, request: dr.ConversationRequest) -> PreparedPrompt:
+        structured = self.constraint(request)
+        try:
+            ids = self.encoding.encode(request.conversation)
+        except RuntimeError as e:
+            raise InvalidRequestError(f"cannot encode the conversation: {e}") from e
+        return PreparedPrompt(ids, request.parsing_options, structured)
+
+    def tool_constraint(
+        self, request: dr.ConversationRequest, oc: dr.OutputConstraint
+    ) -> StructuredOutput | None:
+        required = oc.kind == "tool_call_required"
+        return tool_call_constraint(
+            _XGRAMMAR_FORMATS[self.version],
+            oc.schema,
+            required=required,
+            opened_in_prompt=request.parsing_options.starts_in_tool_calls,
+        )
+
+
+class ChatMLFamily(ModelFamily):
+    """HF chat models: the checkpoint's own chat template, plain-text output (no reasoning/tools)."""
+
+    name = "chatml"
+
+    def __init__(self, tokenizer: Tokenizer, served_name: str, chat_template: str) -> None:
+        self.tokenizer = tokenizer
+        self.recipe_tokenizer = dr.Tokenizer.from_str(tokenizer.to_str())
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        self.template = env.from_string(chat_template)
+        # Thinking off by default: in thinking mode the recipe forces temperature 1.0.
+        self.conversion_options = (
+            dr.ConversionOptions()
+            .with_default_thinking_mode(False)
+            .with_model_alias(served_name, dr.ModelVersion.DeepseekV4Pro)
+        )
+
+    def render(self, conversation: dr.Conversation) -> str:
+        messages = [{"role": m.role, "content": m.content} for m in conversation.messages]
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=True)
+        except TemplateError as e:
+            raise InvalidRequestError(f"the chat template rejected the messages: {e}") from e
+
+    def prepare(self, request: dr.ConversationRequest) -> PreparedPrompt:
+        structured = self.constraint(request)
+        text = self.render(request.conversation)
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return PreparedPrompt(ids, plain_parsing(request.parsing_options), structured)
+
+
+def plain_parsing(options: dr.ParsingOptions) -> dr.ParsingOptions:
+    """The request's parsing options with reasoning and DeepSeek tool-call markup parsing off."""
+    return dr.ParsingOptions(
+        parse_tool_calls=False,
+        starts_in_tool_calls=False,
+        parse_json_output=options.parse_json_output,
+        thinking_initial_stage=None,
+        stop_sequences=options.stop_sequences,
+    )
+
+
+def make_family(family: str, tokenizer: Tokenizer, served_name: str, chat_template: str | None):
+    """The family for an engine's ModelInfo.family ("deepseek_v3" or a ChatML-templated model)."""
+    if family.startswith("deepseek"):
+        return DeepSeekFamily(tokenizer, served_name)
+    if not chat_template:
+        raise UnsupportedModelError(f"model family {family!r} has no chat template to render with")
+    return ChatMLFamily(tokenizer, served_name, chat_template)

@@ -1,0 +1,129 @@
+"""HTTP framing of recipe protocol chunks: SSE for streams, accumulated JSON otherwise.
+
+With n > 1 (Chat Completions only) each choice has its own StreamProcessor, whose chunks all say
+`index: 0`; here they get their real index, and usage is summed over the choices.
+Not here: producing the chunks (server/stream.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from deepserve.server.errors import anthropic_error, openai_error
+from deepserve.server.protocols import MESSAGES, ProtocolSpec
+from deepserve.server.stream import GenerationJob
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FrameInfo:
+    spec: ProtocolSpec
+    request_id: str
+    model: str
+    n: int
+    include_usage: bool  # Chat Completions stream_options.include_usage (n > 1 usage chunk)
+    job: GenerationJob  # its prompt counts are known once the first chunk arrived
+
+
+def sse(event: str | None, data: str) -> bytes:
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {data}\n\n".encode()
+
+
+async def sse_body(
+    chunks: AsyncIterator[tuple[int, list]], info: FrameInfo
+) -> AsyncIterator[bytes]:
+    usage: dict[int, dict] = {}
+    cls = info.spec.response_cls
+    async with aclosing(chunks):
+        try:
+            async for index, items in chunks:
+                for ch in items:
+                    if info.n == 1:
+                        yield sse(cls.sse_event_name(ch), ch.to_json())
+                    else:
+                        yield sse(None, json.dumps(_reindex(ch.to_json(), index, usage)))
+        except Exception as e:  # a failure after headers went out: tell the client in-band
+            log.exception("stream %s failed", info.request_id)
+            yield _error_event(info, str(e) or type(e).__name__)
+            return
+    if info.n > 1 and info.include_usage:
+        yield sse(None, json.dumps(_usage_chunk(info, usage)))
+    done = cls.sse_done_data()
+    if done:
+        yield sse(None, done)
+
+
+def _reindex(chunk_json: str, index: int, usage: dict[int, dict]) -> dict:
+    chunk = json.loads(chunk_json)
+    for choice in chunk.get("choices", []):
+        choice["index"] = index
+    if chunk.get("usage"):
+        usage[index] = chunk["usage"]
+    chunk["usage"] = None
+    return chunk
+
+
+def _usage_chunk(info: FrameInfo, usage: dict[int, dict]) -> dict:
+    return {
+        "id": info.request_id,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": info.model,
+        "choices": [],
+        "usage": _sum_usage(list(usage.values())),
+    }
+
+
+def _sum_usage(usages: list[dict]) -> dict | None:
+    if not usages:
+        return None
+    total = dict(usages[0])
+    total["completion_tokens"] = sum(u.get("completion_tokens", 0) for u in usages)
+    total["total_tokens"] = total.get("prompt_tokens", 0) + total["completion_tokens"]
+    return total
+
+
+def _error_event(info: FrameInfo, message: str) -> bytes:
+    if info.spec is MESSAGES:
+        return sse("error", json.dumps(anthropic_error(500, message)))
+    return sse(None, json.dumps(openai_error(500, message)))
+
+
+async def collect(chunks: AsyncIterator[tuple[int, list]], info: FrameInfo) -> dict:
+    """Accumulate every chunk into the protocol's response object(s); one JSON body."""
+    responses: list = []
+    async with aclosing(chunks):
+        async for index, items in chunks:
+            if not responses:
+                responses = [_new_response(info) for _ in range(info.n)]
+            for ch in items:
+                responses[index].accumulate(ch)
+    bodies = [json.loads(r.to_json()) for r in responses]
+    return bodies[0] if info.n == 1 else _merge_choices(bodies)
+
+
+def _new_response(info: FrameInfo):
+    return info.spec.response_cls(
+        info.request_id,
+        info.model,
+        int(time.time()),
+        info.job.prompt_tokens,
+        info.job.cached_tokens,
+    )
+
+
+def _merge_choices(bodies: list[dict]) -> dict:
+    merged = dict(bodies[0])
+    merged["choices"] = []
+    for i, body in enumerate(bodies):
+        for choice in body.get("choices", []):
+            merged["choices"].append({**choice, "index": i})
+    merged["usage"] = _sum_usage([b["usage"] for b in bodies if b.get("usage")])
+    return merged

@@ -1,0 +1,191 @@
+"""Prometheus metrics of one server, in a registry the app owns (never the process-global one).
+
+Names carry the `deepserve:` prefix and follow vLLM's where one exists, so existing dashboards
+map over. Labels are the model name and the process role, plus a bounded set of values (endpoint,
+status, finish reason, constraint kind); never request contents. Engine-side gauges (running,
+waiting, KV usage, preemptions) are read from the backend's `load()` at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+P = "deepserve:"
+# LLM-shaped buckets: TTFT spans cache hits (ms) to long prefills queued behind others (minutes).
+TTFT_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
+ITL_BUCKETS = (
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+)
+E2E_BUCKETS = (
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+)
+COMPILE_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _EngineCollector(Collector):
+    """Gauges read from the backend's EngineLoad when Prometheus scrapes."""
+
+    def __init__(self, load: Callable[[], object], labels: dict[str, str]) -> None:
+        self._load = load
+        self._labels = labels
+
+    def collect(self) -> Iterator:
+        load = self._load()
+        names, values = list(self._labels), list(self._labels.values())
+        for name, doc, value in [
+            ("num_requests_running", "Requests in the running batch.", load.running),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", load.waiting),
+            ("kv_cache_usage_perc", "Fraction of device KV blocks in use.", load.kv_usage),
+        ]:
+            g = GaugeMetricFamily(P + name, doc, labels=names)
+            g.add_metric(values, float(value))
+            yield g
+        preemptions = getattr(load, "num_preemptions", None)
+        if preemptions is not None:
+            c = CounterMetricFamily(P + "num_preemptions", "Requests preempted.", labels=names)
+            c.add_metric(values, float(preemptions))
+            yield c
+
+
+class ServerMetrics:
+    """Every metric the frontend exports; one instance per app."""
+
+    def __init__(
+        self,
+        model_name: str,
+        role: str,
+        load: Callable[[], object] | None = None,
+        batch_invariant: bool = False,
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.labels = {"model_name": model_name, "role": role}
+        names = list(self.labels)
+        r = self.registry
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]):
+            return Histogram(P + name, doc, names, buckets=buckets, registry=r).labels(
+                **self.labels
+            )
+
+        def counter(name: str, doc: str):
+            return Counter(P + name, doc, names, registry=r).labels(**self.labels)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between output tokens.", ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Request latency end to end.", E2E_BUCKETS)
+        self.queue_time = hist(
+            "request_queue_time_seconds", "Time from arrival to first scheduling.", E2E_BUCKETS
+        )
+        self.grammar_compile = hist(
+            "grammar_compile_seconds", "Structured-output grammar compile time.", COMPILE_BUCKETS
+        )
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Output tokens generated.")
+        self.cached_tokens = counter(
+            "prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache (any tier)."
+        )
+        self._success = Counter(
+            P + "request_success",
+            "Finished requests by reason.",
+            names + ["finished_reason"],
+            registry=r,
+        )
+        self._structured = Counter(
+            P + "structured_output_requests",
+            "Requests with an output constraint.",
+            names + ["kind"],
+            registry=r,
+        )
+        self._http = Counter(
+            P + "http_requests",
+            "HTTP requests by endpoint and status.",
+            names + ["endpoint", "status"],
+            registry=r,
+        )
+        mode = Gauge(
+            P + "batch_invariant_mode", "1 when batch-invariant mode is on.", names, registry=r
+        )
+        mode.labels(**self.labels).set(1.0 if batch_invariant else 0.0)
+        if load is not None:
+            r.register(_EngineCollector(load, self.labels))
+
+    def request_finished(self, reason: str) -> None:
+        self._success.labels(**self.labels, finished_reason=reason).inc()
+
+    def structured_request(self, kind: str) -> None:
+        self._structured.labels(**self.labels, kind=kind).inc()
+
+    def http_request(self, endpoint: str, status: int) -> None:
+        self._http.labels(**self.labels, endpoint=endpoint, status=str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

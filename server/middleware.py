@@ -1,0 +1,76 @@
+"""ASGI middleware in front of every route: API key, body-size limit, HTTP request metrics.
+
+Written as plain ASGI (not Starlette's BaseHTTPMiddleware) so streaming responses pass through
+untouched and disconnects still reach the handlers. Not here: per-protocol error bodies
+(server/errors.py), which this uses for its own 401 and 413 answers.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from deepserve.server.errors import error_response
+from deepserve.server.metrics import ServerMetrics
+
+OPEN_PATHS = ("/health", "/ready", "/metrics")
+KNOWN_ENDPOINTS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/models",
+    "/health",
+    "/ready",
+    "/metrics",
+)
+
+
+class FrontMiddleware:
+    def __init__(
+        self, app, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics
+    ) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        status = {"code": 500}
+
+        async def send_and_count(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            rejection = self._reject(scope)
+            if rejection is not None:
+                await rejection(scope, receive, send_and_count)
+            else:
+                await self.app(scope, receive, send_and_count)
+        finally:
+            endpoint = path if path in KNOWN_ENDPOINTS else "other"
+            self.metrics.http_request(endpoint, status["code"])
+
+    def _reject(self, scope):
+        path = scope["path"]
+        headers = dict(scope.get("headers") or [])
+        if self.api_key and not path.startswith(OPEN_PATHS) and not self._authorized(headers):
+            return error_response(path, 401, "missing or invalid API key")
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return error_response(
+                path, 413, f"request body exceeds the limit of {self.max_body_bytes} bytes"
+            )
+        return None
+
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        given = headers.get(b"x-api-key", b"").decode("latin-1")
+        auth = headers.get(b"authorization", b"").decode("latin-1")
+        if auth.lower().startswith("bearer "):
+            given = auth[7:].strip()
+        return bool(given) and hmac.compare_digest(given.encode(), self.api_key.encode())

@@ -1,0 +1,74 @@
+"""The three chat protocols deepseek-recipe implements, described once each.
+
+A `ProtocolSpec` says which recipe request and response classes an endpoint uses and how to build
+its chunk generator; `parse_request` runs the recipe's validation and conversion. Everything a
+protocol differs in lives in this table, so the request path (server/requests.py) is shared.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import deepseek_recipe as dr
+
+from deepserve.server.errors import HTTPError, message_of_conversion_error
+
+GeneratorFactory = Callable[[], object]  # a fresh recipe chunk generator (one per choice)
+
+
+@dataclass(frozen=True)
+class ProtocolSpec:
+    name: str  # "chat" | "responses" | "messages"
+    request_cls: type
+    response_cls: type
+    id_prefix: str
+    allows_n: bool
+
+
+CHAT = ProtocolSpec("chat", dr.ChatCompletionRequest, dr.ChatCompletionResponse, "chatcmpl-", True)
+RESPONSES = ProtocolSpec("responses", dr.ResponsesRequest, dr.ResponsesResponse, "resp_", False)
+MESSAGES = ProtocolSpec("messages", dr.MessagesRequest, dr.MessagesResponse, "msg_", False)
+
+
+@dataclass
+class ParsedRequest:
+    conversation: dr.ConversationRequest
+    request_id: str
+    make_generator: GeneratorFactory
+
+
+def new_request_id(spec: ProtocolSpec) -> str:
+    return spec.id_prefix + uuid.uuid4().hex[:24]
+
+
+def parse_request(
+    spec: ProtocolSpec, body: dict, options: dr.ConversionOptions, served_name: str
+) -> ParsedRequest:
+    """Validate and convert a request body with the recipe; HTTPError(400...) when it is bad."""
+    try:
+        raw = spec.request_cls(body)
+        extra = _pre_convert(spec, raw, options)
+        conversation = raw.convert(options)
+    except dr.ConversionError as e:
+        raise HTTPError(e.status_code, message_of_conversion_error(e.body)) from e
+    except ValueError as e:  # body that does not deserialize into the protocol's request
+        raise HTTPError(400, str(e)) from e
+    rid = new_request_id(spec)
+
+    def make_generator():
+        gen = spec.request_cls.chunk_generator(conversation, rid, served_name)
+        if spec is RESPONSES:
+            ntm, echo = extra
+            gen = gen.with_namespace_tool_map(ntm).with_echo(echo)
+        return gen
+
+    return ParsedRequest(conversation, rid, make_generator)
+
+
+def _pre_convert(spec: ProtocolSpec, raw, options: dr.ConversionOptions):
+    """What must be read before `convert` consumes the request (Responses only)."""
+    if spec is RESPONSES:
+        return raw.namespace_tool_map(options), raw.echo()
+    return None

@@ -1,0 +1,83 @@
+"""`AppState`: the objects every route needs, built once by the app factory and passed explicitly.
+
+Also the two request-level helpers every route shares: reading a JSON body within the size
+limit, and running work that ends early when the client disconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from deepserve.server.backend import Backend
+from deepserve.server.config import ServerConfig
+from deepserve.server.errors import HTTPError
+from deepserve.server.family import ModelFamily
+from deepserve.server.metrics import ServerMetrics
+
+
+@dataclass
+class AppState:
+    backend: Backend
+    family: ModelFamily
+    config: ServerConfig
+    metrics: ServerMetrics
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.backend.model_info.max_model_len
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the answer was ready."""
+
+
+async def read_json(request: Request, max_bytes: int) -> dict:
+    body = await request.body()
+    if len(body) > max_bytes:
+        raise HTTPError(413, f"request body exceeds the limit of {max_bytes} bytes")
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HTTPError(400, f"the request body is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise HTTPError(400, "the request body must be a JSON object")
+    return data
+
+
+def check_model(body: dict, served_name: str) -> None:
+    model = body.get("model")
+    if model is None:
+        raise HTTPError(400, "the request names no model", param="model")
+    if model != served_name:
+        raise HTTPError(
+            404,
+            f"the model {model!r} does not exist; this server serves {served_name!r}",
+            param="model",
+        )
+
+
+async def until_disconnect(request: Request, work: Awaitable):
+    """Await `work`; cancel it and raise ClientDisconnected if the client leaves first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientDisconnected()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # The body is already read, so the next ASGI message can only be the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
