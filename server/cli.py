@@ -120,6 +120,73 @@ def worker_config_from_args(args: argparse.Namespace):
     )
 
 
+def add_frontend_parser(sub) -> None:
+    from deepserve.router.policies import POLICIES
+
+    p = sub.add_parser("frontend", help="the HTTP frontend over remote workers (router, PD)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="the model the workers serve")
+    p.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("DEEPSERVE_API_KEY"))
+    p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger bodies get 413")
+    g = p.add_argument_group("workers and routing (docs/router.md)")
+    g.add_argument("--workers", nargs="+", default=[], metavar="URL", help="mixed workers")
+    g.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="prefill workers")
+    g.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode workers")
+    g.add_argument("--pool-file", default=None, help="YAML role -> URLs, re-read when it changes")
+    g.add_argument("--policy", choices=POLICIES, default="cache_aware")
+    g.add_argument("--kv-store", default=None, help="redis:// carrying the workers' KV events")
+    g.add_argument(
+        "--internal-token",
+        default=os.environ.get("DEEPSERVE_INTERNAL_TOKEN"),
+        help="shared secret sent on every worker call (default: $DEEPSERVE_INTERNAL_TOKEN)",
+    )
+    g.add_argument("--max-attempts", type=int, default=3, help="workers tried before 1st token")
+    g.add_argument("--health-interval", type=float, default=1.0, help="seconds between probes")
+    g.add_argument("--eject-after", type=int, default=3, help="consecutive failures to eject")
+    g.add_argument("--readmit-after", type=int, default=2, help="probe successes to re-admit")
+    g.add_argument("--first-token-timeout", type=float, default=120.0)
+    g.add_argument("--token-timeout", type=float, default=30.0, help="max gap between tokens")
+
+
+def frontend_config_from_args(args: argparse.Namespace):
+    from dataclasses import replace
+
+    from deepserve.disagg.client import ClientTimeouts
+    from deepserve.router.pool import HealthPolicy
+    from deepserve.router.router import RouterConfig
+    from deepserve.server.frontend import FrontendConfig
+
+    if not args.internal_token:
+        raise SystemExit(
+            "deepserve frontend: --internal-token (or DEEPSERVE_INTERNAL_TOKEN) is required"
+        )
+    if not (args.workers or args.prefill or args.decode or args.pool_file):
+        raise SystemExit("deepserve frontend: give --workers, --prefill/--decode or --pool-file")
+    router = RouterConfig(
+        workers={
+            "mixed": tuple(args.workers),
+            "prefill": tuple(args.prefill),
+            "decode": tuple(args.decode),
+        },
+        pool_file=args.pool_file,
+        policy=args.policy,
+        internal_token=args.internal_token,
+        kv_events_url=args.kv_store
+        if (args.kv_store or "").startswith(("redis://", "rediss://"))
+        else None,
+        max_attempts=args.max_attempts,
+        health_interval=args.health_interval,
+        health=HealthPolicy(args.eject_after, args.readmit_after),
+        timeouts=ClientTimeouts(
+            first_event=args.first_token_timeout, between_events=args.token_timeout
+        ),
+    )
+    server = replace(server_config_from_args(args), role="frontend")
+    return FrontendConfig(router=router, server=server, model=args.model)
+
+
 def add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI/Anthropic-compatible HTTP server with one engine")
     add_engine_args(p)
@@ -195,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
 
     add_worker_parser(sub)
+    add_frontend_parser(sub)
 
     add_serve_parser(sub)
     add_bench_parser(sub)
@@ -222,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
 
         print(write_tiny_deepseek(Path(args.out), seed=args.seed))
         return 0
+    if args.command == "frontend":
+        from deepserve.server.frontend import run_frontend
+
+        return run_frontend(frontend_config_from_args(args))
     if args.command == "worker":
         from deepserve.server.worker import run_worker
 
