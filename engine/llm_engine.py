@@ -65,12 +65,14 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
+        self.spec = _make_speculative(config, self.model, self.block_manager, self.max_model_len)
         self.runner = ModelRunner(
             self.model,
             num_blocks,
             config.block_size,
             torch.device(config.device),
             self.eos_token_ids,
+            keep_hidden=self.spec is not None and self.spec.needs_hidden,
         )
         if self.kv_tiering is not None:
             self.kv_tiering.bind_cache(self.runner.kv_cache)
@@ -192,21 +194,42 @@ class LLMEngine:
         result = self.runner.execute(out)
         self._apply_progress(out)
         touched = self._apply_samples(result)
+        if self.spec is not None:  # drafts for the next step
+            self.spec.propose(out, result.hidden, self.runner.kv_cache)
         return [self._make_output(r) for r in touched]
 
     def _apply_progress(self, out: SchedulerOutput) -> None:
         for item in out.scheduled:
             seq = item.seq
-            seq.num_computed_tokens += item.num_new_tokens
+            # Draft rows count once verified (SpeculativeDecoder.commit_accepted).
+            seq.num_computed_tokens += item.num_new_tokens - len(seq.spec_token_ids)
             self.block_manager.register_computed(seq)
 
     def _apply_samples(self, result: StepResult) -> list[Request]:
         touched: dict[int, Request] = {}
         logprobs = result.sampled.logprobs
-        for seq, token, lp in zip(result.seqs, result.sampled.token_ids, logprobs, strict=True):
-            self._append_token(seq, token, lp)
+        rows = list(zip(result.seqs, result.sampled.token_ids, logprobs, strict=True))
+        i = 0
+        while i < len(rows):
+            seq, token, lp = rows[i]
+            num_rows = 1 + len(seq.spec_token_ids)  # a speculating sequence's rows are adjacent
+            if num_rows == 1:
+                self._append_token(seq, token, lp)
+            else:
+                self._apply_verified(seq, rows[i : i + num_rows])
             touched[id(seq.request)] = seq.request
+            i += num_rows
         return list(touched.values())
+
+    def _apply_verified(self, seq: Sequence, rows: list) -> None:
+        """Append the accepted drafts and the target's next token, stopping where plain decoding
+        would have stopped; then roll the KV slots of rejected drafts back."""
+        emitted = self.spec.verify(seq, [token for _, token, _ in rows])
+        for _, token, lp in rows[: len(emitted)]:
+            if seq.is_finished:
+                break
+            self._append_token(seq, token, lp)
+        self.spec.commit_accepted(seq, len(emitted) - 1)
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> None:
         seq.token_ids.append(token)
@@ -283,6 +306,15 @@ class LLMEngine:
         self.runner.close()
         if self.kv_tiering is not None:
             self.kv_tiering.close()
+
+
+def _make_speculative(config: EngineConfig, model, block_manager, max_model_len: int):
+    """The speculative decoder (engine/spec_decode), or None when off or --batch-invariant."""
+    if config.speculative is None:
+        return None
+    from deepserve.engine.spec_decode.decoder import create_speculative_decoder
+
+    return create_speculative_decoder(config, model, block_manager, max_model_len)
 
 
 def _make_kv_tiering(config: EngineConfig, model, fingerprint: str):

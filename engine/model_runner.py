@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from deepserve.engine.request import Sequence
 from deepserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from deepserve.engine.scheduler import SchedulerOutput
 
+if TYPE_CHECKING:
+    from deepserve.engine.spec_decode.decoder import StepHidden
+
 
 @dataclass
 class StepInputs:
@@ -29,12 +33,14 @@ class StepInputs:
     attn: AttentionMetadata
     sample_rows: torch.Tensor  # [N] row of the flattened batch whose logits each sample uses
     sample_seqs: list[Sequence]
+    sample_views: list[Sequence]  # what the sampler sees per row (drafts as if accepted)
 
 
 @dataclass
 class StepResult:
-    seqs: list[Sequence]  # one per sampled row, in row order
+    seqs: list[Sequence]  # one per sampled row, in row order (a speculating sequence: 1 + drafts)
     sampled: SamplerOutput
+    hidden: StepHidden | None = None  # the target's hidden states, kept for the MTP drafter
 
 
 def num_kv_blocks(model: CausalLM, block_size: int, kv_cache_bytes: int) -> int:
@@ -52,8 +58,10 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         eos_token_ids: tuple[int, ...],
+        keep_hidden: bool = False,
     ) -> None:
         self.model = model
+        self.keep_hidden = keep_hidden  # MTP speculation drafts from the target's hidden states
         self.block_size = block_size
         self.device = device
         self.eos_token_ids = eos_token_ids
@@ -75,17 +83,18 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> StepResult:
         inputs = self.prepare(out)
         batch = SamplingBatch.build(
-            inputs.sample_seqs, self.eos_token_ids, self.model.vocab_size, self.device
+            inputs.sample_views, self.eos_token_ids, self.model.vocab_size, self.device
         )
         masks = self._start_masks(inputs.sample_seqs)
         hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache)
         self._copy_blocks(out.block_copies)
+        kept = _keep_hidden(hidden, inputs.attn) if self.keep_hidden else None
         if not inputs.sample_seqs:
-            return StepResult([], SamplerOutput([], []))
+            return StepResult([], SamplerOutput([], []), kept)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         if masks is not None:
             batch.bitmask = masks.result()
-        return StepResult(inputs.sample_seqs, self.sampler.sample(logits, batch))
+        return StepResult(inputs.sample_seqs, self.sampler.sample(logits, batch), kept)
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         """Flatten the scheduled chunks into one batch (built on the host, moved once)."""
@@ -98,12 +107,15 @@ class ModelRunner:
         context_lens: list[int] = []
         rows: list[int] = []
         sample_seqs: list[Sequence] = []
+        sample_views: list[Sequence] = []
         fork_children = {id(f.parent): f.children for f in out.forks}
         for item in out.scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
             table = seq.block_table
-            input_ids += seq.token_ids[start:end]
+            input_ids += (
+                seq.token_ids[start:end] + seq.spec_token_ids[: max(0, end - seq.num_tokens)]
+            )
             positions += range(start, end)
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             query_start.append(query_start[-1] + item.num_new_tokens)
@@ -111,8 +123,11 @@ class ModelRunner:
             context_lens.append(start)
             if item.sample:
                 children = fork_children.get(id(seq), [])
-                rows += [query_start[-1] - 1] * (1 + len(children))
-                sample_seqs += [seq, *children]
+                num_drafts = len(seq.spec_token_ids)  # speculation: verify every draft row too
+                rows += range(query_start[-1] - 1 - num_drafts, query_start[-1])
+                rows += [query_start[-1] - 1] * len(children)
+                sample_seqs += [seq] * (1 + num_drafts) + children
+                sample_views += _sampling_views(seq) + children
         width = max(len(item.seq.block_table) for item in out.scheduled)
         tables = [i.seq.block_table + [0] * (width - len(i.seq.block_table)) for i in out.scheduled]
         attn = AttentionMetadata(
@@ -132,6 +147,7 @@ class ModelRunner:
             attn=attn,
             sample_rows=self._to_device(rows, torch.int64),
             sample_seqs=sample_seqs,
+            sample_views=sample_views,
         )
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -152,7 +168,12 @@ class ModelRunner:
 
     def _start_masks(self, seqs: list[Sequence]) -> Future | None:
         """Fill grammar bitmasks on a helper thread; the forward releases the GIL meanwhile."""
-        rows = [(i, s.matcher) for i, s in enumerate(seqs) if s.matcher is not None]
+        # A speculating sequence's rows are consecutive; its first row fills them all.
+        rows = [
+            (i, s)
+            for i, s in enumerate(seqs)
+            if s.matcher is not None and (i == 0 or seqs[i - 1] is not s)
+        ]
         if not rows:
             return None
         from deepserve.engine.structured import allocate_bitmask
@@ -162,8 +183,27 @@ class ModelRunner:
         bitmask = allocate_bitmask(len(seqs), self.model.vocab_size)
 
         def fill() -> torch.Tensor:
-            for row, matcher in rows:
-                matcher.fill_bitmask(bitmask, row)
+            for row, seq in rows:
+                if seq.spec_token_ids:
+                    from deepserve.engine.spec_decode.decoder import fill_draft_bitmasks
+
+                    fill_draft_bitmasks(seq, bitmask, row)
+                else:
+                    seq.matcher.fill_bitmask(bitmask, row)
             return bitmask
 
         return self._mask_pool.submit(fill)
+
+
+def _sampling_views(seq: Sequence) -> list[Sequence]:
+    if not seq.spec_token_ids:
+        return [seq]
+    from deepserve.engine.spec_decode.decoder import sampling_views
+
+    return sampling_views(seq)
+
+
+def _keep_hidden(hidden: torch.Tensor, attn: AttentionMetadata) -> StepHidden:
+    from deepserve.engine.spec_decode.decoder import StepHidden
+
+    return StepHidden(hidden, list(attn.context_lens_cpu))

@@ -1,0 +1,283 @@
+"""`SpeculativeDecoder`: the engine's one handle on speculative decoding.
+
+How a step goes with speculation on (the engine, scheduler and runner call in here):
+1. A decoding sequence carries drafts in `seq.spec_token_ids`. The scheduler gives it 1 + k query
+   rows (its last token and the drafts, cut to the step's budget); the runner verifies all of them in
+   one forward over the paged KV cache and samples every row with the ordinary sampler, row j seeing
+   the sequence as if drafts 0..j-1 were accepted (`sampling_views`, `fill_draft_bitmasks`).
+2. `verify` accepts the drafts that equal the target's own samples, so the output is token for token
+   what plain decoding gives (greedy or seeded). The engine appends the emitted tokens one by one
+   through its usual stop checks (stop tokens, max_tokens, grammar termination).
+3. `commit_accepted` makes the accepted drafts' KV count as computed, registers blocks that are now
+   full of verified tokens, and gives back blocks holding only rejected positions.
+4. `propose` drafts the next step's tokens: n-gram lookup over the token ids, or the MTP layer fed
+   with this step's target hidden states (it also writes the MTP layer's own KV for every newly
+   verified position, so prefix-cache blocks carry it).
+
+Not here: the KV tensor (runner), block bookkeeping (block manager), stop rules (engine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from deepserve.engine.block_manager import BlockManager
+from deepserve.engine.config import EngineConfig, SpeculativeConfig
+from deepserve.engine.errors import UnsupportedModelError
+from deepserve.engine.request import Sequence
+from deepserve.engine.scheduler import SchedulerOutput
+from deepserve.engine.spec_decode.mtp import MtpProposer, MtpRows
+from deepserve.engine.spec_decode.ngram import NgramProposer
+from deepserve.engine.spec_decode.stats import SpecDecodeStats
+
+logger = logging.getLogger(__name__)
+
+MAX_SPECULATIVE_TOKENS = 5  # as DeepInfer: longer MTP chains are rarely accepted
+
+
+@dataclass
+class MtpState:
+    """Per-sequence MTP progress: positions below `computed` hold valid MTP KV."""
+
+    computed: int
+
+
+@dataclass
+class StepHidden:
+    """The target's hidden states of one step, for the MTP drafter."""
+
+    hidden: torch.Tensor  # [T, hidden]: every query row of the flattened batch
+    starts: list[int]  # per scheduled sequence, the position of its first query row
+
+
+def create_speculative_decoder(
+    config: EngineConfig, model, block_manager: BlockManager, max_model_len: int
+) -> SpeculativeDecoder | None:
+    """The decoder the config asks for, or None (off, or turned off by --batch-invariant)."""
+    spec = config.speculative
+    if spec is None:
+        return None
+    if config.batch_invariant:
+        # Verification runs k+1 query rows where plain decoding runs one, so the target's logits
+        # may differ in the last bits; bitwise equality with non-speculative output is not proven.
+        logger.warning(
+            "speculative decoding (%s) is turned off: --batch-invariant guarantees bitwise-identical "
+            "outputs, which speculation does not preserve (see docs/speculative.md)",
+            spec.method,
+        )
+        return None
+    decoder = SpeculativeDecoder(spec, model, block_manager, max_model_len)
+    logger.info(
+        "speculative decoding: %s with %d draft tokens", spec.method, spec.num_speculative_tokens
+    )
+    return decoder
+
+
+class SpeculativeDecoder:
+    def __init__(
+        self, spec: SpeculativeConfig, model, block_manager: BlockManager, max_model_len: int
+    ) -> None:
+        if not 1 <= spec.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+                f"got {spec.num_speculative_tokens}"
+            )
+        self.method = spec.method
+        self.k = spec.num_speculative_tokens
+        self.bm = block_manager
+        self.max_model_len = max_model_len
+        self.stats = SpecDecodeStats()
+        self._ngram: NgramProposer | None = None
+        self._mtp: MtpProposer | None = None
+        if spec.method == "ngram":
+            self._ngram = NgramProposer(spec.ngram_min, spec.ngram_max)
+        elif spec.method == "mtp":
+            if not getattr(model, "num_mtp_layers", 0):
+                raise UnsupportedModelError(
+                    "--speculative mtp needs a checkpoint with MTP layers "
+                    "(num_nextn_predict_layers > 0); use --speculative ngram"
+                )
+            self._mtp = MtpProposer(model, block_manager.block_size)
+        else:
+            raise ValueError(f"unknown speculative method {spec.method!r} (mtp | ngram)")
+
+    @property
+    def needs_hidden(self) -> bool:
+        return self._mtp is not None
+
+    # ---- verification (runner and engine) -------------------------------------------------
+
+    def verify(self, seq: Sequence, sampled: list[int]) -> list[int]:
+        """Tokens to emit for `seq`: its accepted drafts and the target's token after them.
+
+        `sampled` is the target's sample at each of the 1 + len(drafts) verified rows.
+        """
+        drafts = seq.spec_token_ids
+        assert len(sampled) == len(drafts) + 1
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == sampled[accepted]:
+            accepted += 1
+        self.stats.observe(len(drafts), accepted)
+        return sampled[: accepted + 1]
+
+    def commit_accepted(self, seq: Sequence, num_accepted: int) -> None:
+        """After the emitted tokens are appended: count the accepted drafts' KV as computed,
+        register blocks now full of verified tokens, free blocks beyond the sequence."""
+        seq.spec_token_ids = []
+        if seq.is_finished:
+            return
+        seq.num_computed_tokens += num_accepted
+        assert seq.num_computed_tokens == seq.num_tokens - 1
+        self.bm.register_computed(seq)
+        self.bm.trim(seq, seq.num_tokens)
+
+    # ---- drafting ---------------------------------------------------------------------------
+
+    def propose(
+        self, out: SchedulerOutput, step: StepHidden | None, kv_cache: torch.Tensor
+    ) -> None:
+        """Set `spec_token_ids` for every sequence that sampled this step and is still running."""
+        if self._ngram is not None:
+            for seq in _sampled_seqs(out):
+                if not seq.is_finished:
+                    seq.spec_token_ids = self._ngram_drafts(seq)
+            return
+        assert step is not None
+        self._propose_mtp(out, step, kv_cache)
+
+    def draft_budget(self, seq: Sequence) -> int:
+        """Drafts that can still be verified without passing max_tokens or the context limit."""
+        room = min(
+            seq.request.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens
+        )
+        return max(0, min(self.k, room - 1))
+
+    def _ngram_drafts(self, seq: Sequence) -> list[int]:
+        assert self._ngram is not None
+        drafts = self._ngram.propose(seq.token_ids, self.draft_budget(seq))
+        return _grammar_prefix(seq, drafts)
+
+    def _propose_mtp(self, out: SchedulerOutput, step: StepHidden, kv_cache: torch.Tensor):
+        assert self._mtp is not None
+        work: list[MtpRows] = []
+        owners: list[Sequence] = []
+        for seq, rows in self._mtp_rows(out, step):
+            work.append(rows)
+            owners.append(seq)
+        drafts = self._mtp.propose(work, kv_cache)
+        for seq, rows, seq_drafts in zip(owners, work, drafts, strict=True):
+            seq.draft_state = MtpState(rows.start + len(rows.token_ids))
+            if rows.num_drafts:
+                seq.spec_token_ids = _grammar_prefix(seq, seq_drafts)
+
+    def _mtp_rows(self, out: SchedulerOutput, step: StepHidden):
+        """(sequence, MtpRows) for every scheduled sequence with newly verified positions."""
+        children = {id(f.parent): f.children for f in out.forks}
+        offset = 0
+        for item, start in zip(out.scheduled, step.starts, strict=True):
+            seq, n = item.seq, item.num_new_tokens
+            rows_hidden = step.hidden[offset : offset + n]
+            offset += n
+            for target in [seq, *children.get(id(seq), [])]:
+                if target.is_finished:
+                    continue
+                rows = self._catch_up(target, start, rows_hidden, own=target is seq)
+                if rows is not None:
+                    yield target, rows
+
+    def _catch_up(
+        self, seq: Sequence, start: int, step_hidden: torch.Tensor, own: bool
+    ) -> MtpRows | None:
+        """MTP rows from the first position without MTP KV up to the newest known token.
+
+        `step_hidden[i]` is the target hidden state at position start + i (this step's queries).
+        """
+        state = seq.draft_state if own else None
+        valid = seq.num_computed_tokens - start  # verified target rows this step
+        first = state.computed if state is not None and state.computed >= start else start
+        if not own:  # a forked sample: redo only its private partial block, then its own head
+            bs = self.bm.block_size
+            first = max(start, (seq.num_computed_tokens // bs) * bs)
+        last = min(seq.num_tokens - 1, start + valid)  # the token at p and hidden at p-1 known
+        if last < first:
+            return None
+        prev = [_prev_hidden(p, start, step_hidden) for p in range(first, last + 1)]
+        is_decoding = seq.num_computed_tokens == seq.num_tokens - 1
+        num_drafts = self.draft_budget(seq) if is_decoding else 0
+        num_drafts = self._reserve_mtp_slots(seq, num_drafts)
+        if num_drafts < 0:
+            return None
+        return MtpRows(
+            block_table=seq.block_table,
+            start=first,
+            token_ids=seq.token_ids[first : last + 1],
+            prev_hidden=torch.stack(prev),
+            num_drafts=num_drafts,
+        )
+
+    def _reserve_mtp_slots(self, seq: Sequence, num_drafts: int) -> int:
+        """Blocks for the MTP rows up to the newest token plus the chained drafts' positions.
+        Returns the drafts that fit (-1: not even the newest token's row fits)."""
+        for n in (num_drafts, 0) if num_drafts else (0,):
+            # Slots needed up to position num_computed + max(n, 1) - 1.
+            if self.bm.allocate(seq, max(n, 1)):
+                return n
+        return -1
+
+
+def _prev_hidden(pos: int, start: int, step_hidden: torch.Tensor) -> torch.Tensor:
+    if pos > start:
+        return step_hidden[pos - 1 - start]
+    # Position 0, or the first token after a prefix-cache hit: the target's hidden state before it
+    # was never computed by this sequence. A zero vector only lowers draft quality.
+    return torch.zeros_like(step_hidden[0])
+
+
+def sampling_views(seq: Sequence) -> list[Sequence]:
+    """One sequence per verified row: row j sees drafts 0..j-1 as already generated, so its
+    output position (the RNG counter), penalties and min_tokens are those plain decoding has."""
+    drafts = seq.spec_token_ids
+    views = [seq]
+    for j in range(1, len(drafts) + 1):
+        views.append(dataclasses.replace(seq, token_ids=seq.token_ids + drafts[:j]))
+    return views
+
+
+def fill_draft_bitmasks(seq: Sequence, bitmask: torch.Tensor, first_row: int) -> None:
+    """Fill the grammar masks of a sequence's verified rows: row first_row + j after drafts 0..j-1.
+
+    The matcher is advanced through the drafts and rolled back, so it ends where it started.
+    """
+    matcher = seq.matcher
+    advanced = 0
+    for j, token in enumerate([*seq.spec_token_ids, None]):
+        matcher.fill_bitmask(bitmask, first_row + j)
+        if token is None or matcher.is_terminated() or not matcher.accept(token):
+            break
+        advanced += 1
+    matcher.rollback(advanced)
+
+
+def _grammar_prefix(seq: Sequence, drafts: list[int]) -> list[int]:
+    """The longest prefix of `drafts` the sequence's grammar allows (all of them if unconstrained)."""
+    matcher = seq.matcher
+    if matcher is None or not drafts:
+        return drafts
+    n = 0
+    while n < len(drafts) and not matcher.is_terminated() and matcher.accept(drafts[n]):
+        n += 1
+    matcher.rollback(n)
+    return drafts[:n]
+
+
+def _sampled_seqs(out: SchedulerOutput) -> list[Sequence]:
+    children = {id(f.parent): f.children for f in out.forks}
+    seqs: list[Sequence] = []
+    for item in out.scheduled:
+        if item.sample:
+            seqs += [item.seq, *children.get(id(item.seq), [])]
+    return seqs
