@@ -50,6 +50,8 @@ class LLMEngine:
         self.model_info = loaded.info
         self.vocab_size = loaded.info.vocab_size
         self.max_model_len = loaded.info.max_model_len
+        if config.max_model_len is not None:  # a preloaded model may come from another config
+            self.max_model_len = min(self.max_model_len, config.max_model_len)
         self.eos_token_ids = tuple(loaded.info.eos_token_ids)
         num_blocks = config.num_kv_blocks or num_kv_blocks(
             self.model, config.block_size, config.kv_cache_bytes
