@@ -57,10 +57,63 @@ class SequenceLoop:
         """Feed tokens; returns the last position's logits [vocab] float32."""
         return self.model.compute_logits(self.hidden(token_ids)[-1:])[0]
 
-    def greedy(self, prompt: list[int], n: int) -> list[int]:
+    def greedy(self, prompt: list[int], n: int, stop_ids: tuple[int, ...] = ()) -> list[int]:
+        """Up to n argmax tokens; a stop id ends it (and is included), as HF generate does."""
         out = []
         logits = self.logits(prompt)
         for _ in range(n):
             out.append(int(logits.argmax()))
+            if out[-1] in stop_ids or len(out) == n:
+                break
             logits = self.logits([out[-1]])
         return out
+
+
+@torch.inference_mode()
+def batched_step_logits(
+    model, contexts: list[list[int]], new: list[list[int]], block_size: int = 16
+):
+    """Prefill each sequence's `contexts[i]` alone, then run ONE flattened step holding every
+    sequence's `new[i]` tokens (a mix of chunks and single decodes). Returns each sequence's
+    last-row logits from that step, [B, vocab]."""
+    spec = model.kv_cache_spec
+    device = getattr(model, "device", "cpu")
+    lens = [len(c) + len(n) for c, n in zip(contexts, new, strict=True)]
+    need = [-(-n // block_size) for n in lens]
+    cache = torch.zeros(
+        spec.num_layers, sum(need) + 1, block_size, spec.width, dtype=spec.dtype, device=device
+    )
+    tables = torch.zeros(len(lens), max(need), dtype=torch.int32)
+    ids = torch.randperm(sum(need), generator=torch.Generator().manual_seed(1)) + 1
+    for i, n in enumerate(need):
+        tables[i, :n] = ids[sum(need[:i]) : sum(need[:i]) + n]
+
+    def step(rows: list[int], chunks: list[list[int]], starts: list[int]):
+        qlens = [len(c) for c in chunks]
+        ends = [s + q for s, q in zip(starts, qlens, strict=True)]
+        pos = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends, strict=True)])
+        owner = torch.cat([torch.full((q,), r) for r, q in zip(rows, qlens, strict=True)])
+        bt = tables[rows]
+        slots = tables[owner, pos // block_size].long() * block_size + pos % block_size
+        attn = AttentionMetadata(
+            query_start_loc=torch.tensor(
+                [0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device=device
+            ),
+            seq_lens=torch.tensor(ends, dtype=torch.int32, device=device),
+            context_lens=torch.tensor(starts, dtype=torch.int32, device=device),
+            slot_mapping=slots.to(device),
+            block_tables=bt.to(device),
+            block_size=block_size,
+            query_lens_cpu=qlens,
+            seq_lens_cpu=ends,
+            context_lens_cpu=starts,
+        )
+        flat = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=device)
+        hidden = model.forward(flat, pos.to(device), attn, cache)
+        last = torch.tensor(qlens).cumsum(0) - 1
+        return model.compute_logits(hidden[last.to(device)])
+
+    for i, c in enumerate(contexts):
+        if c:
+            step([i], [c], [0])
+    return step(list(range(len(lens))), new, [len(c) for c in contexts])
