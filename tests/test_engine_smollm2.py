@@ -164,3 +164,21 @@ def test_bad_input_raises_before_queueing_and_engine_keeps_serving(loaded, llm):
 def test_unknown_model_name_raises_model_not_found():
     with pytest.raises(ModelNotFoundError, match="no-such-model"):
         LLM(EngineConfig(model="no-such-model"))
+
+
+@pytest.mark.slow
+def test_greedy_32_tokens_equal_transformers_generate(llm):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from deepserve.engine.model_registry import resolve_model
+
+    path = resolve_model("smollm2-135m")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, torch_dtype=torch.float32
+    )
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    prompt = llm.encode(TEXTS[4])
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        ref = hf.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    assert llm.generate([prompt], params)[0].token_ids == ref[0, len(prompt) :].tolist()
