@@ -1,0 +1,236 @@
+"""Batch-invariant ops: a row's result depends only on that row's data, never on the batch around it.
+
+`kernels_for(device)` returns the `KernelSet` that `--batch-invariant` runs with: the torch ops in
+this module on the CPU, the Triton kernels of `kernels/triton/` on CUDA. The reference ops
+(kernels/reference.py) stay the oracle; what this module adds is a fixed reduction order.
+
+Where the batch leaks into the bits on the CPU, and what each op does about it (measured, see
+docs/batch_invariance.md):
+- GEMM: MKL takes a different code path for a few rows (GEMV for 1, edge kernels for 2-3, and more
+  shapes with 2 threads), so `x[:m] @ W` differs from `(x @ W)[:m]`. `linear`/`bmm` pad the row count
+  to a multiple of a fixed row tile, found by probing the library once per dtype; rows whose count is
+  a multiple of the tile were bitwise equal for every m and row position tried.
+- Row reductions: torch splits a single long row across threads (two-pass), but never a row among
+  many. `_row_sum` reduces fixed-size chunks and folds them in order with a sequential scan.
+- Attention: keys are taken in fixed splits of `KV_SPLIT`; the row max is exact in any order; each
+  split's P@V and sum of P is a GEMM of one fixed shape; splits are folded in order by a scan, so
+  extra all-masked splits (a longer neighbour, a prefill chunk) add exact zeros. A query row gets the
+  same bits in prefill, any chunking, decode, or after a prefix-cache hit.
+What does not live here: the reference ops, the GPU kernels, and anything with engine state.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from deepserve.engine.attention import AttentionMetadata
+from deepserve.kernels.registry import KernelSet
+
+Tensor = torch.Tensor
+
+ROW_TILES = (4, 8, 16, 32, 64)  # candidate row tiles, smallest first; 64 is the fallback
+KV_SPLIT = 128  # keys per attention split: a fixed reduction unit, whatever the context length
+SUM_CHUNK = 1024  # elements per chunk in long row sums
+QUERY_BLOCK = 512  # query rows per attention pass (bounds memory; rows are independent)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _pad_rows(x: Tensor, rows: int) -> Tensor:
+    """Pad dim -2 of `x` with zeros up to `rows` (zeros: never NaN, so padded rows stay harmless)."""
+    extra = rows - x.shape[-2]
+    if extra == 0:
+        return x.contiguous()
+    return torch.cat([x, x.new_zeros(*x.shape[:-2], extra, x.shape[-1])], dim=-2)
+
+
+def _probe_invariant(tile: int, dtype: torch.dtype) -> bool:
+    """True when, with the threads torch uses now, each row of a GEMM whose row count is padded to a
+    multiple of `tile` gets the bits it gets alone, for several row counts and positions."""
+    gen = torch.Generator().manual_seed(1234)
+    w = torch.randn(768, 576, generator=gen).to(dtype)
+    x = torch.randn(4 * tile + 3, 576, generator=gen).to(dtype)
+    alone = torch.stack([F.linear(_pad_rows(x[i : i + 1], tile), w)[0] for i in range(len(x))])
+    for rows in (2, 3, tile + 1, 2 * tile, 4 * tile + 3):
+        for off in (0, 1, 3):
+            m = min(rows, len(x) - off)
+            got = F.linear(_pad_rows(x[off : off + m], _round_up(m, tile)), w)[:m]
+            if not torch.equal(got, alone[off : off + m]):
+                return False
+    return True
+
+
+@dataclass
+class RowTiledMatmul:
+    """GEMMs whose row count is always a multiple of one probed tile, per dtype.
+
+    The probe runs once per dtype on first use (a few small GEMMs); its result is kept here, in this
+    object, not in module state."""
+
+    tiles: dict[torch.dtype, int] = field(default_factory=dict)
+
+    def tile(self, dtype: torch.dtype) -> int:
+        if dtype not in self.tiles:
+            good = [t for t in ROW_TILES[:-1] if _probe_invariant(t, dtype)]
+            self.tiles[dtype] = good[0] if good else ROW_TILES[-1]
+        return self.tiles[dtype]
+
+    def linear(self, x: Tensor, w: Tensor) -> Tensor:
+        """x[..., in] @ w[out, in].T with rows padded to the tile."""
+        lead, k = x.shape[:-1], x.shape[-1]
+        flat = x.reshape(-1, k)
+        rows = flat.shape[0]
+        y = F.linear(_pad_rows(flat, _round_up(max(rows, 1), self.tile(x.dtype))), w)
+        return y[:rows].reshape(*lead, w.shape[0])
+
+    def bmm(self, a: Tensor, b: Tensor) -> Tensor:
+        """torch.matmul(a, b) for a [..., M, K], b [..., K, N], with M padded to the tile."""
+        rows = a.shape[-2]
+        padded = _pad_rows(a, _round_up(max(rows, 1), self.tile(a.dtype)))
+        return torch.matmul(padded, b.contiguous())[..., :rows, :]
+
+
+def _row_sum(x: Tensor) -> Tensor:
+    """Sum over the last dim in an order fixed by the row length alone (keepdim)."""
+    d = x.shape[-1]
+    if d <= SUM_CHUNK:
+        return x.sum(-1, keepdim=True)
+    pad = _round_up(d, SUM_CHUNK) - d
+    chunks = F.pad(x, (0, pad)).unflatten(-1, (-1, SUM_CHUNK)).sum(-1)
+    return chunks.cumsum(-1)[..., -1:]
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm in float32, cast back before the weight (as the reference and HF do)."""
+    xf = x.float()
+    mean_sq = _row_sum(xf * xf) / xf.shape[-1]
+    return weight * (xf * torch.rsqrt(mean_sq + eps)).to(x.dtype)
+
+
+def softmax(x: Tensor, dim: int) -> Tensor:
+    # torch's CPU softmax reduces each row on one thread in a fixed order (checked up to 129K cols)
+    return torch.softmax(x.float(), dim=dim)
+
+
+def log_softmax(x: Tensor, dim: int) -> Tensor:
+    return torch.log_softmax(x.float(), dim=dim)
+
+
+@dataclass
+class _Queries:
+    """Query rows of one or more sequences, laid out per KV head: [B, Hkv, R, Dk]."""
+
+    q: Tensor
+    positions: Tensor  # [B, R] absolute position of each row (pad rows: the last valid one)
+
+
+class SplitKVAttention:
+    """Paged attention with a fixed reduction order over keys (see the module docstring)."""
+
+    def __init__(self, mm: RowTiledMatmul) -> None:
+        self.mm = mm
+
+    def __call__(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, attn: AttentionMetadata, scale: float
+    ) -> Tensor:
+        out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
+        decode = [i for i, n in enumerate(attn.query_lens_cpu) if n == 1]
+        if decode:
+            self._decode(q, k_cache, v_cache, attn, scale, decode, out)
+        starts = [0, *itertools.accumulate(attn.query_lens_cpu)]
+        for i, n in enumerate(attn.query_lens_cpu):
+            if n > 1:
+                self._prefill(q, k_cache, v_cache, attn, scale, i, starts[i], out)
+        return out
+
+    def _decode(self, q, k_cache, v_cache, attn, scale, seqs: list[int], out: Tensor) -> None:
+        """Every sequence that brings one query row, in one batched pass."""
+        idx = torch.tensor(seqs, device=q.device)
+        starts = attn.query_start_loc[idx].long()
+        lens = [attn.seq_lens_cpu[i] for i in seqs]
+        hkv = k_cache.shape[2]
+        group = q.shape[1] // hkv
+        qs = q[starts].view(len(seqs), hkv, group, -1)  # rows = the group's heads
+        pos = attn.seq_lens[idx].long()[:, None].expand(-1, group) - 1
+        k, v = self._gather(k_cache, v_cache, attn.block_tables[idx], max(lens), attn.block_size)
+        # a shorter sequence's tail reads padded block-table entries: zero that V (0 * NaN is NaN)
+        inside = torch.arange(k.shape[2], device=q.device)[None, :] < attn.seq_lens[idx, None]
+        v = v.masked_fill(~inside[:, None, :, None], 0.0)
+        o = self._attend(_Queries(qs, pos), k, v, scale)  # [B, Hkv, G, Dv]
+        out[starts] = o.reshape(len(seqs), q.shape[1], -1).to(out.dtype)
+
+    def _prefill(self, q, k_cache, v_cache, attn, scale, i: int, start: int, out: Tensor) -> None:
+        """One sequence's chunk of n > 1 query rows, in blocks of QUERY_BLOCK rows."""
+        n, length, ctx = attn.query_lens_cpu[i], attn.seq_lens_cpu[i], attn.context_lens_cpu[i]
+        hkv = k_cache.shape[2]
+        group = q.shape[1] // hkv
+        k, v = self._gather(k_cache, v_cache, attn.block_tables[i : i + 1], length, attn.block_size)
+        for b in range(0, n, QUERY_BLOCK):
+            rows = min(QUERY_BLOCK, n - b)
+            # rows ordered (group, query) per kv head so GQA needs no KV copy
+            qi = q[start + b : start + b + rows].view(rows, hkv, group, -1).permute(1, 2, 0, 3)
+            qi = qi.reshape(1, hkv, group * rows, -1)
+            pos = (torch.arange(rows, device=q.device) + ctx + b).repeat(group)[None]
+            o = self._attend(_Queries(qi, pos), k, v, scale)  # [1, Hkv, G*rows, Dv]
+            o = o.view(hkv, group, rows, -1).permute(2, 0, 1, 3).reshape(rows, q.shape[1], -1)
+            out[start + b : start + b + rows] = o.to(out.dtype)
+
+    @staticmethod
+    def _gather(k_cache, v_cache, tables: Tensor, length: int, block_size: int):
+        """KV of `tables` [B, nb] -> k [B, Hkv, Lp, Dk], v [B, Hkv, Lp, Dv] in float32, Lp a multiple
+        of KV_SPLIT; keys at or past each sequence's length are masked later, their V zeroed here."""
+        padded = _round_up(length, KV_SPLIT)
+        blocks = tables[:, : -(-length // block_size)].long()
+        k = k_cache[blocks].flatten(1, 2)[:, :length]  # [B, L, Hkv, Dk]
+        shared = v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
+        v = k[..., : v_cache.shape[-1]] if shared else v_cache[blocks].flatten(1, 2)[:, :length]
+        k = F.pad(k.float(), (0, 0, 0, 0, 0, padded - length)).transpose(1, 2)
+        v = F.pad(v.float(), (0, 0, 0, 0, 0, padded - length)).transpose(1, 2)
+        return k, v
+
+    def _attend(self, qs: _Queries, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """Softmax(q k^T * scale) v with keys past each row's position masked -> [B, Hkv, R, Dv].
+
+        k/v may be longer than a row needs (a longer neighbour, later rows of a chunk): masked keys
+        give p = 0 exactly and zero V, so the splits they fall in add exact zeros to the scan."""
+        lp = k.shape[2]
+        scores = self.mm.bmm(qs.q.float(), k.transpose(-1, -2)) * scale  # [B, Hkv, R, Lp]
+        keys = torch.arange(lp, device=k.device)
+        valid = keys[None, None, :] <= qs.positions[:, :, None]  # [B, R, Lp]
+        scores = scores.masked_fill(~valid[:, None], float("-inf"))
+        p = torch.exp(scores - scores.amax(-1, keepdim=True))  # the max is exact in any order
+        splits = lp // KV_SPLIT
+        denom = p.unflatten(-1, (splits, KV_SPLIT)).sum(-1)  # [B, Hkv, R, S]: C values, fixed order
+        p = p.unflatten(-1, (splits, KV_SPLIT)).transpose(2, 3)  # [B, Hkv, S, R, C]
+        vs = v.unflatten(2, (splits, KV_SPLIT))  # [B, Hkv, S, C, Dv]
+        partial = self.mm.bmm(p, vs)  # one fixed GEMM shape per split
+        acc = partial.cumsum(2)[:, :, -1]  # splits folded in order by a sequential scan
+        return acc / denom.cumsum(-1)[..., -1:]
+
+
+def cpu_kernels() -> KernelSet:
+    mm = RowTiledMatmul()
+    return KernelSet(
+        name="batch_invariant_cpu",
+        linear=mm.linear,
+        rms_norm=rms_norm,
+        softmax=softmax,
+        log_softmax=log_softmax,
+        bmm=mm.bmm,
+        paged_attention=SplitKVAttention(mm),
+    )
+
+
+def kernels_for(device: str) -> KernelSet:
+    """The batch-invariant KernelSet for `device` ("cpu", "cuda", "cuda:N")."""
+    if torch.device(device).type == "cuda":
+        from deepserve.kernels.triton.kernelset import triton_kernels
+
+        return triton_kernels()
+    return cpu_kernels()
