@@ -46,7 +46,10 @@ async def sse_body(
             async for index, items in chunks:
                 for ch in items:
                     if info.n == 1:
-                        yield sse(cls.sse_event_name(ch), ch.to_json())
+                        name = cls.sse_event_name(ch)
+                        yield sse(name, ch.to_json())
+                        if name == "response.incomplete":
+                            yield _completed_after_incomplete(ch.to_json())
                     else:
                         yield sse(None, json.dumps(_reindex(ch.to_json(), index, usage)))
         except Exception as e:  # a failure after headers went out: tell the client in-band
@@ -58,6 +61,20 @@ async def sse_body(
     done = cls.sse_done_data()
     if done:
         yield sse(None, done)
+
+
+def _completed_after_incomplete(event_json: str) -> bytes:
+    """A `response.completed` event repeating the incomplete response (status stays incomplete).
+
+    The recipe ends a length-capped Responses stream with `response.incomplete`, as OpenAI's API
+    does; the openai SDK's `get_final_response()` (and vLLM-style clients) wait for
+    `response.completed`, so both are sent.
+    """
+    event = json.loads(event_json)
+    event["type"] = "response.completed"
+    if isinstance(event.get("sequence_number"), int):
+        event["sequence_number"] += 1
+    return sse("response.completed", json.dumps(event))
 
 
 def _reindex(chunk_json: str, index: int, usage: dict[int, dict]) -> dict:

@@ -24,6 +24,7 @@ class BodyExtras:
     n: int = 1
     json_object: bool = False  # response_format json_object, enforced here (see pop_extras)
     structured: StructuredOutput | None = None  # from an extension field
+    schema: str | None = None  # the client's own json_schema, before the recipe normalizes it
 
 
 def pop_extras(body: dict, allow_n: bool) -> BodyExtras:
@@ -39,7 +40,24 @@ def pop_extras(body: dict, allow_n: bool) -> BodyExtras:
     json_object = isinstance(fmt, dict) and fmt.get("type") == "json_object"
     if json_object:
         body.pop("response_format")
-    return BodyExtras(n=n, json_object=json_object, structured=_extension_constraint(body))
+    return BodyExtras(n, json_object, _extension_constraint(body), _client_schema(body))
+
+
+def _client_schema(body: dict) -> str | None:
+    """The json_schema as sent (Chat: response_format, Responses: text.format).
+
+    With strict: true the recipe rewrites the schema to OpenAI's strict subset, dropping bounds
+    such as maxLength and maxItems; xgrammar enforces those, and the client asked for them.
+    """
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        schema = (fmt.get("json_schema") or {}).get("schema")
+    else:
+        text = body.get("text")
+        fmt = text.get("format") if isinstance(text, dict) else None
+        ok = isinstance(fmt, dict) and fmt.get("type") == "json_schema"
+        schema = fmt.get("schema") if ok else None
+    return json.dumps(schema) if isinstance(schema, dict) else None
 
 
 def _extension_constraint(body: dict) -> StructuredOutput | None:
@@ -75,6 +93,8 @@ def build_sampling_params(
     if extras.structured is not None and structured is not None:
         raise InvalidRequestError("response_format and a structured_outputs field both given")
     structured = extras.structured or structured
+    if structured is not None and structured.kind == "json_schema" and extras.schema:
+        structured = StructuredOutput("json_schema", extras.schema)
     if extras.json_object and structured is None:
         structured = StructuredOutput("json_object")
     return SamplingParams(
