@@ -14,6 +14,7 @@ tests/test_deploy_docs.py runs the check.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from pathlib import Path
@@ -158,8 +159,18 @@ def compose_section() -> list[str]:
     return lines
 
 
+def _parser_without_environment() -> argparse.ArgumentParser:
+    """The CLI takes some defaults from DEEPSERVE_* variables; the reference must show the
+    defaults of a clean environment (and never a secret that happens to be set here)."""
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("DEEPSERVE_")}
+    try:
+        return build_parser()
+    finally:
+        os.environ.update(saved)
+
+
 def configuration_md() -> str:
-    parser = build_parser()
+    parser = _parser_without_environment()
     helps = _subcommand_help(parser)
     lines = [CONFIGURATION_HEADER]
     for name, sub in _subcommands(parser).items():

@@ -176,7 +176,7 @@ def local_topology(compose: dict[str, Any], bin_dir: Path, data_dir: Path) -> li
             argv = [str(bin_dir / "deepserve"), *argv]
         else:
             assert argv[0] == "redis-server", "only the redis image is run from a system binary"
-            argv = [shutil.which("redis-server") or "redis-server", *argv]
+            argv = [shutil.which("redis-server") or "redis-server", *argv[1:]]
             argv += ["--port", str(loopback.local_port(name)), "--bind", "127.0.0.1"]
             argv += ["--dir", str(data_dir)]
         env = {

@@ -22,6 +22,7 @@ from deploy_compose import (
     DOCKER_DIR,
     PROMETHEUS_FILE,
     REPO,
+    as_env_dict,
     compose_variables,
     container_port,
     interpolate,
@@ -128,17 +129,35 @@ def test_secrets_come_from_the_environment():
     services = load_compose(env=env)["services"]
     for name in (*WORKERS, "frontend"):
         command = services[name]["command"]
-        assert command[command.index("--internal-token") + 1] == "tok-123", name
+        assert services[name]["environment"]["DEEPSERVE_INTERNAL_TOKEN"] == "tok-123", name
+        assert "tok-123" not in command, f"{name}: the token must not show on argv"
         assert command[command.index("--kv-store") + 1].startswith("redis://:pw-456@redis:"), name
     assert "pw-456" in services["redis"]["command"]
+    assert services["redis"]["environment"]["REDISCLI_AUTH"] == "pw-456"
 
 
-def test_deepserve_commands_parse_with_the_real_cli(compose):
-    parser = build_parser()
+def test_deepserve_commands_build_their_configs_with_the_real_cli(compose, monkeypatch):
+    """Each command parses, and its config builds under the service's compose environment (the
+    CLI takes the internal token from DEEPSERVE_INTERNAL_TOKEN there)."""
+    from deepserve.server import cli
+
     for name, service in _services(compose).items():
-        if is_deepserve(service):
-            args = parser.parse_args([str(a) for a in service["command"]])
-            assert args.command in {"frontend", "worker"}, name
+        if not is_deepserve(service):
+            continue
+        with monkeypatch.context() as m:
+            for key, value in as_env_dict(service.get("environment")).items():
+                m.setenv(key, value)
+            args = cli.build_parser().parse_args([str(a) for a in service["command"]])
+            assert args.internal_token, name
+            if args.command == "worker":
+                assert cli.worker_config_from_args(args).role == args.role
+            else:
+                assert args.command == "frontend", name
+                config = cli.frontend_config_from_args(args)
+                assert set(config.router.workers["decode"]) == {
+                    "http://decode-1:8100",
+                    "http://decode-2:8100",
+                }
 
 
 def test_interpolation_follows_compose_rules():

@@ -219,12 +219,9 @@ def dashboard_queries() -> list[tuple[str, str]]:
 
 
 def chat(stack: Stack, content: str, **extra) -> openai.types.chat.ChatCompletion:
+    request = {"max_tokens": 16, "temperature": 0, **extra}
     return stack.client().chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": content}],
-        max_tokens=16,
-        temperature=0,
-        **extra,
+        model=MODEL, messages=[{"role": "user", "content": content}], **request
     )
 
 
@@ -272,7 +269,8 @@ def test_streamed_response_goes_through_prefill_and_a_decode_worker(stack):
 
     assert types[0] == "response.created"
     assert "response.output_text.delta" in types
-    assert types[-1] == "response.completed"
+    # "incomplete" when max_output_tokens ran out first: still the terminal event of a stream.
+    assert types[-1] in {"response.completed", "response.incomplete"}
     prompt = "deepserve:prompt_tokens_total"
     generated = "deepserve:generation_tokens_total"
     assert _counter(after["prefill"], prompt) > _counter(before["prefill"], prompt)
