@@ -134,7 +134,7 @@ class KVTiering:
         tier_of_block: dict[int, str] = {}
         for key, block_id in loads:
             tier, payload = self._staged[key]  # staged by lookup in this same schedule()
-            self._write_block(block_id, payload)
+            self.write_block(block_id, payload)
             tier_of_block[block_id] = tier
             if tier == STORE:
                 self._from_store.add(key)
@@ -171,7 +171,8 @@ class KVTiering:
             return np.ascontiguousarray(self._cache_np[:, block_id])
         return self._cache[:, block_id].cpu().numpy()
 
-    def _write_block(self, block_id: int, payload: memoryview) -> None:
+    def write_block(self, block_id: int, payload: memoryview) -> None:
+        """Copy one validated payload into device block `block_id` on every layer."""
         assert self._cache is not None, "bind_cache() first"
         spec = self.tiers.spec
         _, np_int = _INT_VIEW[self._cache.element_size()]
