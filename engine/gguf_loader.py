@@ -11,22 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import gguf
-import numpy as np
 import torch
+from gguf import GGMLQuantizationType as Q
 from tokenizers import Tokenizer
 
 from deepserve.engine.errors import ModelNotFoundError, UnsupportedModelError
+from deepserve.engine.gguf_format import GGUFFile, dequantize, read_gguf_file
 from deepserve.engine.tokenizer import tokenizer_from_gguf
 
-SUPPORTED_TYPES = {
-    gguf.GGMLQuantizationType.F32,
-    gguf.GGMLQuantizationType.F16,
-    gguf.GGMLQuantizationType.BF16,
-    gguf.GGMLQuantizationType.Q4_0,
-    gguf.GGMLQuantizationType.Q4_1,
-    gguf.GGMLQuantizationType.Q8_0,
-}
+SUPPORTED_TYPES = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0}
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -52,58 +45,51 @@ class GGUFCheckpoint:
     chat_template: str | None
 
 
-def _field(reader: gguf.GGUFReader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
 def read_gguf(path: Path) -> GGUFCheckpoint:
     if not path.is_file():
         raise ModelNotFoundError(f"GGUF file {path} does not exist")
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except (ValueError, OSError) as e:
-        raise UnsupportedModelError(f"{path} is not a readable GGUF file: {e}") from e
-    arch = _field(reader, "general.architecture")
+    f = read_gguf_file(path)
+    meta = f.metadata
+    arch = meta.get("general.architecture")
     if arch != "llama":
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} in {path.name} is not supported (only 'llama')"
         )
-    config = _llama_config(reader)
-    weights = _read_tensors(reader, config)
+    config = _llama_config(meta)
+    weights = _read_tensors(f, config)
     config["tie_word_embeddings"] = "lm_head.weight" not in weights
+    eos = meta.get("tokenizer.ggml.eos_token_id")
     return GGUFCheckpoint(
         config=config,
         weights=weights,
-        tokenizer=_tokenizer(reader),
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=[int(_field(reader, "tokenizer.ggml.eos_token_id"))],
-        chat_template=_field(reader, "tokenizer.chat_template"),
+        tokenizer=_tokenizer(meta),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[] if eos is None else [int(eos)],
+        chat_template=meta.get("tokenizer.chat_template"),
     )
 
 
-def _llama_config(r: gguf.GGUFReader) -> dict:
-    heads = int(_field(r, "llama.attention.head_count"))
-    hidden = int(_field(r, "llama.embedding_length"))
-    tokens = _field(r, "tokenizer.ggml.tokens")
-    config = {
+def _llama_config(m: dict) -> dict:
+    heads = int(m["llama.attention.head_count"])
+    hidden = int(m["llama.embedding_length"])
+    if m.get("llama.rope.scaling.type", "none") not in ("none", "linear") or m.get(
+        "llama.rope.scaling.factor", 1.0
+    ) not in (0.0, 1.0):
+        raise UnsupportedModelError("GGUF rope scaling is not supported")
+    return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": int(_field(r, "llama.vocab_size", len(tokens))),
+        "vocab_size": int(m.get("llama.vocab_size", len(m.get("tokenizer.ggml.tokens", [])))),
         "hidden_size": hidden,
-        "intermediate_size": int(_field(r, "llama.feed_forward_length")),
-        "num_hidden_layers": int(_field(r, "llama.block_count")),
+        "intermediate_size": int(m["llama.feed_forward_length"]),
+        "num_hidden_layers": int(m["llama.block_count"]),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(_field(r, "llama.attention.head_count_kv", heads)),
-        "head_dim": int(_field(r, "llama.rope.dimension_count", hidden // heads)),
-        "rms_norm_eps": float(_field(r, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(_field(r, "llama.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_field(r, "llama.context_length", 2048)),
+        "num_key_value_heads": int(m.get("llama.attention.head_count_kv", heads)),
+        "head_dim": int(m.get("llama.rope.dimension_count", hidden // heads)),
+        "rms_norm_eps": float(m.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(m.get("llama.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(m.get("llama.context_length", 2048)),
     }
-    factor = _field(r, "llama.rope.scaling.factor")
-    if factor and _field(r, "llama.rope.scaling.type") not in (None, "none"):
-        raise UnsupportedModelError("GGUF rope scaling is not supported")
-    return config
 
 
 def _hf_name(name: str) -> str:
@@ -118,41 +104,41 @@ def _hf_name(name: str) -> str:
     return f"{_TOP_NAMES[base]}.{suffix}"
 
 
-def unpermute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+def unpermute_rotary_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Inverse of llama.cpp's Q/K permutation: per head, rows were reordered from HF's half-split
     rotary layout to interleaved pairs; restore the half-split order."""
     half = w.shape[0] // n_heads // 2
-    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _read_tensors(r: gguf.GGUFReader, config: dict) -> dict[str, torch.Tensor]:
+def _read_tensors(f: GGUFFile, config: dict) -> dict[str, torch.Tensor]:
     heads = {"self_attn.q_proj": config["num_attention_heads"]}
     heads["self_attn.k_proj"] = config["num_key_value_heads"]
     weights = {}
-    for t in r.tensors:
-        if t.tensor_type not in SUPPORTED_TYPES:
+    for t in f.tensors:
+        if t.qtype not in SUPPORTED_TYPES:
             raise UnsupportedModelError(
-                f"GGUF tensor {t.name} has quantization {t.tensor_type.name}; supported: "
+                f"GGUF tensor {t.name} has quantization {t.qtype.name}; supported: "
                 + ", ".join(sorted(q.name for q in SUPPORTED_TYPES))
             )
         name = _hf_name(t.name)
-        array = gguf.quants.dequantize(t.data, t.tensor_type)
+        w = dequantize(f.raw(t), t.qtype, t.shape)
         for part, n in heads.items():
             if f".{part}." in name:
-                array = unpermute_rotary_rows(array, n)
-        weights[name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
+                w = unpermute_rotary_rows(w, n).contiguous()
+        weights[name] = w
     return weights
 
 
-def _tokenizer(r: gguf.GGUFReader) -> Tokenizer:
-    tokens = _field(r, "tokenizer.ggml.tokens")
+def _tokenizer(m: dict) -> Tokenizer:
+    tokens = m.get("tokenizer.ggml.tokens")
     if tokens is None:
         raise UnsupportedModelError("GGUF file has no embedded tokenizer")
     return tokenizer_from_gguf(
-        model=_field(r, "tokenizer.ggml.model"),
-        tokens=list(tokens),
-        token_types=list(_field(r, "tokenizer.ggml.token_type", [1] * len(tokens))),
-        merges=list(_field(r, "tokenizer.ggml.merges", [])),
-        bos_token_id=_field(r, "tokenizer.ggml.bos_token_id"),
-        add_bos=bool(_field(r, "tokenizer.ggml.add_bos_token", False)),
+        model=m.get("tokenizer.ggml.model"),
+        tokens=tokens,
+        token_types=m.get("tokenizer.ggml.token_type", [1] * len(tokens)),
+        merges=m.get("tokenizer.ggml.merges", []),
+        bos_token_id=m.get("tokenizer.ggml.bos_token_id"),
+        add_bos=bool(m.get("tokenizer.ggml.add_bos_token", False)),
     )
