@@ -1,0 +1,120 @@
+"""HF-folder loading and `write_tiny_deepseek`: sharded checkpoints, determinism, fingerprints,
+max_model_len, and the typed errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from model_loop import SequenceLoop
+from safetensors.torch import load_file, save_file
+
+from deepserve.engine.config import EngineConfig
+from deepserve.engine.errors import ModelNotFoundError, UnsupportedModelError
+from deepserve.engine.loader import load_model
+from deepserve.engine.test_model import write_tiny_deepseek
+
+PROMPT = [671, 4787, 13769, 46012, 54994, 1060, 270]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_deepseek(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+def copy_folder(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_write_tiny_deepseek_is_deterministic_per_seed(tiny, tmp_path):
+    again = write_tiny_deepseek(tmp_path / "again", seed=0)
+    other = write_tiny_deepseek(tmp_path / "other", seed=1)
+    same = (tiny / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
+    assert same
+    assert (tiny / "model.safetensors").read_bytes() != (other / "model.safetensors").read_bytes()
+    fp = [load_model(EngineConfig(model=str(p))).info.fingerprint for p in (tiny, again, other)]
+    assert fp[0] == fp[1] != fp[2]
+
+
+def test_sharded_checkpoint_loads_like_the_single_file(tiny, tmp_path):
+    sharded = copy_folder(tiny, tmp_path / "sharded")
+    tensors = load_file(str(sharded / "model.safetensors"))
+    (sharded / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {
+        "model-00001-of-00002.safetensors": names[::2],
+        "model-00002-of-00002.safetensors": names[1::2],
+    }
+    for file, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(sharded / file))
+    index = {"weight_map": {k: f for f, keys in shards.items() for k in keys}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    a = SequenceLoop(load_model(EngineConfig(model=str(tiny))).model, 16).logits(PROMPT)
+    b = SequenceLoop(load_model(EngineConfig(model=str(sharded))).model, 16).logits(PROMPT)
+    assert torch.equal(a, b)
+
+
+def test_max_model_len_is_the_smaller_of_config_and_model(tiny):
+    assert load_model(EngineConfig(model=str(tiny), max_model_len=100)).info.max_model_len == 100
+    assert load_model(EngineConfig(model=str(tiny), max_model_len=10**6)).info.max_model_len == 2048
+
+
+def test_unknown_model_name_is_named():
+    with pytest.raises(ModelNotFoundError, match="no-such-model"):
+        load_model(EngineConfig(model="no-such-model"))
+
+
+def test_missing_weights_are_reported(tiny, tmp_path):
+    folder = copy_folder(tiny, tmp_path / "noweights")
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(ModelNotFoundError, match="safetensors"):
+        load_model(EngineConfig(model=str(folder)))
+
+
+def test_missing_shard_is_reported(tiny, tmp_path):
+    folder = copy_folder(tiny, tmp_path / "noshard")
+    index = {"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelNotFoundError, match="model-00002-of-00002"):
+        load_model(EngineConfig(model=str(folder)))
+
+
+def test_missing_tokenizer_is_reported(tiny, tmp_path):
+    folder = copy_folder(tiny, tmp_path / "notok")
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(ModelNotFoundError, match="tokenizer"):
+        load_model(EngineConfig(model=str(folder)))
+
+
+def _edit_config(tiny, tmp_path, **changes):
+    folder = copy_folder(tiny, tmp_path / "edited")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_unsupported_architecture_is_named(tiny, tmp_path):
+    folder = _edit_config(tiny, tmp_path, architectures=["MambaForCausalLM"])
+    with pytest.raises(UnsupportedModelError, match="MambaForCausalLM"):
+        load_model(EngineConfig(model=str(folder)))
+
+
+def test_unsupported_moe_scoring_is_named(tiny, tmp_path):
+    folder = _edit_config(tiny, tmp_path, scoring_func="sqrtsoftplus")
+    with pytest.raises(UnsupportedModelError, match="sqrtsoftplus"):
+        load_model(EngineConfig(model=str(folder)))
+
+
+def test_config_that_mismatches_the_weights_is_reported(tiny, tmp_path):
+    folder = _edit_config(tiny, tmp_path, num_hidden_layers=2)  # layer 2 becomes "MTP", 3 unused
+    with pytest.raises(UnsupportedModelError, match="does not use|missing"):
+        load_model(EngineConfig(model=str(folder)))
+
+
+def test_unsupported_dtype_is_named(tiny):
+    with pytest.raises(UnsupportedModelError, match="float8"):
+        load_model(EngineConfig(model=str(tiny), dtype="float8"))
