@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
 from dataclasses import dataclass, field
 
 from deepserve.engine.config import EngineConfig
+from deepserve.engine.errors import EngineError
 from deepserve.engine.llm_engine import LLMEngine
 from deepserve.engine.outputs import CompletionOutput, RequestOutput
 from deepserve.engine.sampling_params import SamplingParams
@@ -130,12 +132,16 @@ def _extend(sample: GeneratedSample, delta: CompletionOutput) -> None:
 
 
 def generate_cli(config: EngineConfig, args: argparse.Namespace) -> int:
-    """`deepserve generate`: print the completion of one raw prompt."""
-    llm = LLM(config)
-    params = SamplingParams(
-        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
-    )
-    result = llm.generate(args.prompt, params)[0]
+    """`deepserve generate`: print the completion of one raw prompt (exit 2 on a bad request)."""
+    try:
+        llm = LLM(config)
+        params = SamplingParams(
+            temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
+        )
+        result = llm.generate(args.prompt, params)[0]
+    except EngineError as e:
+        print(f"deepserve generate: {e}", file=sys.stderr)
+        return 2
     llm.close()
     print(args.prompt + result.text)
     return 0

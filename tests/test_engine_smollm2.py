@@ -3,13 +3,15 @@ preemption, abort, seeded sampling and bad input, each checked against running r
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from deepserve.engine.config import EngineConfig
 from deepserve.engine.errors import InvalidRequestError, ModelNotFoundError
 from deepserve.engine.llm import LLM
 from deepserve.engine.llm_engine import LLMEngine
-from deepserve.engine.sampling_params import SamplingParams
+from deepserve.engine.sampling_params import SamplingParams, StructuredOutput
 
 TEXTS = [
     "The capital of France is",
@@ -182,3 +184,31 @@ def test_greedy_32_tokens_equal_transformers_generate(llm):
         ids = torch.tensor([prompt])
         ref = hf.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)
     assert llm.generate([prompt], params)[0].token_ids == ref[0, len(prompt) :].tolist()
+
+
+def test_json_schema_output_validates_and_ends_with_stop(llm):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    chat = "<|im_start|>user\nDescribe a person as JSON.<|im_end|>\n<|im_start|>assistant\n"
+    params = SamplingParams(
+        temperature=0.7,
+        seed=3,
+        max_tokens=60,
+        structured=StructuredOutput("json_schema", json.dumps(schema)),
+    )
+    results = llm.generate([llm.encode(chat)] * 2, [params, SamplingParams(max_tokens=4)])
+    sample = results[0].samples[0]
+    assert sample.finish_reason == "stop"
+    jsonschema.validate(json.loads(sample.text), schema)
+
+
+def test_bad_grammar_raises_before_queueing(llm):
+    params = SamplingParams(structured=StructuredOutput("json_schema", "{not json"))
+    with pytest.raises(InvalidRequestError, match="json_schema"):
+        llm.engine.add_request("bad-grammar", [1, 2, 3], params)
+    assert not llm.engine.has_unfinished()
