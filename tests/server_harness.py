@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import pytest
 import uvicorn
 
 from deepserve.engine.async_engine import AsyncEngine
@@ -73,3 +74,10 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool
             return True
         time.sleep(interval)
     return predicate()
+
+
+@pytest.fixture(scope="session")
+def smollm_engine() -> Iterator[AsyncEngine]:
+    """One SmolLM2 engine shared by every server test module (loading it takes ~20 s)."""
+    with engine_for("smollm2-135m") as engine:
+        yield engine

@@ -11,16 +11,19 @@ import jsonschema
 import pytest
 from anthropic import Anthropic
 from openai import OpenAI
-from server_harness import engine_for, running_server, wait_until
+from server_harness import running_server, smollm_engine, wait_until
 
 MODEL = "smollm2-135m"
 CAPITAL = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
 HELLO = [{"role": "user", "content": "Say hello."}]
 
 
+__all__ = ["smollm_engine"]  # the shared session fixture
+
+
 @pytest.fixture(scope="module")
-def server():
-    with engine_for(MODEL) as engine, running_server(engine, MODEL) as srv:
+def server(smollm_engine):
+    with running_server(smollm_engine, MODEL) as srv:
         yield srv
 
 
