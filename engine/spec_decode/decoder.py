@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -37,6 +38,10 @@ from deepserve.engine.spec_decode.stats import SpecDecodeStats
 logger = logging.getLogger(__name__)
 
 MAX_SPECULATIVE_TOKENS = 5  # as DeepInfer: longer MTP chains are rarely accepted
+
+
+class TokenProposer(Protocol):
+    def propose(self, token_ids: list[int], num_tokens: int) -> list[int]: ...
 
 
 @dataclass
@@ -91,10 +96,11 @@ class SpeculativeDecoder:
         self.bm = block_manager
         self.max_model_len = max_model_len
         self.stats = SpecDecodeStats()
-        self._ngram: NgramProposer | None = None
+        # Drafts from the token ids alone: `propose(token_ids, num_tokens) -> list[int]`.
+        self.token_proposer: TokenProposer | None = None
         self._mtp: MtpProposer | None = None
         if spec.method == "ngram":
-            self._ngram = NgramProposer(spec.ngram_min, spec.ngram_max)
+            self.token_proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
         elif spec.method == "mtp":
             if not getattr(model, "num_mtp_layers", 0):
                 raise UnsupportedModelError(
@@ -141,10 +147,10 @@ class SpeculativeDecoder:
         self, out: SchedulerOutput, step: StepHidden | None, kv_cache: torch.Tensor
     ) -> None:
         """Set `spec_token_ids` for every sequence that sampled this step and is still running."""
-        if self._ngram is not None:
+        if self.token_proposer is not None:
             for seq in _sampled_seqs(out):
                 if not seq.is_finished:
-                    seq.spec_token_ids = self._ngram_drafts(seq)
+                    seq.spec_token_ids = self._token_drafts(seq)
             return
         assert step is not None
         self._propose_mtp(out, step, kv_cache)
@@ -156,9 +162,10 @@ class SpeculativeDecoder:
         )
         return max(0, min(self.k, room - 1))
 
-    def _ngram_drafts(self, seq: Sequence) -> list[int]:
-        assert self._ngram is not None
-        drafts = self._ngram.propose(seq.token_ids, self.draft_budget(seq))
+    def _token_drafts(self, seq: Sequence) -> list[int]:
+        assert self.token_proposer is not None
+        budget = self.draft_budget(seq)
+        drafts = self.token_proposer.propose(seq.token_ids, budget)[:budget] if budget else []
         return _grammar_prefix(seq, drafts)
 
     def _propose_mtp(self, out: SchedulerOutput, step: StepHidden, kv_cache: torch.Tensor):
