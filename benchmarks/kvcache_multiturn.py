@@ -16,6 +16,7 @@ tokens each), so every turn's prompt extends the previous one exactly. Then the 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import socket
 import statistics
@@ -252,7 +253,10 @@ def report(result: dict, bulk: dict, elapsed: float) -> None:
           f"{bulk['ours_gbps'] / raw:.2f} |")  # fmt: skip
     print(f"| fetch_prefix + copy into the KV cache | {bulk['ours_copy_gbps']:.2f} | "
           f"{bulk['ours_copy_gbps'] / raw:.2f} |")  # fmt: skip
-    print(f"\n(total benchmark time {elapsed:.0f} s)")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(
+        f"\n(total benchmark time {elapsed:.0f} s; load average at the end {load} on {os.cpu_count()} cores)"
+    )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ What does not live here: which blocks to evict or reuse (block manager) and byte
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 from urllib.parse import urlparse
 
@@ -64,11 +65,22 @@ class KVTiering:
 
     name = "kvcache"
 
-    def __init__(self, tiers: TieredKVCache, registry: CollectorRegistry) -> None:
+    def __init__(
+        self,
+        tiers: TieredKVCache,
+        registry: CollectorRegistry,
+        max_parked_bytes: int = 256 * 2**20,
+    ) -> None:
         self.tiers = tiers
         self.registry = registry
         self.metrics = tiers.metrics
-        self._staged: dict[bytes, tuple[str, memoryview]] = {}  # key -> (tier, payload)
+        # Fetched this step, pinned until load_pending: key -> (tier, payload).
+        self._staged: dict[bytes, tuple[str, memoryview]] = {}
+        # Fetched but not loaded (the request could not be admitted yet), kept so a waiting
+        # request does not fetch its prefix again every step; bounded in bytes, oldest out.
+        self._parked: OrderedDict[bytes, tuple[str, memoryview]] = OrderedDict()
+        self._parked_bytes = 0
+        self._max_parked_bytes = max_parked_bytes
         self._from_store: set[bytes] = set()  # loaded from L2 this step: no need to write back
         self._by_request: dict[str, dict[str, int]] = {}
         self._cache: torch.Tensor | None = None
@@ -88,7 +100,7 @@ class KVTiering:
             store=open_store(config, metrics),
             max_pending_bytes=config.max_pending_bytes,
         )
-        return cls(tiers, registry)
+        return cls(tiers, registry, config.max_pending_bytes)
 
     def bind_cache(self, kv_cache: torch.Tensor) -> None:
         """Attach the device KV cache `[layers, blocks, block_size, width]` (made by the runner)."""
@@ -105,7 +117,7 @@ class KVTiering:
     def lookup(self, keys: list[bytes]) -> int:
         """How many of `keys` the tiers supply; their payloads are staged for `load_pending`."""
         n = 0
-        while n < len(keys) and keys[n] in self._staged:
+        while n < len(keys) and self._stage_known(keys[n]):
             n += 1
         if n < len(keys):
             fetched = self.tiers.fetch_prefix([k.hex() for k in keys[n:]])
@@ -114,6 +126,25 @@ class KVTiering:
                 self._staged[key] = (tier, payload)
             n += len(fetched.payloads)
         return n
+
+    def _stage_known(self, key: bytes) -> bool:
+        if key in self._staged:
+            return True
+        entry = self._parked.pop(key, None)
+        if entry is None:
+            return False
+        self._parked_bytes -= entry[1].nbytes
+        self._staged[key] = entry
+        return True
+
+    def _park_unloaded(self) -> None:
+        for key, entry in self._staged.items():
+            self._parked[key] = entry
+            self._parked_bytes += entry[1].nbytes
+        self._staged.clear()
+        while self._parked_bytes > self._max_parked_bytes:
+            _, (_, payload) = self._parked.popitem(last=False)
+            self._parked_bytes -= payload.nbytes
 
     def on_evict(self, key: bytes, block_id: int) -> None:
         if self.tiers.host is None or key.hex() in self.tiers.host:
@@ -133,12 +164,15 @@ class KVTiering:
         self._from_store.clear()
         tier_of_block: dict[int, str] = {}
         for key, block_id in loads:
-            tier, payload = self._staged[key]  # staged by lookup in this same schedule()
+            # Staged by lookup in this same schedule(); two requests may load the same key.
+            tier, payload = self._staged[key]
             self.write_block(block_id, payload)
             tier_of_block[block_id] = tier
             if tier == STORE:
                 self._from_store.add(key)
-        self._staged.clear()
+        for key, _ in loads:
+            self._staged.pop(key, None)
+        self._park_unloaded()
         if tier_of_block:
             self._attribute(tier_of_block, sequences)
 
