@@ -12,6 +12,9 @@ docs/batch_invariance.md):
   a multiple of the tile were bitwise equal for every m and row position tried.
 - Row reductions: torch splits a single long row across threads (two-pass), but never a row among
   many. `_row_sum` reduces fixed-size chunks and folds them in order with a sequential scan.
+- Elementwise ops: torch's CPU loops run whole vectors and send the tail (numel mod the vector
+  chunk, per thread's share) through a scalar path whose transcendental functions round
+  differently; `elementwise` pads so no element is in a tail (used for the MoE router's sigmoid).
 - Attention: keys are taken in fixed splits of `KV_SPLIT`; the row max is exact in any order; each
   split's P@V and sum of P is a GEMM of one fixed shape; splits are folded in order by a scan, so
   extra all-masked splits (a longer neighbour, a prefill chunk) add exact zeros. A query row gets the
@@ -22,6 +25,8 @@ What does not live here: the reference ops, the GPU kernels, and anything with e
 from __future__ import annotations
 
 import itertools
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +40,7 @@ Tensor = torch.Tensor
 ROW_TILES = (4, 8, 16, 32, 64)  # candidate row tiles, smallest first; 64 is the fallback
 KV_SPLIT = 128  # keys per attention split: a fixed reduction unit, whatever the context length
 SUM_CHUNK = 1024  # elements per chunk in long row sums
+ELEMENT_CHUNK = 64  # floats per vectorized elementwise step, with room for AVX-512 (16 x 2 x 2)
 QUERY_BLOCK = 512  # query rows per attention pass (bounds memory; rows are independent)
 
 
@@ -104,6 +110,19 @@ def _row_sum(x: Tensor) -> Tensor:
     pad = _round_up(d, SUM_CHUNK) - d
     chunks = F.pad(x, (0, pad)).unflatten(-1, (-1, SUM_CHUNK)).sum(-1)
     return chunks.cumsum(-1)[..., -1:]
+
+
+def elementwise(fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    """`fn` applied so every element takes torch's vectorized path: the flat length is padded to a
+    multiple of a vector chunk times every thread split, so no element lands in a scalar tail."""
+
+    def apply(x: Tensor) -> Tensor:
+        flat = x.reshape(-1)
+        unit = ELEMENT_CHUNK * math.lcm(*range(1, torch.get_num_threads() + 1))
+        pad = -flat.numel() % unit
+        return fn(F.pad(flat, (0, pad)))[: flat.numel()].view_as(x)
+
+    return apply
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -224,6 +243,7 @@ def cpu_kernels() -> KernelSet:
         log_softmax=log_softmax,
         bmm=mm.bmm,
         paged_attention=SplitKVAttention(mm),
+        sigmoid=elementwise(torch.sigmoid),
     )
 
 

@@ -25,6 +25,9 @@ class KernelSet:
     bmm: Callable[[Tensor, Tensor], Tensor]  # batched matmul used by attention and MLA absorption
     # paged attention over one flattened batch; see kernels/attention_ref.py for the signature
     paged_attention: Callable[..., Tensor]
+    # MoE routing scores; an op here because torch's CPU elementwise loops send a batch-dependent
+    # tail through a scalar path with other rounding (kernels/batch_invariant.py)
+    sigmoid: Callable[[Tensor], Tensor] = torch.sigmoid
 
 
 def get_kernels(device: str, batch_invariant: bool) -> KernelSet:
