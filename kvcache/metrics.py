@@ -54,6 +54,26 @@ class KVCacheMetrics:
             registry=registry,
         )
 
+    def init_tier(self, tier: str) -> None:
+        """Show a configured tier's series at zero from the start, so rates and dashboards have
+        data before the first hit, eviction or error (Prometheus' advice for known labels)."""
+        for counter in (
+            self.lookups,
+            self.hits,
+            self.misses,
+            self.bytes_in,
+            self.bytes_out,
+            self.evictions,
+            self.integrity_failures,
+            self.dropped,
+        ):
+            counter.labels(tier)
+        if tier == "host":
+            self.used_bytes.labels(tier)  # L1 starts empty
+        if tier == "store":
+            for op in ("get", "put"):  # the data-path operations of a store
+                self.store_errors.labels(tier, op)
+
     def record_lookup(self, tier: str, looked_up: int, hits: int) -> None:
         self.lookups.labels(tier).inc(looked_up)
         self.hits.labels(tier).inc(hits)

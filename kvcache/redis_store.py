@@ -14,7 +14,7 @@ it is down. The connection pool reconnects on the first call after the server is
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import redis
@@ -122,7 +122,7 @@ class RedisStore(BlockStore):
     def close(self) -> None:
         self._client.close()
 
-    def _pipeline(self, op: str, build) -> list | None:
+    def _pipeline(self, op: str, build: Callable[[redis.client.Pipeline], object]) -> list | None:
         """Run one pipelined round trip; None (counted as an error) on any store fault."""
         if not self._breaker.allow():
             return None

@@ -15,7 +15,7 @@ here: which device blocks to evict or fill (the engine's block manager decides t
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from deepserve.kvcache.codec import BlockFormatError, BlockSpec, decode_block, encode_block
@@ -53,10 +53,15 @@ class TieredKVCache:
         self.metrics = metrics
         self.host = host
         self.store = store
+        for tier, present in ((HOST, host), (STORE, store)):
+            if present is not None:
+                metrics.init_tier(tier)
         self._offload_q = self._queue("kv-offload-host", self._write_host, HOST, max_pending_bytes)
         self._store_q = self._queue("kv-write-store", self._write_store, STORE, max_pending_bytes)
 
-    def _queue(self, name, sink, tier: str, max_bytes: int) -> WriteQueue | None:
+    def _queue(
+        self, name: str, sink: Callable[[list[Item]], None], tier: str, max_bytes: int
+    ) -> WriteQueue | None:
         if (self.host if tier == HOST else self.store) is None:
             return None
         drop = self.metrics.dropped.labels(tier).inc
@@ -87,7 +92,13 @@ class TieredKVCache:
             out += found
         return FetchedPrefix(out, n_host, len(out) - n_host)
 
-    def _fetch_tier(self, tier: str, keys: Sequence[str], get_many, delete) -> list[memoryview]:
+    def _fetch_tier(
+        self,
+        tier: str,
+        keys: Sequence[str],
+        get_many: Callable[[Sequence[str]], list[bytes | None]],
+        delete: Callable[[Sequence[str]], None],
+    ) -> list[memoryview]:
         start = time.perf_counter()
         values = get_many(keys)
         good: list[tuple[str, bytes, memoryview]] = []
