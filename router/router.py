@@ -24,7 +24,7 @@ from deepserve.disagg.errors import NoWorkerError, WorkerRejectedError, WorkerUn
 from deepserve.router.health import HealthChecker
 from deepserve.router.kv_events import KVEventSubscriber
 from deepserve.router.policies import CacheAwareConfig, make_policy
-from deepserve.router.pool import HealthPolicy, Worker, WorkerPool
+from deepserve.router.pool import ROLES, HealthPolicy, Worker, WorkerPool
 from deepserve.router.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,12 @@ class Router:
             file=Path(config.pool_file) if config.pool_file else None,
             on_eject=self._forget_worker,
         )
-        self.policy = make_policy(config.policy, self.index, config.cache_aware, config.seed)
+        # One policy per role: a round-robin counter shared by prefill and decode picks would
+        # advance twice per request and pin every request to the same decode worker.
+        self.policies = {
+            role: make_policy(config.policy, self.index, config.cache_aware, config.seed)
+            for role in ROLES
+        }
         self.health = HealthChecker(self.pool, config.health_interval)
         self.events = (
             KVEventSubscriber(config.kv_events_url, self.index) if config.kv_events_url else None
@@ -82,7 +87,7 @@ class Router:
         candidates = self.pool.available(role, exclude)
         if not candidates:
             raise NoWorkerError(f"no healthy {role} worker left to try")
-        return self.policy.choose(candidates, token_ids)
+        return self.policies[role].choose(candidates, token_ids)
 
     async def stream(
         self, role: str, req: P.GenerateRequest, route_tokens: list[int] | None = None

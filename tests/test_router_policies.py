@@ -104,3 +104,15 @@ def test_cache_aware_spreads_unrelated_requests():
     ws = [worker("a"), worker("b")]
     picks = {policy.choose(ws, [i] * 8).url for i in range(4)}
     assert picks == {"http://a", "http://b"}
+
+
+def test_round_robin_counts_each_role_separately():
+    from deepserve.router.router import Router, RouterConfig
+
+    urls = {"prefill": ("http://p1", "http://p2"), "decode": ("http://d1", "http://d2")}
+    router = Router(RouterConfig(workers=urls, policy="round_robin"))
+    decodes = []
+    for _ in range(4):  # one request = one prefill pick, then one decode pick
+        router.pick("prefill", [], set())
+        decodes.append(router.pick("decode", [], set()).url)
+    assert decodes == ["http://d1", "http://d2"] * 2
