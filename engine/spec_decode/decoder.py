@@ -262,8 +262,11 @@ def fill_draft_bitmasks(seq: Sequence, bitmask: torch.Tensor, first_row: int) ->
     matcher = seq.matcher
     advanced = 0
     for j, token in enumerate([*seq.spec_token_ids, None]):
+        # Rows after an accepted stop token are never used: the sequence ends there.
+        if matcher.is_terminated():
+            break
         matcher.fill_bitmask(bitmask, first_row + j)
-        if token is None or matcher.is_terminated() or not matcher.accept(token):
+        if token is None or not matcher.accept(token):
             break
         advanced += 1
     matcher.rollback(advanced)
