@@ -32,6 +32,7 @@ COMPOSE = REPO / "docker" / "docker-compose.yml"
 COMPOSE_VARIABLES = {
     "DEEPSERVE_INTERNAL_TOKEN": "shared secret the frontend sends on every worker call",
     "DEEPSERVE_REDIS_PASSWORD": "Redis `requirepass`; also put in the workers' `--kv-store` URL",
+    "DEEPSERVE_KV_HOST_BYTES": "each worker's L1 host-RAM KV tier, in bytes (`--kv-host-bytes`)",
     "DEEPSERVE_REDIS_MAXMEMORY": "Redis memory cap; past it Redis evicts least-recently-used keys",
     "DEEPSERVE_MODEL": "model every process serves (built-in name baked into the image, or a path)",
     "DEEPSERVE_POLICY": "the frontend's routing policy over the decode workers",

@@ -188,6 +188,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; return a delta for every request that progressed."""
         out = self.scheduler.schedule()
+        _mark_first_scheduled(out, time.monotonic())
         if self.kv_tiering is not None:  # lower-tier prefix hits land in their blocks first
             loads = self.block_manager.take_pending_loads()
             self.kv_tiering.load_pending(loads, [item.seq for item in out.scheduled])
@@ -279,6 +280,7 @@ class LLMEngine:
             cached_tokens=cached,
             cached_tokens_by_tier=by_tier,
             finished=finished,
+            queue_time=_queue_time(request),
         )
 
     # ---- control --------------------------------------------------------------------------
@@ -308,6 +310,18 @@ class LLMEngine:
         self.runner.close()
         if self.kv_tiering is not None:
             self.kv_tiering.close()
+
+
+def _mark_first_scheduled(out: SchedulerOutput, now: float) -> None:
+    for item in out.scheduled:
+        if item.seq.request.first_scheduled is None:
+            item.seq.request.first_scheduled = now
+
+
+def _queue_time(request: Request) -> float | None:
+    if request.first_scheduled is None:
+        return None
+    return request.first_scheduled - request.arrival
 
 
 def _make_speculative(config: EngineConfig, model, block_manager, max_model_len: int):

@@ -31,6 +31,7 @@ class RequestOutput:
     cached_tokens: int  # prompt tokens served from any cache tier
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # "device", "host", "store"
     finished: bool = False
+    queue_time: float | None = None  # seconds from arrival to its first scheduled step
 
 
 @dataclass

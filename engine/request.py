@@ -92,6 +92,7 @@ class Request:
     seed: int  # the request's seed (drawn at admission when params.seed is None)
     max_tokens: int  # resolved: never beyond the context limit
     arrival: float
+    first_scheduled: float | None = None  # monotonic time of its first step; queue time's end
     compiled_grammar: Any = None  # engine.structured.CompiledGrammar, when constrained
     sequences: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = -1  # prompt tokens served from cache on first admission; -1 unknown

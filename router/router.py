@@ -26,6 +26,7 @@ from deepserve.router.kv_events import KVEventSubscriber
 from deepserve.router.policies import CacheAwareConfig, make_policy
 from deepserve.router.pool import ROLES, HealthPolicy, Worker, WorkerPool
 from deepserve.router.prefix_index import PrefixIndex
+from deepserve.router.stats import RouterStats
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.index = PrefixIndex()
+        self.stats = RouterStats()  # exported by server/component_metrics.py
         self.pool = WorkerPool.from_urls(
             config.workers,
             make_client=lambda url: WorkerClient(url, config.internal_token, config.timeouts),
@@ -87,7 +89,9 @@ class Router:
         candidates = self.pool.available(role, exclude)
         if not candidates:
             raise NoWorkerError(f"no healthy {role} worker left to try")
-        return self.policies[role].choose(candidates, token_ids)
+        worker = self.policies[role].choose(candidates, token_ids)
+        self.stats.picked(worker.url, role)
+        return worker
 
     async def stream(
         self, role: str, req: P.GenerateRequest, route_tokens: list[int] | None = None
@@ -111,6 +115,7 @@ class Router:
                     raise
                 log.warning("request %s failed on %s, retrying: %s", req.request_id, worker.url, e)
                 last = e
+                self.stats.retried(role)
         raise NoWorkerError(f"request failed on {len(tried)} {role} workers; last: {last}")
 
     async def _stream_one(self, w: Worker, req: P.GenerateRequest) -> AsyncIterator[P.StreamEvent]:
@@ -158,5 +163,6 @@ class Router:
             await w.client.abort(request_id)
 
     def _forget_worker(self, w: Worker) -> None:
+        self.stats.ejected(w.url, w.role)
         if w.worker_id is not None:
             self.index.drop_worker(w.worker_id)

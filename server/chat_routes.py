@@ -98,7 +98,8 @@ def validate(state: AppState, prompt_ids: list[int], params: SamplingParams) -> 
     if params.structured is None:
         return
     compile_grammar = getattr(state.backend, "compile_grammar", None)
-    if compile_grammar is None:  # a remote backend validates on its side
+    if compile_grammar is None:  # a remote backend validates (and times compiles) on its side
+        state.metrics.structured_request(params.structured.kind)
         return
     compiled = compile_grammar(params)
     if compiled is None:

@@ -19,8 +19,10 @@ from deepserve.disagg.remote_engine import RemoteEngine, fetch_model_card
 from deepserve.engine.loader import ModelInfo
 from deepserve.router.router import Router, RouterConfig
 from deepserve.server.app import create_app
+from deepserve.server.component_metrics import RouterCollector
 from deepserve.server.config import ServerConfig
 from deepserve.server.family import make_family
+from deepserve.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +53,9 @@ async def serve_frontend(config: FrontendConfig) -> None:
     engine = await connect(config)
     info, name = engine.model_info, config.server.served_model_name
     family = make_family(info.family, engine.tokenizer, name, info.chat_template)
-    app = create_app(engine, family, config.server)
+    metrics = ServerMetrics(name, config.server.role, engine.load)
+    metrics.registry.register(RouterCollector(engine.router, metrics.labels))
+    app = create_app(engine, family, config.server, metrics)
     uv = uvicorn.Config(
         app,
         host=config.server.host,
@@ -70,5 +74,6 @@ def run_frontend(config: FrontendConfig) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # else one line per worker call
     asyncio.run(serve_frontend(config))
     return 0

@@ -89,6 +89,7 @@ E2E_BUCKETS = (
 )
 COMPILE_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CACHE_TIERS = ("device", "host", "store")  # engine/outputs.py RequestOutput.cached_tokens_by_tier
 
 
 class _EngineCollector(Collector):
@@ -153,6 +154,14 @@ class ServerMetrics:
         self.cached_tokens = counter(
             "prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache (any tier)."
         )
+        self._cached_by_tier = Counter(
+            P + "cached_prompt_tokens",
+            "Prompt tokens served from each cache tier.",
+            names + ["tier"],
+            registry=r,
+        )
+        for tier in CACHE_TIERS:  # every tier shows, at zero until it serves a hit
+            self._cached_by_tier.labels(**self.labels, tier=tier)
         self._success = Counter(
             P + "request_success",
             "Finished requests by reason.",
@@ -177,6 +186,11 @@ class ServerMetrics:
         mode.labels(**self.labels).set(1.0 if batch_invariant else 0.0)
         if load is not None:
             r.register(_EngineCollector(load, self.labels))
+
+    def cached_prompt_tokens(self, by_tier: dict[str, int]) -> None:
+        for tier, tokens in by_tier.items():
+            if tokens:
+                self._cached_by_tier.labels(**self.labels, tier=tier).inc(tokens)
 
     def request_finished(self, reason: str) -> None:
         self._success.labels(**self.labels, finished_reason=reason).inc()

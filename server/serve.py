@@ -12,6 +12,7 @@ import uvicorn
 
 from deepserve.engine.config import EngineConfig
 from deepserve.server.app import create_app
+from deepserve.server.component_metrics import EngineCollector
 from deepserve.server.config import ServerConfig
 from deepserve.server.family import make_family
 from deepserve.server.metrics import ServerMetrics
@@ -31,6 +32,8 @@ def build_app(engine, server_config: ServerConfig):
         engine.load,
         batch_invariant=getattr(engine.config, "batch_invariant", False),
     )
+    if hasattr(engine, "engine"):  # a real AsyncEngine (tests may hand in a stand-in)
+        metrics.registry.register(EngineCollector(engine.engine, metrics.labels))
     return create_app(engine, family, server_config, metrics)
 
 

@@ -117,6 +117,7 @@ def _push(p: dr.StreamProcessor, c: CompletionOutput) -> list:
 def record_prompt(metrics: ServerMetrics, out: RequestOutput) -> None:
     metrics.prompt_tokens.inc(out.prompt_tokens)
     metrics.cached_tokens.inc(out.cached_tokens)
+    metrics.cached_prompt_tokens(out.cached_tokens_by_tier)
     queue_time = getattr(out, "queue_time", None)
     if queue_time is not None:
         metrics.queue_time.observe(queue_time)

@@ -20,6 +20,7 @@ import contextlib
 import hmac
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 
@@ -28,10 +29,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from deepserve.disagg import protocol as P
+from deepserve.disagg.metrics import TransferMetrics
 from deepserve.engine.async_engine import AsyncEngine
 from deepserve.engine.block_manager import block_key
 from deepserve.engine.errors import InvalidRequestError
 from deepserve.engine.outputs import RequestOutput
+from deepserve.server.component_metrics import EngineCollector
 from deepserve.server.metrics import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -56,6 +59,10 @@ class Worker:
         self.metrics = ServerMetrics(
             engine.model_info.name, config.role, engine.load, engine.config.batch_invariant
         )
+        self.metrics.registry.register(EngineCollector(engine.engine, self.metrics.labels))
+        self.transfer = TransferMetrics(self.metrics.registry, self.metrics.labels)
+        cache = engine.engine.runner.kv_cache  # [layers, blocks, block_size, width]
+        self.block_bytes = cache[:, 0].numel() * cache.element_size()
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self._publisher: asyncio.Task | None = None
@@ -69,6 +76,12 @@ class Worker:
         except (TypeError, ValueError) as e:
             raise InvalidRequestError(f"bad sampling parameters: {e}") from e
         self.engine.check_request(req.prompt_token_ids, params)
+        if params.structured is not None:  # compiled (and cached) now, so a bad one is a 400
+            compiled = self.engine.compile_grammar(params)
+            if compiled is None:
+                raise InvalidRequestError("the output constraint did not compile")
+            self.metrics.structured_request(params.structured.kind)
+            self.metrics.grammar_compile.observe(compiled.compile_seconds)
         return params
 
     async def stream(self, req: P.GenerateRequest, params) -> AsyncIterator[bytes]:
@@ -77,6 +90,7 @@ class Worker:
             async for out in self.engine.generate(req.request_id, req.prompt_token_ids, params):
                 if first:
                     self._count_prompt(out)
+                    self._count_received(req, out)
                     first = False
                 self._count_generated(out)
                 keys: list[str] = []
@@ -94,6 +108,19 @@ class Worker:
         self.cached_tokens += out.cached_tokens
         self.metrics.prompt_tokens.inc(out.prompt_tokens)
         self.metrics.cached_tokens.inc(out.cached_tokens)
+        self.metrics.cached_prompt_tokens(out.cached_tokens_by_tier)
+        if out.queue_time is not None:
+            self.metrics.queue_time.observe(out.queue_time)
+
+    def _count_received(self, req: P.GenerateRequest, out: RequestOutput) -> None:
+        """Decode side of a PD hand-off: how many of the handed blocks were found here."""
+        if req.mode != "decode" or not req.kv_keys:
+            return
+        size = self.engine.config.block_size
+        from_store = out.cached_tokens_by_tier.get("store", 0) // size
+        self.transfer.received(
+            len(req.kv_keys), out.cached_tokens // size, from_store, self.block_bytes
+        )
 
     def _count_generated(self, out: RequestOutput) -> None:
         self.metrics.generation_tokens.inc(sum(len(c.token_ids) for c in out.outputs))
@@ -108,7 +135,11 @@ class Worker:
         if tiering is None or tiering.tiers.store is None:
             return []
         timeout = self.config.kv_flush_timeout_s
-        if not await asyncio.to_thread(tiering.tiers.drain, timeout):
+        start = time.perf_counter()
+        flushed = await asyncio.to_thread(tiering.tiers.drain, timeout)
+        blocks = len(prompt) // self.engine.config.block_size
+        self.transfer.sent(time.perf_counter() - start, blocks, self.block_bytes, flushed)
+        if not flushed:
             log.warning("KV blocks not in the shared tier after %.1fs", timeout)
             return []
         return prompt_block_keys(

@@ -52,6 +52,8 @@ START_TIMEOUT_S = 300
 SCRAPE_INTERVAL_S = 1
 RATE_WINDOW = "1m"
 METRICS_DOC = REPO / "docs" / "metrics.md"
+FRONTEND = 'job="deepserve-frontend"'
+WORKERS = 'job=~"deepserve-(prefill|decode)"'
 
 
 @dataclass
@@ -193,7 +195,8 @@ def exposed_metrics(service: LocalService) -> set[str]:
     """Metric names as docs/metrics.md spells them: counters with `_total`, histograms bare."""
     out = set()
     for family in text_string_to_metric_families(scrape_text(service)):
-        if family.name.startswith("deepserve:"):
+        # prometheus_client also exposes each counter's and histogram's `_created` timestamps.
+        if family.name.startswith("deepserve:") and not family.name.endswith("_created"):
             out.add(family.name + "_total" if family.type == "counter" else family.name)
     return out
 
@@ -316,8 +319,16 @@ def _wait_for_scrapes(stack: Stack) -> None:
     wait_until(seen, 30, "prometheus scrapes after traffic")
 
 
-def test_every_prometheus_target_is_up(stack):
+@pytest.fixture(scope="module")
+def scraped(stack: Stack) -> Stack:
+    """The stack after the mixed traffic, once Prometheus has scraped it."""
+    _mixed_traffic(stack)
     _wait_for_scrapes(stack)
+    return stack
+
+
+def test_every_prometheus_target_is_up(scraped):
+    stack = scraped
     with urllib.request.urlopen(f"{stack.prometheus_url}/api/v1/targets", timeout=10) as r:
         targets = json.load(r)["data"]["activeTargets"]
     jobs = {t["labels"]["job"] for t in targets}
@@ -327,15 +338,44 @@ def test_every_prometheus_target_is_up(stack):
         assert target["health"] == "up", (target["scrapeUrl"], target.get("lastError"))
 
 
-def test_every_dashboard_query_returns_series_after_traffic(stack):
-    _mixed_traffic(stack)
-    _wait_for_scrapes(stack)
+def test_every_dashboard_query_returns_series_after_traffic(scraped):
+    stack = scraped
     empty = [(title, expr) for title, expr in dashboard_queries() if not promql(stack, expr)]
     assert not empty, "queries with no series:\n" + "\n".join(f"{t}: {e}" for t, e in empty)
 
 
+# After the traffic above, each of these must have moved (a series that exists but stays at zero
+# would pass the dashboard check while its panel shows nothing real).
+MOVED = [
+    f"sum(deepserve:time_to_first_token_seconds_count{{{FRONTEND}}})",
+    f"sum(deepserve:inter_token_latency_seconds_count{{{FRONTEND}}})",
+    f"sum(deepserve:e2e_request_latency_seconds_count{{{FRONTEND}}})",
+    f'sum(deepserve:http_requests_total{{{FRONTEND}, status="400"}})',
+    f"sum(deepserve:structured_output_requests_total{{{FRONTEND}}})",
+    f"sum(deepserve:cached_prompt_tokens_total{{{FRONTEND}}})",
+    'sum(deepserve:router_requests_total{worker_role="prefill"})',
+    'sum(deepserve:router_requests_total{worker_role="decode"})',
+    f"sum(deepserve:request_queue_time_seconds_count{{{WORKERS}}})",
+    f"sum(deepserve:grammar_compile_seconds_count{{{WORKERS}}})",
+    'sum(deepserve:kv_tier_written_bytes_total{tier="store"})',
+    'sum(deepserve:pd_transfer_seconds_count{job="deepserve-prefill"})',
+    'sum(deepserve:pd_transfer_bytes_total{job="deepserve-prefill", direction="sent"})',
+    'sum(deepserve:pd_transfer_blocks_total{job="deepserve-decode", outcome="hit"})',
+]
+
+
+def test_traffic_moves_the_metrics_behind_the_panels(scraped):
+    stack = scraped
+    still = [
+        expr for expr in MOVED if not any(float(r["value"][1]) > 0 for r in promql(stack, expr))
+    ]
+    assert not still, "still zero after traffic:\n" + "\n".join(still)
+    healthy = promql(stack, "sum(deepserve:router_worker_healthy)")
+    assert float(healthy[0]["value"][1]) == 3
+
+
 def documented_metrics() -> set[str]:
-    return set(re.findall(r"^\| `(deepserve:[a-z_:]+)`", METRICS_DOC.read_text(), re.M))
+    return set(re.findall(r"^\| `(deepserve:[a-z0-9_:]+)`", METRICS_DOC.read_text(), re.M))
 
 
 def test_metrics_doc_lists_exactly_the_exposed_metrics(stack):

@@ -53,16 +53,22 @@ def quantiles(histogram: str, legend: str = "", where: str = "") -> tuple[Query,
 P = "deepserve:"
 FRONTEND = 'job="deepserve-frontend"'
 WORKERS = 'job=~"deepserve-(prefill|decode)"'
+DECODE = 'job="deepserve-decode"'
+
+
+def ratio(numerator: str, denominator: str) -> str:
+    return f"{numerator} / {denominator}"
+
 
 ROWS: list[tuple[str, list[Panel]]] = [
     (
-        "Requests",
+        "Requests (at the frontend)",
         [
             Panel(
                 "Requests/s by endpoint and status",
                 (
                     Query(
-                        rate(f"{P}http_requests_total", "endpoint, status"),
+                        rate(f"{P}http_requests_total", "endpoint, status", FRONTEND),
                         "{{endpoint}} {{status}}",
                     ),
                 ),
@@ -72,7 +78,7 @@ ROWS: list[tuple[str, list[Panel]]] = [
                 "Errors/s (4xx, 5xx)",
                 (
                     Query(
-                        rate(f"{P}http_requests_total", "status", 'status=~"4..|5.."'),
+                        rate(f"{P}http_requests_total", "status", f'{FRONTEND}, status=~"4..|5.."'),
                         "{{status}}",
                     ),
                 ),
@@ -93,9 +99,21 @@ ROWS: list[tuple[str, list[Panel]]] = [
     (
         "Latency (as clients see it, at the frontend)",
         [
-            Panel("Time to first token", quantiles(f"{P}time_to_first_token_seconds"), "s"),
-            Panel("Inter-token latency", quantiles(f"{P}inter_token_latency_seconds"), "s"),
-            Panel("End-to-end request latency", quantiles(f"{P}e2e_request_latency_seconds"), "s"),
+            Panel(
+                "Time to first token",
+                quantiles(f"{P}time_to_first_token_seconds", where=FRONTEND),
+                "s",
+            ),
+            Panel(
+                "Inter-token latency",
+                quantiles(f"{P}inter_token_latency_seconds", where=FRONTEND),
+                "s",
+            ),
+            Panel(
+                "End-to-end request latency",
+                quantiles(f"{P}e2e_request_latency_seconds", where=FRONTEND),
+                "s",
+            ),
         ],
     ),
     (
@@ -107,7 +125,6 @@ ROWS: list[tuple[str, list[Panel]]] = [
                     Query(rate(f"{P}prompt_tokens_total", where=FRONTEND), "prompt (in)"),
                     Query(rate(f"{P}generation_tokens_total", where=FRONTEND), "generated (out)"),
                 ),
-                "short",
             ),
             Panel(
                 "Running requests per worker",
@@ -135,7 +152,7 @@ ROWS: list[tuple[str, list[Panel]]] = [
                 "percentunit",
             ),
             Panel(
-                "Queue time",
+                "Queue time (workers)",
                 quantiles(f"{P}request_queue_time_seconds", where=WORKERS),
                 "s",
             ),
@@ -146,33 +163,41 @@ ROWS: list[tuple[str, list[Panel]]] = [
         ],
     ),
     (
-        "KV cache tiers",
+        "Prefix cache and KV tiers",
         [
             Panel(
-                "Prefix hit rate by tier (cached / prompt tokens)",
+                "Prefix hit rate by tier (cached / prompt tokens, at the frontend)",
                 (
                     Query(
-                        f"{rate(f'{P}cached_prompt_tokens_total', 'tier', WORKERS)}"
-                        f" / ignoring(tier) group_left {rate(f'{P}prompt_tokens_total', '', WORKERS)}",
+                        ratio(
+                            rate(f"{P}cached_prompt_tokens_total", "tier", FRONTEND),
+                            f"ignoring(tier) group_left {rate(f'{P}prompt_tokens_total', '', FRONTEND)}",
+                        ),
                         "{{tier}}",
                     ),
                 ),
                 "percentunit",
             ),
             Panel(
-                "Block hit rate by tier (hits / lookups)",
+                "Block hit rate by tier (hits / lookups, workers)",
                 (
                     Query(
-                        f"{rate(f'{P}kv_tier_hits_total', 'tier')}"
-                        f" / {rate(f'{P}kv_tier_lookups_total', 'tier')}",
+                        ratio(
+                            rate(f"{P}kv_tier_hits_total", "tier"),
+                            rate(f"{P}kv_tier_lookups_total", "tier"),
+                        ),
                         "{{tier}}",
                     ),
                 ),
                 "percentunit",
             ),
             Panel(
-                "Bytes held by tier",
-                (Query(f"sum by (tier) ({P}kv_tier_used_bytes)", "{{tier}}"),),
+                "L1 host bytes per worker",
+                (
+                    Query(
+                        f'sum by (instance) ({P}kv_tier_used_bytes{{tier="host"}})', "{{instance}}"
+                    ),
+                ),
                 "bytes",
             ),
             Panel(
@@ -195,13 +220,14 @@ ROWS: list[tuple[str, list[Panel]]] = [
                 "s",
             ),
             Panel(
-                "Integrity failures, store errors, evictions (/s)",
+                "Integrity failures, store errors, evictions, dropped writes (/s)",
                 (
                     Query(
                         rate(f"{P}kv_tier_integrity_failures_total", "tier"), "integrity {{tier}}"
                     ),
-                    Query(rate(f"{P}kv_store_errors_total", "tier"), "errors {{tier}}"),
+                    Query(rate(f"{P}kv_store_errors_total", "tier, op"), "error {{tier}} {{op}}"),
                     Query(rate(f"{P}kv_tier_evictions_total", "tier"), "evicted {{tier}}"),
+                    Query(rate(f"{P}kv_tier_dropped_writes_total", "tier"), "dropped {{tier}}"),
                 ),
             ),
         ],
@@ -210,11 +236,13 @@ ROWS: list[tuple[str, list[Panel]]] = [
         "Speculative decoding and structured outputs",
         [
             Panel(
-                "Speculative acceptance rate",
+                "Speculative acceptance rate per worker",
                 (
                     Query(
-                        f"{rate(f'{P}spec_decode_num_accepted_tokens_total', 'instance')}"
-                        f" / {rate(f'{P}spec_decode_num_draft_tokens_total', 'instance')}",
+                        ratio(
+                            rate(f"{P}spec_decode_num_accepted_tokens_total", "instance", WORKERS),
+                            rate(f"{P}spec_decode_num_draft_tokens_total", "instance", WORKERS),
+                        ),
                         "{{instance}}",
                     ),
                 ),
@@ -223,24 +251,30 @@ ROWS: list[tuple[str, list[Panel]]] = [
             Panel(
                 "Drafted and accepted tokens/s",
                 (
-                    Query(rate(f"{P}spec_decode_num_draft_tokens_total"), "drafted"),
-                    Query(rate(f"{P}spec_decode_num_accepted_tokens_total"), "accepted"),
+                    Query(rate(f"{P}spec_decode_num_draft_tokens_total", where=WORKERS), "drafted"),
+                    Query(
+                        rate(f"{P}spec_decode_num_accepted_tokens_total", where=WORKERS), "accepted"
+                    ),
                 ),
             ),
             Panel(
                 "Structured-output requests/s by kind",
-                (Query(rate(f"{P}structured_output_requests_total", "kind"), "{{kind}}"),),
+                (
+                    Query(
+                        rate(f"{P}structured_output_requests_total", "kind", FRONTEND), "{{kind}}"
+                    ),
+                ),
                 "reqps",
             ),
             Panel(
-                "Grammar compile time",
-                quantiles(f"{P}grammar_compile_seconds"),
+                "Grammar compile time (workers)",
+                quantiles(f"{P}grammar_compile_seconds", where=WORKERS),
                 "s",
             ),
         ],
     ),
     (
-        "Router and disaggregation",
+        "Router and prefill/decode hand-off",
         [
             Panel(
                 "Router decisions/s by worker and policy",
@@ -254,25 +288,52 @@ ROWS: list[tuple[str, list[Panel]]] = [
             ),
             Panel(
                 "Worker health (1 = in rotation)",
-                (Query(f"max by (worker) ({P}router_worker_healthy)", "{{worker}}"),),
+                (
+                    Query(
+                        f"max by (worker, worker_role) ({P}router_worker_healthy)",
+                        "{{worker_role}} {{worker}}",
+                    ),
+                ),
             ),
             Panel(
-                "Retries/s",
-                (Query(rate(f"{P}router_retries_total", "reason"), "{{reason}}"),),
+                "Retries and ejections (/s)",
+                (
+                    Query(rate(f"{P}router_retries_total", "worker_role"), "retry {{worker_role}}"),
+                    Query(
+                        rate(f"{P}router_worker_ejections_total", "worker"), "ejected {{worker}}"
+                    ),
+                ),
             ),
             Panel(
-                "PD transfer time",
-                quantiles(f"{P}pd_transfer_seconds"),
+                "PD hand-off time",
+                (
+                    *quantiles(f"{P}pd_transfer_seconds", " write"),
+                    Query(
+                        f"histogram_quantile(0.99, sum by (le) (rate({P}kv_tier_op_seconds_bucket"
+                        f'{{{DECODE}, tier="store", op="fetch"}}[{RATE}])))',
+                        "p99 decode fetch",
+                    ),
+                ),
                 "s",
             ),
             Panel(
-                "PD transfer bytes/s",
-                (Query(rate(f"{P}pd_transfer_bytes_total", "instance"), "{{instance}}"),),
-                "Bps",
+                "PD hand-off bytes/s and blocks/s",
+                (
+                    Query(rate(f"{P}pd_transfer_bytes_total", "direction"), "bytes {{direction}}"),
+                    Query(
+                        rate(f"{P}pd_transfer_blocks_total", "direction, outcome"),
+                        "blocks {{direction}} {{outcome}}",
+                    ),
+                ),
+                "short",
             ),
             Panel(
                 "Batch-invariant mode per worker",
-                (Query(f"max by (instance) ({P}batch_invariant{{{WORKERS}}})", "{{instance}}"),),
+                (
+                    Query(
+                        f"max by (instance) ({P}batch_invariant_mode{{{WORKERS}}})", "{{instance}}"
+                    ),
+                ),
                 kind="stat",
             ),
         ],

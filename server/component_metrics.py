@@ -1,0 +1,102 @@
+"""Prometheus collectors that read a component's own counters when Prometheus scrapes.
+
+The engine (preemptions, speculative decoding, its KV-tier registry) and the router (decisions,
+retries, ejections, worker health) keep plain counters and never import prometheus_client; these
+adapters publish them in the process's `ServerMetrics` registry, with the same `model_name` and
+`role` labels. Reading at scrape time keeps the hot paths free of metric calls.
+
+Not here: what the HTTP layer records per request (server/metrics.py); PD transfer metrics
+(disagg/metrics.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+P = "deepserve:"
+
+
+class EngineCollector(Collector):
+    """Counters of one `LLMEngine` (engine/llm_engine.py), plus its KV tiers' own registry."""
+
+    def __init__(self, engine: Any, labels: dict[str, str]) -> None:
+        self._engine = engine
+        self._labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        names, values = list(self._labels), list(self._labels.values())
+        preemptions = CounterMetricFamily(
+            P + "num_preemptions", "Requests preempted (KV blocks ran out).", labels=names
+        )
+        preemptions.add_metric(values, float(self._engine.scheduler.num_preemptions))
+        yield preemptions
+        yield from self._spec_decode(names, values)
+        tiering = self._engine.kv_tiering
+        if tiering is not None:
+            yield from tiering.registry.collect()
+
+    def _spec_decode(self, names: list[str], values: list[str]) -> Iterator[Metric]:
+        """vLLM's names; zeros while speculative decoding is off (nothing was drafted)."""
+        spec = self._engine.spec
+        stats = spec.stats if spec is not None else None
+        for name, doc, attr in (
+            ("spec_decode_num_drafts", "Verification rounds with drafts.", "num_drafts"),
+            ("spec_decode_num_draft_tokens", "Draft tokens proposed.", "num_draft_tokens"),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "num_accepted_tokens"),
+        ):
+            family = CounterMetricFamily(P + name, doc, labels=names)
+            family.add_metric(values, float(getattr(stats, attr, 0)))
+            yield family
+
+
+class RouterCollector(Collector):
+    """What one `Router` (router/router.py) decided, and the health of its pool's workers."""
+
+    def __init__(self, router: Any, labels: dict[str, str]) -> None:
+        self._router = router
+        self._labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        names, values = list(self._labels), list(self._labels.values())
+        workers = self._router.pool.workers()
+        stats = self._router.stats
+        policy = self._router.config.policy
+        decisions = CounterMetricFamily(
+            P + "router_requests",
+            "Requests the router sent to each worker.",
+            labels=[*names, "worker", "worker_role", "policy"],
+        )
+        known = {(w.url, w.role) for w in workers} | set(stats.decisions)
+        for url, role in sorted(known):
+            decisions.add_metric([*values, url, role, policy], float(stats.decisions[(url, role)]))
+        yield decisions
+        retries = CounterMetricFamily(
+            P + "router_retries",
+            "Worker failures before the first token (the request moves to another worker).",
+            labels=[*names, "worker_role"],
+        )
+        for role in sorted({w.role for w in workers} | set(stats.retries)):
+            retries.add_metric([*values, role], float(stats.retries[role]))
+        yield retries
+        yield from self._health(names, values, workers, stats)
+
+    def _health(self, names, values, workers, stats) -> Iterator[Metric]:
+        healthy = GaugeMetricFamily(
+            P + "router_worker_healthy",
+            "1 while the worker is in rotation, 0 while ejected.",
+            labels=[*names, "worker", "worker_role"],
+        )
+        ejections = CounterMetricFamily(
+            P + "router_worker_ejections",
+            "Times a worker was ejected after consecutive failures.",
+            labels=[*names, "worker", "worker_role"],
+        )
+        for w in sorted(workers, key=lambda w: (w.role, w.url)):
+            healthy.add_metric([*values, w.url, w.role], 1.0 if w.healthy else 0.0)
+            ejections.add_metric([*values, w.url, w.role], float(stats.ejections[(w.url, w.role)]))
+        yield healthy
+        yield ejections
