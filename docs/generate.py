@@ -116,7 +116,7 @@ def _help_cell(action: argparse.Action) -> str:
 def _actions_table(actions: list[argparse.Action]) -> list[str]:
     rows = ["| flag | default | meaning |", "|---|---|---|"]
     for action in actions:
-        if isinstance(action, argparse._HelpAction):
+        if isinstance(action, argparse._HelpAction | argparse._SubParsersAction):
             continue
         rows.append(f"| {_flag_cell(action)} | {_default_cell(action)} | {_help_cell(action)} |")
     return rows if len(rows) > 2 else []
@@ -139,6 +139,17 @@ def subcommand_section(name: str, summary: str, parser: argparse.ArgumentParser)
         if table:
             lines += [f"**{title}**", ""] if title else []
             lines += [*table, ""]
+    return lines
+
+
+def _sections(prefix: str, parser: argparse.ArgumentParser) -> list[str]:
+    """One section per subcommand, nested ones (`bench serve`) included."""
+    lines: list[str] = []
+    helps = _subcommand_help(parser)
+    for name, sub in _subcommands(parser).items():
+        full = f"{prefix}{name}"
+        lines += subcommand_section(full, helps.get(name, ""), sub)
+        lines += _sections(f"{full} ", sub)
     return lines
 
 
@@ -172,10 +183,8 @@ def _parser_without_environment() -> argparse.ArgumentParser:
 
 def configuration_md() -> str:
     parser = _parser_without_environment()
-    helps = _subcommand_help(parser)
     lines = [CONFIGURATION_HEADER]
-    for name, sub in _subcommands(parser).items():
-        lines += subcommand_section(name, helps.get(name, ""), sub)
+    lines += _sections("", parser)
     lines += compose_section()
     return "\n".join(lines).rstrip() + "\n" + COMPOSE_FOOTER
 
