@@ -1,0 +1,254 @@
+"""Faults in a disaggregated cluster of real processes (2 prefill + 2 decode workers, a frontend,
+a redis-server): aborts free the KV on both workers, 4xx storms eject nobody, and a worker killed
+with SIGKILL during 32 concurrent streams hangs nothing, is routed around, and is re-admitted
+once restarted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import router_cluster as rc
+
+from deepserve.disagg import protocol as P
+from deepserve.disagg.errors import WorkerRejectedError
+from deepserve.router.pool import HealthPolicy
+from deepserve.router.router import Router, RouterConfig
+
+pytestmark = pytest.mark.slow
+MODEL = "tiny-deepseek"
+STREAM_TIMEOUT_S = 90.0
+NO_THINKING = {"thinking": {"type": "disabled"}}
+
+
+@dataclass
+class Cluster:
+    front: rc.Proc
+    prefill: list[rc.Proc]
+    decode: list[rc.Proc]
+
+    @property
+    def workers(self) -> list[rc.Proc]:
+        return [*self.prefill, *self.decode]
+
+
+@pytest.fixture(scope="module")
+def cluster(make_redis_server):
+    redis = make_redis_server()
+    common = ("--max-num-seqs", "32")
+    # Small prefill chunks make a long prompt's prefill last long enough to abort it midway.
+    prefill = [
+        rc.worker("prefill", MODEL, redis.url, *common, "--max-num-batched-tokens", "64")
+        for _ in range(2)
+    ]
+    decode = [rc.worker("decode", MODEL, redis.url, *common) for _ in range(2)]
+    rc.start_all(*prefill, *decode)
+    front = rc.frontend(
+        MODEL,
+        prefill=prefill,
+        decode=decode,
+        redis_url=redis.url,
+        extra=(
+            "--policy", "round_robin", "--eject-after", "2", "--readmit-after", "2",
+            "--health-interval", "0.3", "--token-timeout", "10", "--first-token-timeout", "60",
+        ),
+    )  # fmt: skip
+    rc.start_all(front)
+    yield Cluster(front, prefill, decode)
+    rc.stop_all(front, *prefill, *decode)
+
+
+@dataclass
+class StreamResult:
+    chunks: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    first_chunk_at: float | None = None
+
+
+async def stream_chat(
+    http: httpx.AsyncClient, url: str, content: str, max_tokens: int, result: StreamResult
+) -> StreamResult:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        **NO_THINKING,
+    }
+    async with http.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            result.error = f"status {resp.status_code}: {(await resp.aread())[:200]!r}"
+            return result
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                result.error = data["error"]["message"]
+                continue
+            for choice in data.get("choices", []):
+                if choice.get("delta", {}).get("content"):
+                    result.chunks += 1
+                    result.first_chunk_at = result.first_chunk_at or time.monotonic()
+                result.finish_reason = choice.get("finish_reason") or result.finish_reason
+    return result
+
+
+def chat_ok(front: rc.Proc, content: str, max_tokens: int = 4) -> bool:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        **NO_THINKING,
+    }
+    r = httpx.post(front.url + "/v1/chat/completions", json=body, timeout=60)
+    return r.status_code == 200 and r.json()["choices"][0]["finish_reason"] is not None
+
+
+def kv_free_everywhere(cluster: Cluster) -> bool:
+    return all(rc.load(w)["kv_usage"] == 0 for w in cluster.workers)
+
+
+def running(workers: list[rc.Proc]) -> int:
+    return sum(rc.load(w)["running"] for w in workers)
+
+
+# ---- aborts -----------------------------------------------------------------------------------
+
+
+async def abort_when(cluster: Cluster, content: str, max_tokens: int, ready) -> None:
+    """Open a stream, and drop the connection as soon as `ready()` says the moment has come."""
+    result = StreamResult()
+    async with httpx.AsyncClient(timeout=STREAM_TIMEOUT_S) as http:
+        task = asyncio.create_task(
+            stream_chat(http, cluster.front.url, content, max_tokens, result)
+        )
+        deadline = time.monotonic() + 30
+        while not await asyncio.to_thread(ready, result):
+            assert time.monotonic() < deadline and not task.done(), "never reached the abort point"
+            await asyncio.sleep(0.01)
+        task.cancel()  # closes the client's connection: the frontend sees a disconnect
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def test_abort_during_prefill_leaves_no_kv_on_either_worker(cluster):
+    long_prompt = " ".join(f"word{i}" for i in range(700))
+    asyncio.run(abort_when(cluster, long_prompt, 50, lambda r: running(cluster.prefill) > 0))
+    assert rc.wait_for(lambda: kv_free_everywhere(cluster), 10)
+    assert running(cluster.workers) == 0
+
+
+def test_abort_during_decode_leaves_no_kv_on_either_worker(cluster):
+    def decoding(result: StreamResult) -> bool:
+        return result.chunks >= 3 and running(cluster.decode) > 0
+
+    asyncio.run(abort_when(cluster, "Tell me a long story.", 1000, decoding))
+    assert rc.wait_for(lambda: kv_free_everywhere(cluster), 10)
+    assert running(cluster.workers) == 0
+
+
+# ---- 4xx storms -------------------------------------------------------------------------------
+
+
+def test_4xx_storm_through_the_router_never_ejects_a_worker(cluster):
+    async def storm() -> Router:
+        urls = {"decode": tuple(w.url for w in cluster.decode)}
+        config = RouterConfig(workers=urls, internal_token=rc.TOKEN, health=HealthPolicy(1, 1))
+        router = Router(config)
+        await router.health.probe_all()
+        for i in range(40):  # token ids outside the vocabulary: the worker answers 400
+            bad = P.GenerateRequest(f"bad-{i}", [10**9], {"max_tokens": 2})
+            with pytest.raises(WorkerRejectedError):
+                async for _ in router.stream("decode", bad):
+                    pass
+        good = P.GenerateRequest("good", [5, 6, 7], {"max_tokens": 2})
+        assert [ev async for ev in router.stream("decode", good)][-1].finished
+        await router.close()
+        return router
+
+    router = asyncio.run(storm())
+    assert all(w.healthy and w.consecutive_failures == 0 for w in router.pool.workers())
+
+
+def test_4xx_storm_through_the_frontend_leaves_every_worker_serving(cluster):
+    bad = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 40}
+    for _ in range(20):  # n beyond the workers' max_num_seqs: only the worker can tell
+        r = httpx.post(cluster.front.url + "/v1/chat/completions", json=bad, timeout=60)
+        assert r.status_code == 400, r.text
+    before = [rc.load(w)["prompt_tokens"] for w in cluster.decode]
+    assert all(chat_ok(cluster.front, f"Question {i}") for i in range(6))
+    after = [rc.load(w)["prompt_tokens"] for w in cluster.decode]
+    assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)  # both served
+
+
+# ---- SIGKILL during 32 concurrent streams -----------------------------------------------------
+
+
+async def streams_with_kill(cluster: Cluster, victim: rc.Proc, kill_when) -> list:
+    """32 concurrent streams; SIGKILL `victim` once `kill_when(results)`; (result, before) pairs
+    where `before` says whether that stream had streamed anything when the kill happened."""
+    results = [StreamResult() for _ in range(32)]
+    limits = httpx.Limits(max_connections=64)
+    async with httpx.AsyncClient(timeout=STREAM_TIMEOUT_S, limits=limits) as http:
+        tasks = [
+            asyncio.create_task(
+                asyncio.wait_for(
+                    stream_chat(http, cluster.front.url, f"Story {i}, please.", 48, r),
+                    STREAM_TIMEOUT_S,
+                )
+            )
+            for i, r in enumerate(results)
+        ]
+        deadline = time.monotonic() + 60
+        while not kill_when(results) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        started_before = [r.chunks > 0 for r in results]
+        await asyncio.to_thread(victim.kill, signal.SIGKILL)
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+    assert not [o for o in outcomes if isinstance(o, BaseException)], outcomes  # none hung
+    return list(zip(results, started_before, strict=True))
+
+
+def restart_and_wait_readmitted(cluster: Cluster, victim: rc.Proc) -> None:
+    victim.start().wait_ready()
+    assert rc.wait_for(
+        lambda: chat_ok(cluster.front, "Back?") and rc.load(victim)["prompt_tokens"] > 0, 30, 0.2
+    ), "restarted worker never served again"
+
+
+def check_after_kill(cluster: Cluster, outcomes: list) -> None:
+    for result, started in outcomes:
+        assert result.finish_reason or result.error, "a stream ended silently"
+        if not started:
+            assert result.error is None and result.finish_reason, result
+    assert all(chat_ok(cluster.front, f"After {i}") for i in range(8))
+
+
+def test_killed_decode_worker_hangs_nothing_and_is_readmitted(cluster):
+    victim = cluster.decode[0]
+
+    def mid_decode(results: list[StreamResult]) -> bool:
+        return sum(r.chunks >= 2 for r in results) >= 4 and rc.load(victim)["running"] > 0
+
+    outcomes = asyncio.run(streams_with_kill(cluster, victim, mid_decode))
+    check_after_kill(cluster, outcomes)
+    restart_and_wait_readmitted(cluster, victim)
+
+
+def test_killed_prefill_worker_hangs_nothing_and_is_readmitted(cluster):
+    victim = cluster.prefill[0]
+
+    def mid_prefill(results: list[StreamResult]) -> bool:
+        return rc.load(victim)["running"] > 0
+
+    outcomes = asyncio.run(streams_with_kill(cluster, victim, mid_prefill))
+    check_after_kill(cluster, outcomes)
+    assert all(r.error is None and r.finish_reason for r, _ in outcomes)  # retried, not failed
+    restart_and_wait_readmitted(cluster, victim)
