@@ -8,7 +8,7 @@ queries sit at positions `context_lens[i] .. seq_lens[i]-1`; its KV lives in the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +25,10 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     context_lens_cpu: list[int]
+    # Values an attention backend derives from the fields above once per step and reuses in every
+    # layer (e.g. the reference's gathered block ids and padding mask). Build a new
+    # AttentionMetadata per step rather than mutating one, or this goes stale.
+    scratch: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

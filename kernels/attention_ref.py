@@ -5,13 +5,16 @@
   `query_start_loc[i]:query_start_loc[i+1]`, at positions `context_lens[i] .. seq_lens[i]-1`.
 - k_cache `[num_blocks, block_size, Hkv, Dk]`, v_cache `[num_blocks, block_size, Hkv, Dv]`: one
   layer's paged cache (views into the engine's cache tensor), already holding this step's KV.
-- Hq is a multiple of Hkv (GQA; MLA's absorbed decode is Hkv = 1 with Dv < Dk, and v_cache may be a
-  prefix view of k_cache's latent, which we detect to gather it once).
+  The cache must be initialized memory (e.g. torch.zeros): padded slots are gathered and then
+  masked, and a NaN from uninitialized memory would survive a zero attention weight.
+- Hq is a multiple of Hkv (GQA; MLA's absorbed form is Hkv = 1 with Dv < Dk, and v_cache may be a
+  leading slice of k_cache's latent, which we detect to gather it once).
 - returns `[T, Hq, Dv]` in q's dtype; scores and softmax in float32.
 
 Two paths, both exact for what they cover: a vectorized one when every sequence brings one query
-(pure decode: block tables gathered into a padded `[B, L]` KV view and masked), and a per-sequence
-loop for any other composition (prefill chunks mixed with decodes).
+(pure decode: block tables gathered into a padded `[B, L]` KV view with an additive mask), and a
+per-sequence loop for any other composition (prefill chunks mixed with decodes). Per-step values
+(block ids, masks) are computed once and kept in `attn.scratch` for the other layers.
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ from deepserve.engine.attention import AttentionMetadata
 
 def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
     """Store `values[T, ...]` at flat slots `slot_mapping[T]` of `cache[num_blocks, block_size, ...]`."""
-    cache.view(-1, *cache.shape[2:])[slot_mapping] = values.to(cache.dtype)
+    flat = cache.view(-1, *cache.shape[2:])
+    flat.index_copy_(
+        0, slot_mapping, values if values.dtype == cache.dtype else values.to(cache.dtype)
+    )
 
 
 def paged_attention(
@@ -39,7 +45,7 @@ def paged_attention(
 
 
 def _shares_latent(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """True when v_cache is a leading slice of k_cache's last dim (MLA latent), so one gather serves both."""
+    """True when v_cache is a leading slice of k_cache's last dim (MLA latent): one gather serves both."""
     return (
         v_cache.data_ptr() == k_cache.data_ptr()
         and v_cache.shape[:-1] == k_cache.shape[:-1]
@@ -47,21 +53,26 @@ def _shares_latent(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     )
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
-    """Blocks `[..., nb]` of a paged cache -> contiguous KV `[..., length, H, D]`."""
-    kv = cache[blocks]  # [..., nb, block_size, H, D]
-    return kv.flatten(-4, -3)[..., :length, :, :]
+def _float(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float32 else x.float()
 
 
-def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """q [B, Hkv, G*n, Dk], k [B, Hkv, L, Dk], v [B, Hkv, L, Dv], mask broadcastable to scores
-    (True = attend) -> [B, Hkv, G*n, Dv]."""
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    scores.masked_fill_(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs.to(v.dtype), v)
+def _decode_plan(
+    attn: AttentionMetadata, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block ids `[B, nb]` covering the longest sequence, and an additive mask `[B, 1, 1, nb*bs]`
+    (0 for a sequence's own tokens, -inf for padding)."""
+    plan = attn.scratch.get("ref_decode")
+    if plan is None:
+        nblocks = -(-max(attn.seq_lens_cpu) // attn.block_size)
+        blocks = attn.block_tables[:, :nblocks].long()
+        positions = torch.arange(nblocks * attn.block_size, device=device)
+        pad = positions[None, :] >= attn.seq_lens[:, None]
+        bias = torch.zeros(pad.shape, dtype=torch.float32, device=device).masked_fill_(
+            pad, float("-inf")
+        )
+        plan = attn.scratch["ref_decode"] = (blocks, bias[:, None, None, :])
+    return plan
 
 
 def _decode_attention(
@@ -73,19 +84,22 @@ def _decode_attention(
 ) -> torch.Tensor:
     batch, hq, dk = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
-    max_len = max(attn.seq_lens_cpu)
-    nblocks = -(-max_len // attn.block_size)
-    blocks = attn.block_tables[:, :nblocks].long()
-    k = _gather(k_cache, blocks, max_len).transpose(1, 2)  # [B, Hkv, L, Dk]
+    blocks, bias = _decode_plan(attn, q.device)
+    length = blocks.shape[1] * attn.block_size
+    k = k_cache[blocks].view(batch, length, hkv, dk).transpose(1, 2)  # [B, Hkv, L, Dk]
     if _shares_latent(k_cache, v_cache):
         v = k[..., :dv]
     else:
-        v = _gather(v_cache, blocks, max_len).transpose(1, 2)  # [B, Hkv, L, Dv]
-    positions = torch.arange(max_len, device=q.device)
-    mask = (positions[None, :] < attn.seq_lens[:, None]).view(batch, 1, 1, max_len)
-    qg = q.view(batch, hkv, hq // hkv, dk)
-    out = _attend(qg, k, v, mask, scale)  # [B, Hkv, G, Dv]
-    return out.reshape(batch, hq, dv).to(q.dtype)
+        v = v_cache[blocks].view(batch, length, hkv, dv).transpose(1, 2)
+    scores = torch.matmul(_float(q).view(batch, hkv, hq // hkv, dk), _float(k).transpose(-1, -2))
+    probs = torch.softmax(torch.add(bias, scores, alpha=scale), dim=-1)
+    out = torch.matmul(probs if v.dtype == torch.float32 else probs.to(v.dtype), v)
+    return out.view(batch, hq, dv) if out.dtype == q.dtype else out.view(batch, hq, dv).to(q.dtype)
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
+    """Blocks `[nb]` of a paged cache -> contiguous KV `[length, H, D]`."""
+    return cache[blocks].flatten(0, 1)[:length]
 
 
 def _varlen_attention(
@@ -115,8 +129,10 @@ def _varlen_attention(
             .reshape(hkv, group * n, -1)
         )
         rows = torch.arange(n, device=q.device).repeat(group) + ctx
-        mask = torch.arange(length, device=q.device)[None, :] <= rows[:, None]
-        o = _attend(qi, k, v, mask, scale)  # [Hkv, G*n, Dv]
+        masked = torch.arange(length, device=q.device)[None, :] > rows[:, None]
+        scores = torch.matmul(_float(qi), _float(k).transpose(-1, -2)) * scale
+        probs = torch.softmax(scores.masked_fill_(masked, float("-inf")), dim=-1)
+        o = torch.matmul(probs.to(v.dtype), v)  # [Hkv, G*n, Dv]
         out[start : start + n] = o.view(hkv, group, n, dv).permute(2, 0, 1, 3).reshape(n, hq, dv)
         start += n
     return out

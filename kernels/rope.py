@@ -94,9 +94,18 @@ def build_rope_tables(
     return RopeTables(cos=cos, sin=sin, attention_factor=attention_factor)
 
 
+def rope_at(
+    tables: RopeTables, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin for one step's tokens, shaped `[T, 1, D // 2]` in `dtype`: built once per forward and
+    broadcast over heads in every layer."""
+    cos, sin = tables.cos[positions][:, None, :], tables.sin[positions][:, None, :]
+    return (cos, sin) if dtype == torch.float32 else (cos.to(dtype), sin.to(dtype))
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x[T, H, D]` (half-split layout) by per-token `cos/sin[T, D // 2]`; returns a new tensor."""
+    """Rotate `x[T, H, D]` (half-split layout) by `cos/sin` broadcastable to `[T, H, D // 2]`;
+    returns a new tensor."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

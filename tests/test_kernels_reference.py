@@ -183,4 +183,4 @@ def test_apply_rope_matches_transformers_rotate_half():
     freqs = pos[:, None].float() * inv_freq[None]
     emb = torch.cat([freqs, freqs], dim=-1)
     ref, _ = apply_rotary_pos_emb(x, x, emb.cos(), emb.sin(), unsqueeze_dim=1)
-    torch.testing.assert_close(apply_rope(x, freqs.cos(), freqs.sin()), ref)
+    torch.testing.assert_close(apply_rope(x, freqs.cos()[:, None], freqs.sin()[:, None]), ref)

@@ -31,7 +31,7 @@ from deepserve.engine.models.base import KVCacheSpec
 from deepserve.engine.models.common import WeightStore, require, swiglu
 from deepserve.kernels.attention_ref import write_kv
 from deepserve.kernels.registry import KernelSet
-from deepserve.kernels.rope import apply_rope, build_rope_tables, yarn_get_mscale
+from deepserve.kernels.rope import apply_rope, build_rope_tables, rope_at, yarn_get_mscale
 
 
 @dataclass(frozen=True)
@@ -271,7 +271,7 @@ class DeepseekV3ForCausalLM:
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
         h = F.embedding(input_ids, self.embed)
-        cos, sin = self.rope.cos[positions], self.rope.sin[positions]
+        cos, sin = rope_at(self.rope, positions, self.dtype)
         for i, layer in enumerate(self.layers):
             h = self._decoder_layer(layer, h, cos, sin, attn, kv_cache[i])
         return self.k.rms_norm(h, self.norm, self.args.rms_norm_eps)
@@ -290,7 +290,7 @@ class DeepseekV3ForCausalLM:
         m, k, eps = self.mtp[mtp_index], self.k, self.args.rms_norm_eps
         e = k.rms_norm(F.embedding(input_ids, m.embed), m.enorm, eps)
         h = k.linear(torch.cat([e, k.rms_norm(previous_hidden, m.hnorm, eps)], dim=-1), m.eh_proj)
-        cos, sin = self.rope.cos[positions], self.rope.sin[positions]
+        cos, sin = rope_at(self.rope, positions, self.dtype)
         cache = kv_cache[self.args.num_layers + mtp_index]
         h = self._decoder_layer(m.layer, h, cos, sin, attn, cache)
         return k.rms_norm(h, m.norm, eps)

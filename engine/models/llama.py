@@ -18,7 +18,7 @@ from deepserve.engine.models.base import KVCacheSpec
 from deepserve.engine.models.common import WeightStore, require, swiglu
 from deepserve.kernels.attention_ref import write_kv
 from deepserve.kernels.registry import KernelSet
-from deepserve.kernels.rope import apply_rope, build_rope_tables
+from deepserve.kernels.rope import apply_rope, build_rope_tables, rope_at
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,8 @@ class LlamaForCausalLM:
         self.norm = weights.get("model.norm.weight")
         tied = a.tie_word_embeddings or not weights.has("lm_head.weight")
         self.lm_head = self.embed if tied else weights.get("lm_head.weight")
+        self._views_key: tuple | None = None
+        self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.rope = build_rope_tables(
             a.head_dim, a.rope_theta, a.rope_scaling, a.max_position_embeddings, self.device
         )
@@ -110,14 +112,14 @@ class LlamaForCausalLM:
     ) -> torch.Tensor:
         a, k = self.args, self.k
         h = F.embedding(input_ids, self.embed)
-        cos, sin = self.rope.cos[positions], self.rope.sin[positions]
-        for i, layer in enumerate(self.layers):
+        cos, sin = rope_at(self.rope, positions, self.dtype)
+        views = self._cache_views(kv_cache)
+        eps = a.rms_norm_eps
+        for layer, cache in zip(self.layers, views, strict=True):
             h = h + self._attention(
-                layer, k.rms_norm(h, layer.attn_norm, a.rms_norm_eps), cos, sin, attn, kv_cache[i]
+                layer, k.rms_norm(h, layer.attn_norm, eps), cos, sin, attn, cache
             )
-            h = h + swiglu(
-                k, k.rms_norm(h, layer.mlp_norm, a.rms_norm_eps), layer.gate_up, layer.down
-            )
+            h = h + swiglu(k, k.rms_norm(h, layer.mlp_norm, eps), layer.gate_up, layer.down)
         return k.rms_norm(h, self.norm, a.rms_norm_eps)
 
     def _attention(
@@ -127,7 +129,7 @@ class LlamaForCausalLM:
         cos: torch.Tensor,
         sin: torch.Tensor,
         attn: AttentionMetadata,
-        cache: torch.Tensor,  # [num_blocks, block_size, 2 * Hkv * D]
+        cache: tuple[torch.Tensor, torch.Tensor],  # K and V views [num_blocks, block_size, Hkv, D]
     ) -> torch.Tensor:
         a = self.args
         tokens, hq, hkv, d = x.shape[0], a.num_heads, a.num_kv_heads, a.head_dim
@@ -135,12 +137,27 @@ class LlamaForCausalLM:
         qk = apply_rope(qkv[:, : (hq + hkv) * d].view(tokens, hq + hkv, d), cos, sin)
         q, key = qk[:, :hq], qk[:, hq:]
         value = qkv[:, (hq + hkv) * d :].view(tokens, hkv, d)
-        k_cache = cache[..., : hkv * d].unflatten(-1, (hkv, d))
-        v_cache = cache[..., hkv * d :].unflatten(-1, (hkv, d))
+        k_cache, v_cache = cache
         write_kv(k_cache, attn.slot_mapping, key)
         write_kv(v_cache, attn.slot_mapping, value)
         out = self.k.paged_attention(q, k_cache, v_cache, attn, self.scale)
         return self.k.linear(out.reshape(tokens, hq * d), layer.o)
+
+    def _cache_views(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer K/V views of the engine's cache tensor, rebuilt only when the tensor changes
+        (saves a handful of view ops per layer per step)."""
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype)
+        if self._views_key != key:
+            hkv, d = self.args.num_kv_heads, self.args.head_dim
+            self._views = [
+                (
+                    c[..., : hkv * d].unflatten(-1, (hkv, d)),
+                    c[..., hkv * d :].unflatten(-1, (hkv, d)),
+                )
+                for c in kv_cache.unbind(0)
+            ]
+            self._views_key = key
+        return self._views
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.k.linear(hidden, self.lm_head).float()
