@@ -51,6 +51,24 @@ class EngineCollector(Collector):
             family = CounterMetricFamily(P + name, doc, labels=names)
             family.add_metric(values, float(getattr(stats, attr, 0)))
             yield family
+        # Acceptance by draft position (issue 7): accepted and drafted counts per position, so a
+        # dashboard can plot rate(accepted) / rate(drafted) for each position.
+        for name, doc, attr in (
+            (
+                "spec_decode_num_accepted_tokens_per_pos",
+                "Draft tokens accepted, by draft position (0 = first draft).",
+                "accepted_per_position",
+            ),
+            (
+                "spec_decode_num_draft_tokens_per_pos",
+                "Draft tokens proposed, by draft position (0 = first draft).",
+                "drafted_per_position",
+            ),
+        ):
+            family = CounterMetricFamily(P + name, doc, labels=[*names, "position"])
+            for pos, count in enumerate(getattr(stats, attr, [])):
+                family.add_metric([*values, str(pos)], float(count))
+            yield family
 
 
 class RouterCollector(Collector):

@@ -263,3 +263,29 @@ def _likely_first_tokens(loaded, prompt: list[int]) -> list[int]:
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=12)
     top = llm.generate([prompt], params)[0].samples[0].logprobs[0].top
     return [t for t, _ in top]
+
+
+def test_spec_decode_counters_are_exported_for_prometheus(loaded):
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from deepserve.server.component_metrics import EngineCollector
+
+    llm = make_llm(loaded, MTP3)
+    llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(llm.engine, {"model_name": "m", "role": "mixed"}))
+    samples = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in family.samples:
+            samples[(s.name, s.labels.get("position"))] = s.value
+    stats = llm.engine.spec.stats
+    assert samples[("deepserve:spec_decode_num_draft_tokens_total", None)] == stats.num_draft_tokens
+    for pos in range(3):
+        drafted = samples[("deepserve:spec_decode_num_draft_tokens_per_pos_total", str(pos))]
+        accepted = samples[("deepserve:spec_decode_num_accepted_tokens_per_pos_total", str(pos))]
+        assert (drafted, accepted) == (
+            stats.drafted_per_position[pos],
+            stats.accepted_per_position[pos],
+        )
+    assert sum(stats.drafted_per_position) == stats.num_draft_tokens > 0
