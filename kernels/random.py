@@ -60,8 +60,11 @@ def token_keys(vocab_size: int, device: torch.device | str = "cpu") -> Tensor:
 def uniform(keys: Tensor, tokens: Tensor) -> Tensor:
     """Uniform (0, 1) float32 per (row key, token key): [N] x [V] -> [N, V]."""
     h = splitmix64(keys[:, None] ^ tokens[None, :])
-    # The top 24 bits fill a float32 mantissa exactly; +0.5 keeps u away from 0 and 1.
-    return (_lsr(h, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # The top 24 bits fill a float32 mantissa exactly; +0.5 keeps u away from 0. It does not keep
+    # it away from 1: (2^24 - 1) + 0.5 rounds to 2^24 in float32, so u = 1.0 and the Gumbel noise
+    # -log(-log(u)) is +inf, which turns a masked (-inf) logit into NaN and wins the argmax.
+    u = (_lsr(h, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return u.clamp_(max=1.0 - 2.0**-24)
 
 
 def gumbel_noise(seeds: Tensor, positions: Tensor, tokens: Tensor) -> Tensor:
