@@ -192,13 +192,20 @@ def apply_bitmask(
 
 
 def tool_call_constraint(
-    model_format: str, tools_json: str, *, required: bool, opened_in_prompt: bool
+    model_format: str,
+    tools_json: str,
+    *,
+    required: bool,
+    opened_in_prompt: bool,
+    parallel: bool = True,
+    max_whitespace: int = 4,
 ) -> StructuredOutput:
     """A structural tag for DeepSeek DSML tool calls from the recipe's OutputConstraint.
 
     model_format: xgrammar's builtin name ("deepseek_v4" or "deepseek_v4_1"). tools_json: the
     recipe's compact JSON array of Chat Completions function tools. When the prompt already ends
-    with the tool-calls opener (tool_choice "required"), the grammar starts after it.
+    with the tool-calls opener (tool_choice "required"), the grammar starts after it. Whitespace
+    runs between parameters are bounded: unbounded ones let a model loop on blanks.
     """
     try:
         tools = json.loads(tools_json)
@@ -207,6 +214,8 @@ def tool_call_constraint(
             tools=tools,
             tool_choice="required" if required else "auto",
             reasoning=False,
+            parallel_tool_calls=parallel,
+            max_whitespace_cnt=max_whitespace,
         )
     except (ValueError, TypeError, KeyError) as e:
         raise InvalidRequestError(f"tools cannot be turned into a grammar: {e}") from e

@@ -73,7 +73,7 @@ def prepare(spec: ProtocolSpec, body: dict, state: AppState) -> Prepared:
         spec, body, state.family.conversion_options, state.config.served_model_name
     )
     conv = parsed.conversation
-    prompt = state.family.prepare(conv)
+    prompt = state.family.prepare(conv, extras.parallel_tool_calls)
     max_tokens = _resolve_max_tokens(conv, len(prompt.token_ids), state.max_model_len)
     params = build_sampling_params(
         body, conv.inference_options, max_tokens, extras, prompt.structured
@@ -82,6 +82,8 @@ def prepare(spec: ProtocolSpec, body: dict, state: AppState) -> Prepared:
     job = GenerationJob(
         parsed.request_id, prompt.token_ids, params, prompt.parsing, parsed.make_generator
     )
+    if params.structured is not None and params.structured.kind == "structural_tag":
+        job.text_tokenizer = state.backend.tokenizer
     return Prepared(job, conv.stream, include_usage)
 
 

@@ -40,10 +40,14 @@ class ModelFamily:
     conversion_options: dr.ConversionOptions
     recipe_tokenizer: dr.Tokenizer  # decodes `tokens` chunks inside the StreamProcessor
 
-    def prepare(self, request: dr.ConversationRequest) -> PreparedPrompt:
+    def prepare(
+        self, request: dr.ConversationRequest, parallel_tools: bool = True
+    ) -> PreparedPrompt:
         raise NotImplementedError
 
-    def constraint(self, request: dr.ConversationRequest) -> StructuredOutput | None:
+    def constraint(
+        self, request: dr.ConversationRequest, parallel_tools: bool = True
+    ) -> StructuredOutput | None:
         """The json / regex constraint of a converted request (tool calls: see subclasses)."""
         oc = request.inference_options.output_constraint
         if oc is None:
@@ -52,10 +56,10 @@ class ModelFamily:
             return StructuredOutput("json_schema", oc.schema) if oc.schema else _JSON_OBJECT
         if oc.kind == "regex":
             return StructuredOutput("regex", oc.schema)
-        return self.tool_constraint(request, oc)
+        return self.tool_constraint(request, oc, parallel_tools)
 
     def tool_constraint(
-        self, request: dr.ConversationRequest, oc: dr.OutputConstraint
+        self, request: dr.ConversationRequest, oc: dr.OutputConstraint, parallel: bool
     ) -> StructuredOutput | None:
         if oc.kind == "tool_call_required":
             raise InvalidRequestError(f"model family {self.name} does not support tool calls")
@@ -86,8 +90,10 @@ class DeepSeekFamily(ModelFamily):
         self.encoding = encoding.with_tokenizer(self.recipe_tokenizer)
         self.conversion_options = dr.ConversionOptions().with_model_alias(served_name, version)
 
-    def prepare(self, request: dr.ConversationRequest) -> PreparedPrompt:
-        structured = self.constraint(request)
+    def prepare(
+        self, request: dr.ConversationRequest, parallel_tools: bool = True
+    ) -> PreparedPrompt:
+        structured = self.constraint(request, parallel_tools)
         try:
             ids = self.encoding.encode(request.conversation)
         except RuntimeError as e:
@@ -95,7 +101,7 @@ class DeepSeekFamily(ModelFamily):
         return PreparedPrompt(ids, request.parsing_options, structured)
 
     def tool_constraint(
-        self, request: dr.ConversationRequest, oc: dr.OutputConstraint
+        self, request: dr.ConversationRequest, oc: dr.OutputConstraint, parallel: bool
     ) -> StructuredOutput | None:
         required = oc.kind == "tool_call_required"
         return tool_call_constraint(
@@ -103,6 +109,7 @@ class DeepSeekFamily(ModelFamily):
             oc.schema,
             required=required,
             opened_in_prompt=request.parsing_options.starts_in_tool_calls,
+            parallel=parallel,
         )
 
 
@@ -130,8 +137,10 @@ class ChatMLFamily(ModelFamily):
         except TemplateError as e:
             raise InvalidRequestError(f"the chat template rejected the messages: {e}") from e
 
-    def prepare(self, request: dr.ConversationRequest) -> PreparedPrompt:
-        structured = self.constraint(request)
+    def prepare(
+        self, request: dr.ConversationRequest, parallel_tools: bool = True
+    ) -> PreparedPrompt:
+        structured = self.constraint(request, parallel_tools)
         text = self.render(request.conversation)
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         return PreparedPrompt(ids, plain_parsing(request.parsing_options), structured)

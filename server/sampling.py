@@ -25,6 +25,7 @@ class BodyExtras:
     json_object: bool = False  # response_format json_object, enforced here (see pop_extras)
     structured: StructuredOutput | None = None  # from an extension field
     schema: str | None = None  # the client's own json_schema, before the recipe normalizes it
+    parallel_tool_calls: bool = True
 
 
 def pop_extras(body: dict, allow_n: bool) -> BodyExtras:
@@ -40,7 +41,8 @@ def pop_extras(body: dict, allow_n: bool) -> BodyExtras:
     json_object = isinstance(fmt, dict) and fmt.get("type") == "json_object"
     if json_object:
         body.pop("response_format")
-    return BodyExtras(n, json_object, _extension_constraint(body), _client_schema(body))
+    parallel = body.get("parallel_tool_calls", True) is not False
+    return BodyExtras(n, json_object, _extension_constraint(body), _client_schema(body), parallel)
 
 
 def _client_schema(body: dict) -> str | None:

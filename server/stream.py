@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import deepseek_recipe as dr
+from tokenizers import Tokenizer
 
 from deepserve.engine.outputs import CompletionOutput, RequestOutput
 from deepserve.engine.sampling_params import SamplingParams
@@ -32,6 +33,9 @@ class GenerationJob:
     params: SamplingParams
     parsing: dr.ParsingOptions
     make_generator: GeneratorFactory
+    # Set for DeepSeek tool-call grammars: xgrammar may spell a DSML marker from plain tokens,
+    # which the recipe parses only as text, so those requests are pushed as decoded text.
+    text_tokenizer: Tokenizer | None = None
     arrival: float = field(default_factory=time.perf_counter)
     prompt_tokens: int = 0  # set when the engine's first output arrives
     cached_tokens: int = 0
@@ -52,7 +56,7 @@ async def stream_chunks(
     metrics: ServerMetrics,
 ) -> AsyncIterator[tuple[int, list]]:
     processors = [
-        dr.StreamProcessor(job.make_generator(), job.parsing, tokenizer)
+        _ChoiceProcessor(dr.StreamProcessor(job.make_generator(), job.parsing, tokenizer), job)
         for _ in range(job.params.n)
     ]
     timing = Timing(job.arrival)
@@ -67,12 +71,12 @@ async def stream_chunks(
                 record_prompt(metrics, out)
                 ready = _ready(out)
                 for i, p in enumerate(processors):
-                    yield i, p.push(ready)
+                    yield i, p.sp.push(ready)
             record_tokens(metrics, timing, out)
             for c in out.outputs:
                 p = processors[c.index]
                 if not p.finished:
-                    yield c.index, _push(p, c)
+                    yield c.index, p.push(c)
                 reason = c.finish_reason or reason
             engine_done = out.finished
             if engine_done or all(p.finished for p in processors):
@@ -83,7 +87,7 @@ async def stream_chunks(
             await asyncio.shield(backend.abort(job.request_id))
         for p in processors:
             if not p.finished:
-                p.close()
+                p.sp.close()
         metrics.e2e.observe(time.perf_counter() - timing.arrival)
         metrics.request_finished(reason)
 
@@ -95,23 +99,50 @@ def _ready(out: RequestOutput) -> dr.InferenceChunk:
     return dr.InferenceChunk.ready(prompt_usage=usage)
 
 
-def _push(p: dr.StreamProcessor, c: CompletionOutput) -> list:
-    """Push one choice's delta; the stop token (EOS or a stop id) is not output text."""
-    ids, logprobs = list(c.token_ids), c.logprobs
-    if c.stop_token_id is not None and ids and ids[-1] == c.stop_token_id:
-        ids.pop()
-        logprobs = logprobs[: len(ids)] if logprobs is not None else None
-    chunks = []
-    if ids:
+class _ChoiceProcessor:
+    """One choice's StreamProcessor, fed token ids (or decoded text, see GenerationJob)."""
+
+    def __init__(self, sp: dr.StreamProcessor, job: GenerationJob) -> None:
+        self.sp = sp
+        self.tokenizer = job.text_tokenizer
+        self.ids: list[int] = []
+        self.sent = 0  # characters of the decoded text already pushed
+
+    @property
+    def finished(self) -> bool:
+        return self.sp.finished
+
+    def push(self, c: CompletionOutput) -> list:
+        """Push one choice's delta; the stop token (EOS or a stop id) is not output text."""
+        ids, logprobs = list(c.token_ids), c.logprobs
+        if c.stop_token_id is not None and ids and ids[-1] == c.stop_token_id:
+            ids.pop()
+            logprobs = logprobs[: len(ids)] if logprobs is not None else None
+        final = c.finish_reason is not None
+        chunks = self.sp.push(self._chunk(ids, logprobs, final)) if ids else []
+        if c.finish_reason is not None and not self.sp.finished:
+            reason = _FINISH.get(c.finish_reason, _FINISH["stop"])
+            chunks += self.sp.push(dr.InferenceChunk.finish(reason))
+        if self.sp.finished or c.finish_reason is not None:
+            chunks += self.sp.finish()
+        return chunks
+
+    def _chunk(self, ids: list[int], logprobs, final: bool) -> dr.InferenceChunk:
+        if self.tokenizer is not None:
+            return dr.InferenceChunk.text(self._decode_more(ids, final), len(ids))
         lp = None
         if logprobs is not None:
             lp = [(t.logprob, [(tid, v) for tid, v in t.top]) for t in logprobs]
-        chunks += p.push(dr.InferenceChunk.tokens(ids, lp))
-    if c.finish_reason is not None and not p.finished:
-        chunks += p.push(dr.InferenceChunk.finish(_FINISH.get(c.finish_reason, _FINISH["stop"])))
-    if p.finished or c.finish_reason is not None:
-        chunks += p.finish()
-    return chunks
+        return dr.InferenceChunk.tokens(ids, lp)
+
+    def _decode_more(self, ids: list[int], final: bool) -> str:
+        """New text of the whole decode; held back while it ends inside a UTF-8 sequence."""
+        self.ids += ids
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=False)
+        if text.endswith("\ufffd") and not final:
+            return ""
+        piece, self.sent = text[self.sent :], len(text)
+        return piece
 
 
 def record_prompt(metrics: ServerMetrics, out: RequestOutput) -> None:
