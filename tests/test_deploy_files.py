@@ -11,6 +11,7 @@ import re
 import runpy
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -207,13 +208,18 @@ def test_dockerfile_copies_existing_unignored_files():
         assert not _ignored(source, patterns), f"{source} is excluded by .dockerignore"
 
 
-def test_dockerfile_copies_every_package_root():
+def _package_roots() -> tuple[str, ...]:
+    """setup.py's ROOTS: the top-level folders that become deepserve.* packages."""
     tree = ast.parse((REPO / "setup.py").read_text())
-    roots = next(
+    return next(
         ast.literal_eval(node.value)
         for node in ast.walk(tree)
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "ROOTS"
     )
+
+
+def test_dockerfile_copies_every_package_root():
+    roots = _package_roots()
     copied = {Path(s).parts[0] for s in _copy_sources()}
     assert set(roots) <= copied
     assert {"pyproject.toml", "setup.py", "README.md"} <= copied
@@ -340,3 +346,27 @@ def test_dashboard_json_is_the_builder_output():
     assert DASHBOARD_FILE.read_text() == builder["render"](), (
         "run docker/grafana/build_dashboard.py"
     )
+
+
+def test_non_editable_install_ships_every_module_and_the_cli(tmp_path):
+    """The image installs the package with `pip install .` (not editable, as tests here run):
+    every module under the package roots must land in the wheel, and the `deepserve` script."""
+    import zipfile
+
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+        + ["-w", str(tmp_path), str(REPO)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    (wheel,) = tmp_path.glob("deepserve-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    sources = [p for root in _package_roots() for p in (REPO / root).rglob("*.py")]
+    missing = [
+        str(p.relative_to(REPO)) for p in sources if f"deepserve/{p.relative_to(REPO)}" not in names
+    ]
+    assert not missing, f"not in the wheel (a folder without __init__.py?): {missing}"
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    text = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "deepserve = deepserve.server.cli:main" in text
