@@ -14,6 +14,7 @@ from typing import Protocol
 
 from deepserve.router.pool import Worker
 from deepserve.router.prefix_index import PrefixIndex
+from deepserve.router.recent_routes import RecentRoutes
 
 POLICIES = ("round_robin", "least_load", "power_of_two", "cache_aware")
 
@@ -64,15 +65,30 @@ class CacheAwareConfig:
 
 
 class CacheAware:
-    def __init__(self, index: PrefixIndex, config: CacheAwareConfig | None = None) -> None:
+    def __init__(
+        self,
+        index: PrefixIndex,
+        config: CacheAwareConfig | None = None,
+        recent: RecentRoutes | None = None,
+    ) -> None:
         self.index = index
         self.config = config or CacheAwareConfig()
+        self.recent = recent or RecentRoutes()
         self._least = LeastLoad()
 
     def choose(self, candidates: list[Worker], token_ids: list[int]) -> Worker:
-        by_id = {w.worker_id: w for w in candidates if w.worker_id is not None}
         block_size = next((w.block_size for w in candidates if w.block_size), None)
-        matched = self.index.match(token_ids, block_size or self.config.block_size)
+        block_size = block_size or self.config.block_size
+        chosen = self._choose(candidates, token_ids, block_size)
+        if chosen.worker_id is not None:
+            self.recent.record(token_ids, block_size, chosen.worker_id)
+        return chosen
+
+    def _choose(self, candidates: list[Worker], token_ids: list[int], block_size: int) -> Worker:
+        by_id = {w.worker_id: w for w in candidates if w.worker_id is not None}
+        matched = self.index.match(token_ids, block_size)
+        for wid, n in self.recent.match(token_ids, block_size).items():
+            matched[wid] = max(n, matched.get(wid, 0))
         scored = [(n, w) for wid, n in matched.items() if (w := by_id.get(wid)) is not None]
         if not scored:
             return self._least.choose(candidates, token_ids)

@@ -116,3 +116,24 @@ def test_round_robin_counts_each_role_separately():
         router.pick("prefill", [], set())
         decodes.append(router.pick("decode", [], set()).url)
     assert decodes == ["http://d1", "http://d2"] * 2
+
+
+def test_cache_aware_keeps_a_burst_sharing_a_new_prefix_on_one_worker():
+    # No block events yet (the first request's prefill is still running): the router's own
+    # recent routing decision must keep the burst together.
+    policy = CacheAware(PrefixIndex(), CacheAwareConfig(block_size=BS))
+    ws = [worker("a"), worker("b")]
+    system = list(range(500, 520))
+    picks = {policy.choose(ws, system + [i]).url for i in range(6)}
+    assert len(picks) == 1
+
+
+def test_recent_routes_expire():
+    from deepserve.router.recent_routes import RecentRoutes
+
+    now = [0.0]
+    recent = RecentRoutes(ttl_s=5, clock=lambda: now[0])
+    recent.record(list(range(8)), BS, "a")
+    assert recent.match(list(range(9)), BS) == {"a": 8}
+    now[0] = 6.0
+    assert recent.match(list(range(9)), BS) == {}
