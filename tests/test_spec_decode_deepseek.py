@@ -60,6 +60,17 @@ def test_mtp_greedy_alone_matches_plain(loaded):
     assert_no_leak(spec)
 
 
+def test_mtp_logprobs_match_plain(loaded):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    plain = make_llm(loaded, None).generate([PROMPTS[1]], params)[0].samples[0]
+    spec = make_llm(loaded, MTP3).generate([PROMPTS[1]], params)[0].samples[0]
+    assert spec.token_ids == plain.token_ids
+    for a, b in zip(spec.logprobs, plain.logprobs, strict=True):
+        assert a.token_id == b.token_id
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
 def busy_params(stop_token: int) -> list[SamplingParams]:
     return [
         SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
@@ -67,6 +78,14 @@ def busy_params(stop_token: int) -> list[SamplingParams]:
         SamplingParams(temperature=0, max_tokens=9, n=2, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=18, stop_token_ids=(stop_token,)),
         SamplingParams(temperature=1.0, seed=5, max_tokens=13, n=2, top_p=0.9, ignore_eos=True),
+        SamplingParams(
+            temperature=0,
+            max_tokens=12,
+            frequency_penalty=1.5,
+            repetition_penalty=1.3,
+            min_tokens=6,
+            stop_token_ids=(stop_token,),
+        ),
     ]
 
 
@@ -74,7 +93,7 @@ def test_mtp_busy_batch_with_chunking_prefix_cache_and_preemption_matches_plain(
     """Different draft lengths in one batch (max_tokens cuts drafts short), prompts that share a
     prefix, 8-token chunks and a pool small enough to preempt."""
     shared = [100 + i for i in range(12)]
-    prompts = [shared + p for p in PROMPTS]
+    prompts = [shared + p for p in PROMPTS] + [PROMPTS[0]]
     first = outputs(
         make_llm(loaded, None), [prompts[3]], SamplingParams(temperature=0, max_tokens=30)
     )
