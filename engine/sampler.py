@@ -16,7 +16,7 @@ import torch
 
 from deepserve.engine.outputs import TokenLogprob
 from deepserve.engine.request import Sequence
-from deepserve.kernels.random import _signed, gumbel_noise, token_keys
+from deepserve.kernels.random import as_int64, gumbel_noise, token_keys
 
 Tensor = torch.Tensor
 
@@ -78,7 +78,7 @@ class SamplingBatch:
             all_greedy=all_greedy,
             greedy=col(greedy_list, torch.bool),
             temperature=col(temps, torch.float32)[:, None],
-            seeds=col([_signed(s.seed) for s in seqs], torch.int64),
+            seeds=col([as_int64(s.seed) for s in seqs], torch.int64),
             positions=col([s.num_output_tokens for s in seqs], torch.int64),
             top_k=top_k,
             top_p=top_p,

@@ -20,7 +20,8 @@ _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
 
 
-def _signed(x: int) -> int:
+def as_int64(x: int) -> int:
+    """The int64 with the same bit pattern as the uint64 `x` (what int64 tensors can hold)."""
     x &= (1 << 64) - 1
     return x - (1 << 64) if x >= 1 << 63 else x
 
@@ -32,9 +33,9 @@ def _lsr(x: Tensor, k: int) -> Tensor:
 
 def splitmix64(x: Tensor) -> Tensor:
     """SplitMix64 finaliser of `x + golden`, elementwise on int64 tensors (bit patterns as uint64)."""
-    z = x + _signed(_GOLDEN)
-    z = (z ^ _lsr(z, 30)) * _signed(_MIX1)
-    z = (z ^ _lsr(z, 27)) * _signed(_MIX2)
+    z = x + as_int64(_GOLDEN)
+    z = (z ^ _lsr(z, 30)) * as_int64(_MIX1)
+    z = (z ^ _lsr(z, 27)) * as_int64(_MIX2)
     return z ^ _lsr(z, 31)
 
 

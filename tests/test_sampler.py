@@ -9,7 +9,7 @@ import torch
 from deepserve.engine.request import Request, Sequence, derive_seed
 from deepserve.engine.sampler import Sampler, SamplingBatch
 from deepserve.engine.sampling_params import SamplingParams
-from deepserve.kernels.random import _signed, splitmix64, splitmix64_int
+from deepserve.kernels.random import as_int64, splitmix64, splitmix64_int
 
 V = 8
 EOS = (7,)
@@ -28,7 +28,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]):
 
 def test_splitmix64_tensor_matches_python_reference():
     xs = [0, 1, 2**63 - 1, 2**63, 2**64 - 1, 0xDEADBEEF]
-    got = splitmix64(torch.tensor([_signed(x) for x in xs], dtype=torch.int64)).tolist()
+    got = splitmix64(torch.tensor([as_int64(x) for x in xs], dtype=torch.int64)).tolist()
     assert [g & (2**64 - 1) for g in got] == [splitmix64_int(x) for x in xs]
 
 
