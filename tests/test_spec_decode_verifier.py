@@ -8,6 +8,7 @@ from deepserve.engine.spec_decode.stats import SpecDecodeStats
 from deepserve.engine.spec_decode.verifier import (
     PAD,
     accept_matching_prefix,
+    num_matching,
     rejection_sample,
     rejection_sample_seeded,
 )
@@ -120,3 +121,9 @@ def test_stats_count_acceptance_by_position_and_mean_length():
     assert stats.acceptance_rate == 0.5
     assert stats.acceptance_rate_by_position() == [2 / 3, 1 / 3, 1 / 2]
     assert stats.mean_accepted_length == (4 + 2 + 1) / 3
+
+
+def test_num_matching_counts_leading_equal_drafts():
+    assert num_matching([4, 5, 6], [4, 5, 7, 8]) == 2
+    assert num_matching([], [3]) == 0
+    assert num_matching([1, 2], [1, 2, 9]) == 2

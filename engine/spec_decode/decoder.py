@@ -34,6 +34,7 @@ from deepserve.engine.scheduler import SchedulerOutput
 from deepserve.engine.spec_decode.mtp import MtpProposer, MtpRows
 from deepserve.engine.spec_decode.ngram import NgramProposer
 from deepserve.engine.spec_decode.stats import SpecDecodeStats
+from deepserve.engine.spec_decode.verifier import num_matching
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ def create_speculative_decoder(
         # may differ in the last bits; bitwise equality with non-speculative output is not proven.
         logger.warning(
             "speculative decoding (%s) is turned off: --batch-invariant guarantees bitwise-identical "
-            "outputs, which speculation does not preserve (see docs/speculative.md)",
+            "outputs, which is not proven with speculation (see docs/speculative.md)",
             spec.method,
         )
         return None
@@ -124,9 +125,7 @@ class SpeculativeDecoder:
         """
         drafts = seq.spec_token_ids
         assert len(sampled) == len(drafts) + 1
-        accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == sampled[accepted]:
-            accepted += 1
+        accepted = num_matching(drafts, sampled)
         self.stats.observe(len(drafts), accepted)
         return sampled[: accepted + 1]
 

@@ -34,6 +34,14 @@ class VerifyResult:
         return self.output_tokens[row, :n].tolist()
 
 
+def num_matching(drafts: list[int], sampled: list[int]) -> int:
+    """How many leading drafts equal the target's samples (one sequence, host lists)."""
+    n = 0
+    while n < len(drafts) and drafts[n] == sampled[n]:
+        n += 1
+    return n
+
+
 def accept_matching_prefix(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> VerifyResult:
     """Longest prefix of each row's drafts equal to the target's samples, plus one target token.
 
