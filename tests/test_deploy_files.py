@@ -282,6 +282,35 @@ def test_prometheus_config_passes_promtool():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def _container_mounts(compose: dict, service: str) -> dict[str, Path]:
+    """Container path -> host path of a service's bind mounts."""
+    out = {}
+    for volume in _services(compose)[service].get("volumes", []):
+        source, target = volume.split(":")[:2]
+        if source.startswith("."):
+            out[target] = (DOCKER_DIR / source).resolve()
+    return out
+
+
+def test_prometheus_rule_files_are_mounted(compose):
+    config = yaml.safe_load(PROMETHEUS_FILE.read_text())
+    mounts = _container_mounts(compose, "prometheus")
+    assert config["rule_files"]
+    for rule_file in config["rule_files"]:
+        assert rule_file in mounts, rule_file
+        assert mounts[rule_file].is_file(), rule_file
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+def test_alert_rules_pass_promtool():
+    result = subprocess.run(
+        ["promtool", "check", "rules", str(DOCKER_DIR / "alerts.yml")],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 # ---- Grafana --------------------------------------------------------------------------------
 
 

@@ -27,6 +27,7 @@ import pytest
 import yaml
 from deploy_compose import (
     DASHBOARD_FILE,
+    DOCKER_DIR,
     PROMETHEUS_FILE,
     REPO,
     LocalService,
@@ -108,6 +109,8 @@ def _wait_ready(service: LocalService, proc: subprocess.Popen, password: str) ->
 def prometheus_config(services: dict[str, LocalService], prometheus_port: int) -> str:
     """docker/prometheus.yml with compose service targets rewritten to their loopback ports."""
     config = yaml.safe_load(PROMETHEUS_FILE.read_text())
+    # Rule files sit next to prometheus.yml in the repo, mounted under /etc/prometheus in compose.
+    config["rule_files"] = [str(DOCKER_DIR / Path(f).name) for f in config.get("rule_files", [])]
     config["global"]["scrape_interval"] = f"{SCRAPE_INTERVAL_S}s"
     config["global"]["evaluation_interval"] = f"{SCRAPE_INTERVAL_S}s"
     for job in config["scrape_configs"]:
@@ -336,6 +339,16 @@ def test_every_prometheus_target_is_up(scraped):
     assert len(targets) == 5
     for target in targets:
         assert target["health"] == "up", (target["scrapeUrl"], target.get("lastError"))
+
+
+def test_alert_rules_evaluate_and_none_fires_on_a_healthy_stack(scraped):
+    with urllib.request.urlopen(f"{scraped.prometheus_url}/api/v1/rules", timeout=10) as r:
+        groups = json.load(r)["data"]["groups"]
+    rules = [rule for group in groups for rule in group["rules"]]
+    assert len(rules) >= 5
+    for rule in rules:
+        assert rule["health"] == "ok", (rule["name"], rule.get("lastError"))
+        assert rule["state"] != "firing", rule["name"]
 
 
 def test_every_dashboard_query_returns_series_after_traffic(scraped):
