@@ -3,7 +3,8 @@
 - docs/configuration.md: every `deepserve` subcommand and flag, read from the CLI's argparse parser
   (server/cli.py), and the compose variables with their defaults, read from docker-compose.yml;
 - the README's generated sections: the configuration reference, the metrics list (docs/metrics.md)
-  and the benchmark tables (benchmarks/RESULTS.md), between `<!-- generated:NAME -->` markers.
+  and the benchmark tables with their section headings (benchmarks/RESULTS.md), between
+  `<!-- generated:NAME -->` markers.
 
     .venv/bin/python docs/generate.py           # rewrite the files
     .venv/bin/python docs/generate.py --check   # exit 1 when a file is out of date
@@ -211,11 +212,26 @@ def _demote(lines: list[str]) -> list[str]:
     return out
 
 
+def _headings_and_tables(path: Path) -> str:
+    """The section headings and tables of a results file; the method and caveats stay there."""
+    if not path.exists():
+        return f"_{path.relative_to(REPO)} is not written yet._"
+    out: list[str] = []
+    previous = ""
+    for line in _demote(path.read_text().splitlines()[1:]):
+        if line.startswith(("|", "#")):
+            if out and not (line.startswith("|") and previous.startswith("|")):
+                out.append("")  # a new table or heading starts a new block
+            out.append(line)
+        previous = line
+    return "\n".join(out).strip()
+
+
 def readme_sections() -> dict[str, str]:
     return {
         "configuration": _body(CONFIGURATION),
         "metrics": _body(METRICS),
-        "benchmarks": _body(RESULTS),
+        "benchmarks": _headings_and_tables(RESULTS),
     }
 
 
