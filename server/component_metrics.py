@@ -37,7 +37,8 @@ class EngineCollector(Collector):
         yield from self._spec_decode(names, values)
         tiering = self._engine.kv_tiering
         if tiering is not None:
-            yield from tiering.registry.collect()
+            for family in tiering.registry.collect():
+                yield _with_labels(family, self._labels)
 
     def _spec_decode(self, names: list[str], values: list[str]) -> Iterator[Metric]:
         """vLLM's names; zeros while speculative decoding is off (nothing was drafted)."""
@@ -69,6 +70,21 @@ class EngineCollector(Collector):
             for pos, count in enumerate(getattr(stats, attr, [])):
                 family.add_metric([*values, str(pos)], float(count))
             yield family
+
+
+def _with_labels(family: Metric, labels: dict[str, str]) -> Metric:
+    """A copy of `family` whose samples also carry `labels` (the KV tiers' registry has none of
+    the process labels every other series has)."""
+    out = Metric(family.name, family.documentation, family.type, family.unit)
+    for sample in family.samples:
+        out.add_sample(
+            sample.name,
+            {**labels, **sample.labels},
+            sample.value,
+            sample.timestamp,
+            sample.exemplar,
+        )
+    return out
 
 
 class RouterCollector(Collector):

@@ -79,3 +79,32 @@ def test_hand_off_counts_blocks_bytes_and_misses():
     assert value("pd_transfer_blocks_total", direction="received", outcome="hit") == 3
     assert value("pd_transfer_blocks_total", direction="received", outcome="miss") == 1
     assert value("pd_transfer_bytes_total", direction="received") == 200
+
+
+def test_engine_collector_labels_kv_tier_series_like_every_other():
+    from types import SimpleNamespace
+
+    from deepserve.kvcache.metrics import KVCacheMetrics
+    from deepserve.server.component_metrics import EngineCollector
+
+    kv_registry = CollectorRegistry()
+    kv = KVCacheMetrics(kv_registry)
+    kv.init_tier("store")
+    kv.record_lookup("store", looked_up=4, hits=3)
+    engine = SimpleNamespace(
+        scheduler=SimpleNamespace(num_preemptions=2),
+        spec=None,
+        kv_tiering=SimpleNamespace(registry=kv_registry),
+    )
+    labels = {"model_name": "m", "role": "decode"}
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine, labels))
+
+    def value(name: str, **extra: str) -> float | None:
+        return registry.get_sample_value(f"deepserve:{name}", {**labels, **extra})
+
+    assert value("kv_tier_hits_total", tier="store") == 3
+    assert value("kv_tier_misses_total", tier="store") == 1
+    assert value("kv_store_errors_total", tier="store", op="get") == 0
+    assert value("num_preemptions_total") == 2
+    assert value("spec_decode_num_draft_tokens_total") == 0
