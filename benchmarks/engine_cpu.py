@@ -13,6 +13,7 @@ benchmarks/RESULTS.md between the engine markers, with the command that produced
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import sys
@@ -75,7 +76,7 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> 
     return statistics.median(first.values()) * 1000, total / wall
 
 
-def bench_engine(args, dtype: str) -> tuple[list[Row], object]:
+def bench_engine(args, dtype: str, publish) -> tuple[list[Row], object]:
     config = EngineConfig(dtype=dtype, num_threads=args.threads, max_num_seqs=max(args.batches))
     engine = LLMEngine(config)
     run_engine(engine, make_prompts(engine.tokenizer, 2), 8)  # warm-up
@@ -85,11 +86,12 @@ def bench_engine(args, dtype: str) -> tuple[list[Row], object]:
         ttft, tps = run_engine(engine, make_prompts(engine.tokenizer, b), args.max_tokens)
         rows.append(Row("deepserve", dtype, b, ttft, tps))
         print(rows[-1], flush=True)
+        publish(rows[-1:])
     engine.close()
     return rows, engine.tokenizer
 
 
-def bench_hf(args, dtype: str, tokenizer) -> list[Row]:
+def bench_hf(args, dtype: str, tokenizer, publish) -> list[Row]:
     import transformers
 
     from deepserve.engine.model_registry import resolve_model
@@ -106,6 +108,7 @@ def bench_hf(args, dtype: str, tokenizer) -> list[Row]:
         wall = hf_time(model, ids, mask, args.max_tokens)
         rows.append(Row("transformers", dtype, b, ttft, b * args.max_tokens / wall))
         print(rows[-1], flush=True)
+        publish(rows[-1:])
     return rows
 
 
@@ -130,6 +133,32 @@ def hf_time(model, ids, mask, new_tokens: int) -> float:
     return time.perf_counter() - start
 
 
+def bench_structured(args) -> str:
+    """Decode step time at batch 8 with and without a regex constraint (masks filled off-thread)."""
+    from deepserve.engine.sampling_params import StructuredOutput
+
+    engine = LLMEngine(EngineConfig(num_threads=args.threads))
+    prompt = engine.tokenizer.encode("Write a sentence in lowercase letters:").ids
+    times = {}
+    for rep in range(2):
+        for label, so in (("free", None), ("regex", StructuredOutput("regex", "[a-z ]{400}"))):
+            params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, structured=so)
+            for i in range(8):
+                engine.add_request(f"s{rep}{label}{i}", prompt, params)
+            engine.step()  # prefill (and grammar compile) not timed
+            start, steps = time.perf_counter(), 0
+            while engine.has_unfinished():
+                engine.step()
+                steps += 1
+            times.setdefault(label, []).append((time.perf_counter() - start) / steps * 1000)
+    engine.close()
+    free, regex = min(times["free"]), min(times["regex"])
+    return (
+        f"Structured decoding, batch 8, 40 tokens: {free:.0f} ms/step unconstrained, "
+        f"{regex:.0f} ms/step with a regex mask on every row ({(regex / free - 1) * 100:+.1f}%)."
+    )
+
+
 def render(rows: list[Row], args, command: str) -> str:
     lines = [
         BEGIN,
@@ -141,7 +170,8 @@ def render(rows: list[Row], args, command: str) -> str:
         f"thread(s), {args.max_tokens} output tokens per request, all requests submitted at once, "
         "TTFT = p50 over the batch. Peers on this kind of machine (NOTES.md): vLLM-CPU float32 "
         "50 tok/s at batch 1 and 341 at 16 concurrent (bfloat16 69 / 509); transformers float32 "
-        "~26 at batch 1.",
+        "~26 at batch 1. Load average when the run ended (2 cores shared with other "
+        f"engineers' jobs): {os.getloadavg()[0]:.1f}.",
         "",
         "| system | dtype | batch | TTFT p50 (ms) | output tok/s |",
         "|---|---|---:|---:|---:|",
@@ -170,20 +200,26 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (engine default: 1)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
+    p.add_argument("--structured", action="store_true", help="only the structured-output timing")
     args = p.parse_args()
-    rows: list[Row] = []
-    for dtype in args.dtypes:
-        engine_rows, tokenizer = bench_engine(args, dtype)
-        rows += engine_rows
-    if not args.no_hf:
-        torch.set_num_threads(args.threads or 1)
-        for dtype in args.dtypes:
-            rows += bench_hf(args, dtype, tokenizer)
+    if args.structured:
+        print(bench_structured(args))
+        return
     command = " ".join([".venv/bin/python", "benchmarks/engine_cpu.py", *sys.argv[1:]])
-    section = render(rows, args, command)
-    print(section)
-    if not args.no_write:
-        write_results(section)
+    rows: list[Row] = []
+
+    def publish(new_rows: list[Row]) -> None:
+        # Written after every measurement, so a run cut short still leaves its numbers.
+        rows.extend(new_rows)
+        if not args.no_write:
+            write_results(render(rows, args, command))
+
+    for dtype in args.dtypes:
+        _, tokenizer = bench_engine(args, dtype, publish)
+        if not args.no_hf:
+            torch.set_num_threads(args.threads or 1)
+            bench_hf(args, dtype, tokenizer, publish)
+    print(render(rows, args, command))
 
 
 if __name__ == "__main__":
