@@ -82,10 +82,14 @@ class PrefixMatch:
 
 @dataclass
 class CacheStats:
-    queries: int = 0  # prompt tokens looked up
+    queries: int = 0  # tokens of sequences admitted with a prefix lookup
     hits: int = 0  # of which served from the device cache
     tier_hits: int = 0  # of which served from a lower tier
     evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return (self.hits + self.tier_hits) / self.queries if self.queries else 0.0
 
 
 def block_key(parent: bytes, token_ids: list[int] | tuple[int, ...]) -> bytes:
@@ -203,6 +207,8 @@ class BlockManager:
         """
         if not self.can_allocate(seq, num_new_tokens, match, extra_blocks):
             return False
+        if match is not None and self.enable_prefix_caching:
+            self.stats.queries += seq.num_tokens
         if match and match.num_blocks():
             self._attach_match(seq, match)
         for _ in range(self.blocks_needed(seq, num_new_tokens, None)):

@@ -186,3 +186,13 @@ def test_double_free_is_caught():
     bm.free(seq)
     with pytest.raises(AssertionError):
         bm._release(block)
+
+
+def test_stats_count_lookups_hits_and_evictions():
+    bm = BlockManager(3, BS, "fp")
+    a = make_seq(list(range(9)), 0)
+    run_prefill(bm, a)
+    bm.free(a)
+    run_prefill(bm, make_seq(list(range(9)), 1))
+    assert (bm.stats.queries, bm.stats.hits) == (18, 8)
+    assert bm.stats.hit_rate == 8 / 18
