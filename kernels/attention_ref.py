@@ -8,7 +8,8 @@
   The cache must be initialized memory (e.g. torch.zeros): padded slots are gathered and then
   masked, and a NaN from uninitialized memory would survive a zero attention weight.
 - Hq is a multiple of Hkv (GQA; MLA's absorbed form is Hkv = 1 with Dv < Dk, and v_cache may be a
-  leading slice of k_cache's latent, which we detect to gather it once).
+  leading slice of k_cache's latent; when K and V are column slices of one contiguous layer we
+  gather whole block rows once for both).
 - returns `[T, Hq, Dv]` in q's dtype; scores and softmax in float32.
 
 Two paths, both exact for what they cover: a vectorized one when every sequence brings one query
@@ -44,13 +45,47 @@ def paged_attention(
     return _varlen_attention(q, k_cache, v_cache, attn, scale)
 
 
-def _shares_latent(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """True when v_cache is a leading slice of k_cache's last dim (MLA latent): one gather serves both."""
-    return (
-        v_cache.data_ptr() == k_cache.data_ptr()
-        and v_cache.shape[:-1] == k_cache.shape[:-1]
-        and v_cache.stride() == k_cache.stride()
+def _shared_rows(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """When K and V are column slices of one contiguous `[num_blocks, block_size, W]` layer (llama's
+    `[K | V]` layout, or MLA where V is the latent prefix of K), return that layer as block rows
+    `[num_blocks, block_size * W]` plus V's column offset: one gather of whole contiguous rows then
+    serves both, much faster than gathering two strided views."""
+    width = k_cache.stride(1)
+    bs = k_cache.shape[1]
+    offset = v_cache.storage_offset() - k_cache.storage_offset()
+    dense = all(
+        c.stride(3) == 1 and (c.shape[2] == 1 or c.stride(2) == c.shape[3])
+        for c in (k_cache, v_cache)
     )
+    if not (
+        dense
+        and k_cache.untyped_storage().data_ptr() == v_cache.untyped_storage().data_ptr()
+        and k_cache.stride()[:2] == v_cache.stride()[:2] == (bs * width, width)
+        and offset >= 0
+        and offset + v_cache.shape[2] * v_cache.shape[3] <= width
+        and k_cache.shape[2] * k_cache.shape[3] <= width
+        and k_cache.shape[:2] == v_cache.shape[:2]
+    ):
+        return None
+    rows = k_cache.as_strided((k_cache.shape[0], bs * width), (bs * width, 1))
+    return rows, offset
+
+
+def _gather_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks `[..., nb]` -> K `[..., nb * bs, Hkv, Dk]` and V `[..., nb * bs, Hkv, Dv]` (views)."""
+    lead, bs = blocks.shape, k_cache.shape[1]
+    length = lead[-1] * bs
+    hkv, dk, dv = k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
+    shared = _shared_rows(k_cache, v_cache)
+    if shared is None:
+        k = k_cache[blocks].view(*lead[:-1], length, hkv, dk)
+        return k, v_cache[blocks].view(*lead[:-1], length, hkv, dv)
+    rows, offset = shared
+    gathered = rows[blocks].view(*lead[:-1], length, -1)
+    k = gathered[..., : hkv * dk].unflatten(-1, (hkv, dk))
+    return k, gathered[..., offset : offset + hkv * dv].unflatten(-1, (hkv, dv))
 
 
 def _float(x: torch.Tensor) -> torch.Tensor:
@@ -85,21 +120,12 @@ def _decode_attention(
     batch, hq, dk = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
     blocks, bias = _decode_plan(attn, q.device)
-    length = blocks.shape[1] * attn.block_size
-    k = k_cache[blocks].view(batch, length, hkv, dk).transpose(1, 2)  # [B, Hkv, L, Dk]
-    if _shares_latent(k_cache, v_cache):
-        v = k[..., :dv]
-    else:
-        v = v_cache[blocks].view(batch, length, hkv, dv).transpose(1, 2)
+    k, v = _gather_kv(k_cache, v_cache, blocks)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, D]
     scores = torch.matmul(_float(q).view(batch, hkv, hq // hkv, dk), _float(k).transpose(-1, -2))
     probs = torch.softmax(torch.add(bias, scores, alpha=scale), dim=-1)
     out = torch.matmul(probs if v.dtype == torch.float32 else probs.to(v.dtype), v)
     return out.view(batch, hq, dv) if out.dtype == q.dtype else out.view(batch, hq, dv).to(q.dtype)
-
-
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
-    """Blocks `[nb]` of a paged cache -> contiguous KV `[length, H, D]`."""
-    return cache[blocks].flatten(0, 1)[:length]
 
 
 def _varlen_attention(
@@ -111,7 +137,6 @@ def _varlen_attention(
 ) -> torch.Tensor:
     hq, hkv, dv = q.shape[1], k_cache.shape[2], v_cache.shape[-1]
     group = hq // hkv
-    shared = _shares_latent(k_cache, v_cache)
     out = q.new_empty(q.shape[0], hq, dv)
     start = 0
     for i, n in enumerate(attn.query_lens_cpu):
@@ -119,8 +144,8 @@ def _varlen_attention(
             continue
         length, ctx = attn.seq_lens_cpu[i], attn.context_lens_cpu[i]
         blocks = attn.block_tables[i, : -(-length // attn.block_size)].long()
-        k = _gather(k_cache, blocks, length).transpose(0, 1)  # [Hkv, L, Dk]
-        v = k[..., :dv] if shared else _gather(v_cache, blocks, length).transpose(0, 1)
+        k, v = _gather_kv(k_cache, v_cache, blocks)
+        k, v = k[:length].transpose(0, 1), v[:length].transpose(0, 1)  # [Hkv, L, D]
         # rows ordered (group, query) per kv head so GQA needs no KV copy
         qi = (
             q[start : start + n]

@@ -184,3 +184,16 @@ def test_apply_rope_matches_transformers_rotate_half():
     emb = torch.cat([freqs, freqs], dim=-1)
     ref, _ = apply_rotary_pos_emb(x, x, emb.cos(), emb.sin(), unsqueeze_dim=1)
     torch.testing.assert_close(apply_rope(x, freqs.cos()[:, None], freqs.sin()[:, None]), ref)
+
+
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [5, 1, 3]])
+def test_paged_attention_kv_as_column_slices_of_one_layer(query_lens):
+    """Llama's cache layout: K and V are the two halves of each token's row in one [NB, BS, W]
+    tensor (the fast whole-row gather path) - same result as separate K and V tensors."""
+    batch = PagedBatch([4, 11, 7], query_lens, hkv=2, dk=8, dv=8, seed=4)
+    layer = torch.cat([batch.k_cache.flatten(2), batch.v_cache.flatten(2)], dim=-1).contiguous()
+    k_view = layer[..., :16].unflatten(-1, (2, 8))
+    v_view = layer[..., 16:].unflatten(-1, (2, 8))
+    q = torch.randn(sum(query_lens), 4, 8)
+    out = paged_attention(q, k_view, v_view, batch.attn, 0.3)
+    torch.testing.assert_close(out, sdpa_reference(batch, q, 0.3), atol=1e-5, rtol=1e-5)
