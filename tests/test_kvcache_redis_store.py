@@ -1,6 +1,9 @@
 """The Redis store against a real redis-server: bulk reads, once-per-key writes with a TTL, and
 faults (server down, slow, wrong password) that become misses, never exceptions."""
 
+import shutil
+import socket
+import subprocess
 import threading
 import time
 
@@ -100,3 +103,28 @@ def test_delete_removes_keys(redis_url):
     store.put_many([("a", b"1"), ("b", b"2")])
     store.delete(["a"])
     assert store.exists_many(["a", "b"]) == [False, True]
+
+
+def test_rediss_url_talks_tls_to_the_server(make_redis_server, tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        tls_port = s.getsockname()[1]
+    make_redis_server(
+        ("--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+         "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no")
+    )  # fmt: skip
+    store, metrics = _store(f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={cert}")
+    assert store.put_many([("k", b"secret block")]) == 1
+    assert store.get_many(["k"]) == [b"secret block"]
+    plain, plain_metrics = _store(f"redis://127.0.0.1:{tls_port}/0", timeout_s=0.3)
+    assert plain.get_many(["k"]) == [None]  # a TLS port does not answer plain RESP
+    assert _errors(plain_metrics) == 1 and _errors(metrics) == 0
