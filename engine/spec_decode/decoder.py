@@ -165,7 +165,7 @@ class SpeculativeDecoder:
         assert self.token_proposer is not None
         budget = self.draft_budget(seq)
         drafts = self.token_proposer.propose(seq.token_ids, budget)[:budget] if budget else []
-        return _grammar_prefix(seq, drafts)
+        return grammar_prefix(seq, drafts)
 
     def _propose_mtp(self, out: SchedulerOutput, step: StepHidden, kv_cache: torch.Tensor):
         assert self._mtp is not None
@@ -178,7 +178,7 @@ class SpeculativeDecoder:
         for seq, rows, seq_drafts in zip(owners, work, drafts, strict=True):
             seq.draft_state = MtpState(rows.start + len(rows.token_ids))
             if rows.num_drafts:
-                seq.spec_token_ids = _grammar_prefix(seq, seq_drafts)
+                seq.spec_token_ids = grammar_prefix(seq, seq_drafts)
 
     def _mtp_rows(self, out: SchedulerOutput, step: StepHidden):
         """(sequence, MtpRows) for every scheduled sequence with newly verified positions."""
@@ -271,7 +271,7 @@ def fill_draft_bitmasks(seq: Sequence, bitmask: torch.Tensor, first_row: int) ->
     matcher.rollback(advanced)
 
 
-def _grammar_prefix(seq: Sequence, drafts: list[int]) -> list[int]:
+def grammar_prefix(seq: Sequence, drafts: list[int]) -> list[int]:
     """The longest prefix of `drafts` the sequence's grammar allows (all of them if unconstrained)."""
     matcher = seq.matcher
     if matcher is None or not drafts:
