@@ -88,9 +88,10 @@ class LLM:
             for rid in results:
                 self.engine.abort(rid)
             raise
-        for result in results.values():
-            for sample in result.samples:
-                sample.text = self.decode(sample.token_ids)
+        if self.tokenizer is not None:  # a model built in code may come without one
+            for result in results.values():
+                for sample in result.samples:
+                    sample.text = self.decode(sample.token_ids)
         return list(results.values())
 
     def close(self) -> None:
