@@ -176,7 +176,7 @@ def test_greedy_32_tokens_equal_transformers_generate(llm):
 
     path = resolve_model("smollm2-135m")
     hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, torch_dtype=torch.float32
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
     )
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     prompt = llm.encode(TEXTS[4])
