@@ -1,0 +1,87 @@
+"""Benchmark: the router's own overhead. The same tiny request, one at a time, three ways:
+
+- worker: straight to a worker's internal API (token ids in, NDJSON out);
+- frontend: the OpenAI frontend -> router -> that worker;
+- serve: `deepserve serve`, the same FastAPI app with the engine in-process (no router hop).
+
+frontend - serve is what the router hop adds (goal: < 2 ms at p50); frontend - worker is the
+whole frontend (HTTP + protocol + tokenizer + router). One prompt, repeated, so every run is a
+prefix-cache hit and compute stays small and equal.
+
+    .venv/bin/python benchmarks/router_overhead.py [--iterations 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import httpx
+from router_load import pct
+from router_load import router_cluster as rc
+
+from deepserve.disagg import protocol as P
+
+PROMPT = "The quick brown fox jumps over the lazy dog."
+
+
+def timed(fn, iterations: int) -> list[float]:
+    fn()  # warm: connection, caches
+    out = []
+    for _ in range(iterations):
+        start = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - start) * 1000)
+    return out
+
+
+def completion(http: httpx.Client, url: str, model: str):
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 1, "temperature": 0.0}
+    return lambda: http.post(url + "/v1/completions", json=body).raise_for_status()
+
+
+def direct(http: httpx.Client, w: rc.Proc, token_ids: list[int]):
+    body = P.GenerateRequest("bench", token_ids, {"max_tokens": 1, "temperature": 0.0}).to_json()
+    return lambda: http.post(
+        w.url + P.GENERATE_PATH, json=body, headers=w.headers
+    ).raise_for_status()
+
+
+def serve_proc(model: str) -> rc.Proc:
+    port = rc.free_port()
+    argv = [*rc.CLI, "serve", "--model", model, "--port", str(port), "--num-threads", "1"]
+    return rc.Proc(f"serve-{port}", argv, port, "/health")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--iterations", type=int, default=200)
+    args = p.parse_args()
+    w = rc.worker("mixed", args.model, None)
+    rc.start_all(w)
+    front = rc.frontend(args.model, workers=[w])
+    serve = serve_proc(args.model)
+    try:
+        rc.start_all(front, serve)
+        with httpx.Client(timeout=60) as http:
+            card = http.get(w.url + P.MODEL_PATH, headers=w.headers).json()
+            from tokenizers import Tokenizer
+
+            ids = Tokenizer.from_str(card["tokenizer"]).encode(PROMPT).ids
+            runs = {
+                "worker": timed(direct(http, w, ids), args.iterations),
+                "frontend": timed(completion(http, front.url, args.model), args.iterations),
+                "serve": timed(completion(http, serve.url, args.model), args.iterations),
+            }
+    finally:
+        rc.stop_all(front, serve, w)
+    result = {k: {"p50_ms": pct(v, 50), "p99_ms": pct(v, 99)} for k, v in runs.items()}
+    result["router_hop_p50_ms"] = result["frontend"]["p50_ms"] - result["serve"]["p50_ms"]
+    result["frontend_total_p50_ms"] = result["frontend"]["p50_ms"] - result["worker"]["p50_ms"]
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
