@@ -81,7 +81,9 @@ class AsyncEngine:
         """Stream a request's deltas; leaving the iteration early aborts the request."""
         self._raise_if_dead()
         self.check_request(prompt_token_ids, params)
-        grammar = self.engine.compile_grammar(params)
+        grammar = None
+        if params.structured is not None:  # compiling can take 100+ ms: keep it off the loop
+            grammar = await asyncio.to_thread(self.engine.compile_grammar, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._cond:
             if request_id in self._streams:

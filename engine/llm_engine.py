@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+import threading
 import time
 
 import torch
@@ -81,6 +82,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._grammars = None
+        self._grammar_lock = threading.Lock()
 
     # ---- admission ------------------------------------------------------------------------
 
@@ -132,12 +134,13 @@ class LLMEngine:
         """Compile a structured-output constraint (InvalidRequestError when it is bad)."""
         if params.structured is None:
             return None
-        if self._grammars is None:
-            from deepserve.engine.structured import GrammarCache
+        with self._grammar_lock:  # callers compile on their own threads (AsyncEngine)
+            if self._grammars is None:
+                from deepserve.engine.structured import GrammarCache
 
-            self._grammars = GrammarCache(
-                self.tokenizer, self.vocab_size, stop_token_ids=list(self.eos_token_ids) or None
-            )
+                self._grammars = GrammarCache(
+                    self.tokenizer, self.vocab_size, stop_token_ids=list(self.eos_token_ids) or None
+                )
         return self._grammars.compile(params.structured)
 
     def add_request(

@@ -109,3 +109,25 @@ async def test_shutdown_stops_the_thread_and_refuses_new_work(loaded):
     assert not any(t.name == "deepserve-engine" and t.is_alive() for t in threading.enumerate())
     with pytest.raises(EngineDeadError):
         await collect(eng, "late", [1, 2, 3], GREEDY)
+
+
+async def test_structured_request_compiles_off_loop_and_matches_its_regex(engine):
+    from deepserve.engine.sampling_params import StructuredOutput
+
+    prompt = engine.tokenizer.encode("The year the first moon landing happened:").ids
+    params = SamplingParams(
+        temperature=0, max_tokens=10, structured=StructuredOutput("regex", "[0-9]{4}")
+    )
+    tokens, outs = await collect(engine, "year", prompt, params)
+    assert outs[-1].outputs[-1].finish_reason == "stop"
+    text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
+    assert len(text) == 4 and text.isdigit()
+
+
+async def test_bad_grammar_raises_before_queueing(engine):
+    from deepserve.engine.sampling_params import StructuredOutput
+
+    params = SamplingParams(structured=StructuredOutput("json_schema", "{oops"))
+    with pytest.raises(InvalidRequestError, match="json_schema"):
+        await collect(engine, "bad-schema", [1, 2, 3], params)
+    assert engine.load().waiting == 0
