@@ -60,7 +60,7 @@ def running_server(
 
 @contextlib.contextmanager
 def engine_for(model: str, **overrides) -> Iterator[AsyncEngine]:
-    engine = AsyncEngine(EngineConfig(model=model, num_threads=1, **overrides))
+    engine = AsyncEngine(EngineConfig(**{"model": model, "num_threads": 1, **overrides}))
     try:
         yield engine
     finally:

@@ -1,0 +1,206 @@
+"""`deepserve bench serve`: load an OpenAI-compatible server and report latency like `vllm bench serve`.
+
+Sends `num_prompts` streaming requests (chat or completions) with at most `concurrency` in flight,
+each asking for exactly `output_len` tokens (ignore_eos), and prints JSON: request and output
+token throughput, and mean / p50 / p90 / p99 of TTFT, TPOT, ITL and end-to-end latency in ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+WORDS = [
+    "river",
+    "stone",
+    "garden",
+    "light",
+    "winter",
+    "market",
+    "silver",
+    "cloud",
+    "harbor",
+    "forest",
+    "lamp",
+    "quiet",
+    "city",
+    "bridge",
+    "story",
+    "engine",
+    "paper",
+    "window",
+    "orange",
+    "music",
+    "valley",
+    "ocean",
+    "yellow",
+    "tower",
+    "number",
+    "morning",
+    "letter",
+]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    base_url: str = "http://127.0.0.1:8000"
+    endpoint: str = "completions"  # "chat" | "completions"
+    model: str | None = None
+    concurrency: int = 16
+    num_prompts: int = 64
+    input_len: int = 32
+    output_len: int = 128
+    seed: int = 0
+    api_key: str | None = None
+    json_schema_path: str | None = None
+    result_file: str | None = None
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: str = ""
+
+
+def make_prompts(n: int, words: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [f"Request {i}: " + " ".join(rng.choice(WORDS) for _ in range(words)) for i in range(n)]
+
+
+def request_body(cfg: BenchConfig, model: str, prompt: str, schema: dict | None) -> dict:
+    body = {
+        "model": model,
+        "max_tokens": cfg.output_len,
+        "temperature": 0.0,
+        "ignore_eos": schema is None,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if cfg.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+        if schema is not None:
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "bench", "schema": schema},
+            }
+    else:
+        body["prompt"] = prompt
+    return body
+
+
+async def one_request(client: httpx.AsyncClient, path: str, body: dict) -> RequestResult:
+    start = time.perf_counter()
+    last, res = None, RequestResult(ok=False)
+    try:
+        async with client.stream("POST", path, json=body) as r:
+            if r.status_code != 200:
+                return RequestResult(ok=False, error=f"{r.status_code} {await r.aread()!r}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    res.output_tokens = chunk["usage"].get("completion_tokens", 0)
+                if not _has_text(chunk):
+                    continue
+                now = time.perf_counter()
+                if last is None:
+                    res.ttft = now - start
+                else:
+                    res.itls.append(now - last)
+                last = now
+    except httpx.HTTPError as e:
+        return RequestResult(ok=False, error=repr(e))
+    res.e2e = time.perf_counter() - start
+    res.ok = last is not None
+    return res
+
+
+def _has_text(chunk: dict) -> bool:
+    for c in chunk.get("choices") or []:
+        if c.get("text") or (c.get("delta") or {}).get("content"):
+            return True
+    return False
+
+
+def _stats(name: str, values: list[float]) -> dict:
+    if not values:
+        return {}
+    s = sorted(values)
+
+    def pct(p: float) -> float:
+        return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))] * 1000
+
+    return {
+        f"mean_{name}_ms": sum(s) / len(s) * 1000,
+        f"median_{name}_ms": pct(50),
+        f"p90_{name}_ms": pct(90),
+        f"p99_{name}_ms": pct(99),
+    }
+
+
+def summarize(results: list[RequestResult], duration: float, cfg: BenchConfig) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    summary = {
+        "endpoint": cfg.endpoint,
+        "concurrency": cfg.concurrency,
+        "num_prompts": cfg.num_prompts,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": out_tokens / duration,
+    }
+    summary |= _stats("ttft", [r.ttft for r in ok])
+    summary |= _stats("tpot", tpots)
+    summary |= _stats("itl", [x for r in ok for x in r.itls])
+    summary |= _stats("e2el", [r.e2e for r in ok])
+    errors = [r.error for r in results if not r.ok and r.error]
+    if errors:
+        summary["first_error"] = errors[0][:300]
+    return summary
+
+
+async def bench(cfg: BenchConfig) -> dict:
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    schema = json.loads(Path(cfg.json_schema_path).read_text()) if cfg.json_schema_path else None
+    limits = httpx.Limits(max_connections=cfg.concurrency + 4)
+    timeout = httpx.Timeout(600, connect=30)
+    async with httpx.AsyncClient(
+        base_url=cfg.base_url, headers=headers, limits=limits, timeout=timeout
+    ) as client:
+        model = cfg.model or (await client.get("/v1/models")).json()["data"][0]["id"]
+        path = "/v1/chat/completions" if cfg.endpoint == "chat" else "/v1/completions"
+        prompts = make_prompts(cfg.num_prompts, cfg.input_len, cfg.seed)
+        gate = asyncio.Semaphore(cfg.concurrency)
+
+        async def run(prompt: str) -> RequestResult:
+            async with gate:
+                return await one_request(client, path, request_body(cfg, model, prompt, schema))
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(run(p) for p in prompts))
+        duration = time.perf_counter() - start
+    return summarize(results, duration, cfg) | {"model": model, "config": asdict(cfg)}
+
+
+def run_bench(cfg: BenchConfig) -> int:
+    summary = asyncio.run(bench(cfg))
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if cfg.result_file:
+        Path(cfg.result_file).write_text(text + "\n")
+    return 0 if summary["failed"] == 0 else 1
