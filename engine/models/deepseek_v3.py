@@ -359,7 +359,9 @@ class DeepseekV3ForCausalLM:
         """Top-k experts per token within the best `topk_group` groups -> (weights, ids) [T, k]."""
         a = self.args
         logits = self.k.linear(x.float(), w.gate)
-        scores = self.k.sigmoid(logits) if a.scoring_func == "sigmoid" else self.k.softmax(logits, -1)
+        scores = (
+            self.k.sigmoid(logits) if a.scoring_func == "sigmoid" else self.k.softmax(logits, -1)
+        )
         choice = scores if w.bias is None else scores + w.bias
         if a.n_group > 1:
             grouped = choice.view(x.shape[0], a.n_group, -1)
