@@ -118,3 +118,39 @@ def test_config_that_mismatches_the_weights_is_reported(tiny, tmp_path):
 def test_unsupported_dtype_is_named(tiny):
     with pytest.raises(UnsupportedModelError, match="float8"):
         load_model(EngineConfig(model=str(tiny), dtype="float8"))
+
+
+def test_hf_llama_folder_with_llama3_rope_matches_transformers(tmp_path):
+    """The HF-folder path for the llama family (untied head, llama3 rope scaling) against
+    transformers' LlamaForCausalLM on the same folder."""
+    from test_loader_gguf import _byte_vocab, hf_llama_weights
+    from transformers import AutoModelForCausalLM
+
+    from deepserve.engine.tokenizer import tokenizer_from_gguf
+
+    tokens, types, merges = _byte_vocab()
+    weights = {k: torch.from_numpy(v) for k, v in hf_llama_weights(len(tokens), seed=3).items()}
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": len(tokens),
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "max_position_embeddings": 1024, "tie_word_embeddings": False,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        "bos_token_id": 0, "eos_token_id": 1,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    tokenizer_from_gguf("gpt2", tokens, types, merges, 0, False).save(
+        str(tmp_path / "tokenizer.json")
+    )
+    ours = load_model(EngineConfig(model=str(tmp_path)))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    prompt = torch.randint(
+        2, len(tokens), (200,), generator=torch.Generator().manual_seed(0)
+    ).tolist()
+    with torch.inference_mode():
+        expected = hf(torch.tensor([prompt])).logits[0, -1]
+    got = SequenceLoop(ours.model, 201).logits(prompt)
+    assert (got - expected).abs().max().item() < 1e-4
+    assert (ours.info.family, ours.info.eos_token_ids, ours.info.bos_token_id) == ("llama", [1], 0)
