@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_kv import PagedCase
 
-from deepserve.engine.attention import AttentionMetadata
 from deepserve.kernels import reference
 from deepserve.kernels.batch_invariant import KV_SPLIT, cpu_kernels
 
 BI = cpu_kernels()
-BLOCK = 16
 
 
 def _rand(*shape, seed=0, dtype=torch.float32):
@@ -75,100 +74,39 @@ def test_softmax_rows_equal_alone_over_a_large_vocab(op):
 # ---- paged attention --------------------------------------------------------------------------
 
 
-class Cache:
-    """A paged KV cache with one sequence per block-table row, blocks scattered at random."""
-
-    def __init__(self, lengths, hkv, dk, dv, mla=False, seed=0):
-        g = torch.Generator().manual_seed(seed)
-        nblocks = sum(-(-n // BLOCK) for n in lengths) + 3
-        perm = torch.randperm(nblocks, generator=g).tolist()
-        self.tables, used = [], 0
-        for n in lengths:
-            nb = -(-n // BLOCK)
-            self.tables.append(perm[used : used + nb])
-            used += nb
-        if mla:
-            self.k = torch.randn(nblocks, BLOCK, 1, dk, generator=g)
-            self.v = self.k[..., :dv]
-        else:
-            self.k = torch.randn(nblocks, BLOCK, hkv, dk, generator=g)
-            self.v = torch.randn(nblocks, BLOCK, hkv, dv, generator=g)
-        # what no step wrote yet: poison, so reading past a sequence shows up
-        self.k[perm[used:]] = float("nan")
-        self.v_poison = perm[used:]
-
-    def meta(self, seqs: list[tuple[int, int, int]]) -> AttentionMetadata:
-        """seqs: (sequence index, context length, query count)."""
-        width = max(len(t) for t in self.tables)
-        tables = [self.tables[i] + [0] * (width - len(self.tables[i])) for i, _, _ in seqs]
-        qlens = [n for _, _, n in seqs]
-        ctx = [c for _, c, _ in seqs]
-        lens = [c + n for _, c, n in seqs]
-        loc = [0]
-        for n in qlens:
-            loc.append(loc[-1] + n)
-        return AttentionMetadata(
-            query_start_loc=torch.tensor(loc, dtype=torch.int32),
-            seq_lens=torch.tensor(lens, dtype=torch.int32),
-            context_lens=torch.tensor(ctx, dtype=torch.int32),
-            slot_mapping=torch.zeros(sum(qlens), dtype=torch.int64),
-            block_tables=torch.tensor(tables, dtype=torch.int32),
-            block_size=BLOCK,
-            query_lens_cpu=qlens,
-            seq_lens_cpu=lens,
-            context_lens_cpu=ctx,
-        )
-
-
-LAYOUTS = {"gqa": dict(hq=9, hkv=3, dk=64, dv=64), "mla": dict(hq=4, hkv=1, dk=80, dv=64)}
-
-
-def _setup(layout: str):
-    shape = LAYOUTS[layout]
-    lengths = [2 * KV_SPLIT + 37, 5, 40, KV_SPLIT + 1]
-    cache = Cache(lengths, shape["hkv"], shape["dk"], shape["dv"], mla=layout == "mla")
-    queries = [_rand(n, shape["hq"], shape["dk"], seed=20 + i) for i, n in enumerate(lengths)]
-    return cache, queries, lengths
-
-
-def _run(kernels, cache, queries, seqs):
-    """Attention for `seqs` [(seq, ctx, n)] in one batch -> list of that step's rows per seq."""
-    q = torch.cat([queries[i][c : c + n] for i, c, n in seqs])
-    out = kernels.paged_attention(q, cache.k, cache.v, cache.meta(seqs), 0.125)
-    return list(out.split([n for _, _, n in seqs]))
+def _case(layout: str) -> PagedCase:
+    return PagedCase(layout, [2 * KV_SPLIT + 37, 5, 40, KV_SPLIT + 1])
 
 
 @pytest.mark.parametrize("layout", ["gqa", "mla"])
 def test_attention_rows_equal_across_prefill_chunking_and_decode(layout):
-    cache, queries, lengths = _setup(layout)
-    s, n = 0, lengths[0]
-    whole = _run(BI, cache, queries, [(s, 0, n)])[0]
+    case = _case(layout)
+    n = case.lengths[0]
+    whole = case.run(BI, [(0, 0, n)])[0]
     for chunk in [7, 16, KV_SPLIT, 200]:
-        rows = [
-            _run(BI, cache, queries, [(s, c, min(chunk, n - c))])[0] for c in range(0, n, chunk)
-        ]
+        rows = [case.run(BI, [(0, c, min(chunk, n - c))])[0] for c in range(0, n, chunk)]
         assert torch.equal(torch.cat(rows), whole), chunk
     for pos in [0, 1, KV_SPLIT - 1, KV_SPLIT, n - 1]:
-        assert torch.equal(_run(BI, cache, queries, [(s, pos, 1)])[0][0], whole[pos]), pos
+        assert torch.equal(case.run(BI, [(0, pos, 1)])[0][0], whole[pos]), pos
 
 
 @pytest.mark.parametrize("layout", ["gqa", "mla"])
 def test_attention_rows_equal_inside_mixed_batches(layout):
-    cache, queries, lengths = _setup(layout)
-    alone = [_run(BI, cache, queries, [(i, n - 1, 1)])[0] for i, n in enumerate(lengths)]
-    decodes = [(i, n - 1, 1) for i, n in enumerate(lengths)]
+    case = _case(layout)
+    alone = [case.run(BI, [(i, n - 1, 1)])[0] for i, n in enumerate(case.lengths)]
+    decodes = [(i, n - 1, 1) for i, n in enumerate(case.lengths)]
     for batch in [decodes, decodes[::-1], decodes[1:], [(0, 100, 50), *decodes[1:]]]:
-        outs = _run(BI, cache, queries, batch)
-        for (i, _, m), o in zip(batch, outs, strict=True):
+        for (i, _, m), o in zip(batch, case.run(BI, batch), strict=True):
             if m == 1:
                 assert torch.equal(o[0], alone[i][0]), (batch, i)
 
 
 @pytest.mark.parametrize("layout", ["gqa", "mla"])
 def test_attention_matches_reference(layout):
-    cache, queries, lengths = _setup(layout)
-    for seqs in [[(0, 0, lengths[0])], [(0, 60, 90), (1, 4, 1), (2, 39, 1)], [(3, 0, lengths[3])]]:
-        got = torch.cat(_run(BI, cache, queries, seqs))
-        ref = torch.cat(_run(reference.KERNELS, cache, queries, seqs))
+    case = _case(layout)
+    n0, n3 = case.lengths[0], case.lengths[3]
+    for seqs in [[(0, 0, n0)], [(0, 60, 90), (1, 4, 1), (2, 39, 1)], [(3, 0, n3)]]:
+        got = torch.cat(case.run(BI, seqs))
+        ref = torch.cat(case.run(reference.KERNELS, seqs))
         assert not got.isnan().any()
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

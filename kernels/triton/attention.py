@@ -1,0 +1,197 @@
+"""Fixed-split paged attention over the block-table KV cache, for prefill, chunked prefill and decode.
+
+Keys are cut into splits of `SPLIT` positions counted from position 0; one program computes one tile
+of up to `BLOCK_M` query rows of one sequence, for one head and one split, walking the split's keys in
+blocks of `BLOCK_N` with an online softmax; a second kernel folds a row's splits in order. A query at
+position p therefore always sees splits 0..p // SPLIT and, inside each, the same key blocks, whether
+it arrives in a 2K-token prefill, a chunk, or a decode step: rows of a tile are independent in the
+tensor-core products, and a row whose keys end earlier than its tile-mates' keeps its state
+untouched (not merely rescaled by exp(0)) on the blocks it cannot see.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepserve.engine.attention import AttentionMetadata
+from deepserve.kernels.triton.lang import cdiv, constexpr, jit, next_power_of_2, tl
+
+SPLIT = 512  # keys per split: fixed, whatever the context length or batch
+BLOCK_M = 16  # query rows per program
+BLOCK_N = 64  # keys per step inside a split
+BLOCK_D = 64  # head-dim chunk of the q.k products
+
+
+@jit
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, tile_seq_ptr, tile_row_ptr, qstart_ptr, ctx_ptr,
+    pm_ptr, pl_ptr, pacc_ptr,
+    s_qt, s_qh, s_qd, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, s_tb,
+    s_pt, s_ph, s_ps, s_at, s_ah, s_as,
+    scale, DK, DV, block_size, GROUP,
+    SPLIT: constexpr, BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_D: constexpr,
+    BLOCK_DV: constexpr, PRECISION: constexpr,
+):  # fmt: skip
+    tile, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq = tl.load(tile_seq_ptr + tile)
+    first = tl.load(tile_row_ptr + tile)
+    q_begin = tl.load(qstart_ptr + seq)
+    q_end = tl.load(qstart_ptr + seq + 1)
+    ctx = tl.load(ctx_ptr + seq)
+    rows = first + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_end
+    pos = ctx + rows - q_begin
+    last_pos = ctx + tl.minimum(first + BLOCK_M, q_end) - 1 - q_begin
+    key_lo = split * SPLIT
+    key_hi = tl.minimum(key_lo + SPLIT, last_pos + 1)
+    kvh = h // GROUP
+    dv = tl.arange(0, BLOCK_DV)
+    dv_ok = dv < DV
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    for n0 in range(key_lo, key_hi, BLOCK_N):
+        keys = n0 + tl.arange(0, BLOCK_N)
+        key_ok = keys < key_hi
+        blk = tl.load(tables_ptr + seq * s_tb + keys // block_size, mask=key_ok, other=0)
+        slot = keys % block_size
+        scores = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for d0 in range(0, DK, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            q = tl.load(
+                q_ptr + rows[:, None] * s_qt + h * s_qh + d[None, :] * s_qd,
+                mask=row_ok[:, None] & (d[None, :] < DK),
+                other=0.0,
+            )
+            k = tl.load(
+                k_ptr + blk[None, :] * s_kb + slot[None, :] * s_ks + kvh * s_kh + d[:, None] * s_kd,
+                mask=(d[:, None] < DK) & key_ok[None, :],
+                other=0.0,
+            )
+            scores = tl.dot(q, k, scores, input_precision=PRECISION)
+        visible = (keys[None, :] <= pos[:, None]) & key_ok[None, :] & row_ok[:, None]
+        scores = tl.where(visible, scores * scale, float("-inf"))
+        sees = tl.max(visible.to(tl.int32), axis=1) > 0
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_use = tl.where(sees, m_new, 0.0)
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(scores - m_use[:, None])
+        v = tl.load(
+            v_ptr + blk[:, None] * s_vb + slot[:, None] * s_vs + kvh * s_vh + dv[None, :] * s_vd,
+            mask=key_ok[:, None] & dv_ok[None, :],
+            other=0.0,
+        )
+        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = tl.where(sees[:, None], acc * alpha[:, None] + pv, acc)
+        l_i = tl.where(sees, l_i * alpha + tl.sum(p, axis=1), l_i)
+        m_i = tl.where(sees, m_new, m_i)
+    part = rows * s_pt + h * s_ph + split * s_ps
+    tl.store(pm_ptr + part, m_i, mask=row_ok)
+    tl.store(pl_ptr + part, l_i, mask=row_ok)
+    pacc = pacc_ptr + rows[:, None] * s_at + h * s_ah + split * s_as + dv[None, :]
+    tl.store(pacc, acc, mask=row_ok[:, None] & dv_ok[None, :])
+
+
+@jit
+def _combine_kernel(
+    pm_ptr, pl_ptr, pacc_ptr, pos_ptr, o_ptr,
+    s_pt, s_ph, s_ps, s_at, s_ah, s_as, s_ot, s_oh, DV,
+    SPLIT: constexpr, BLOCK_DV: constexpr,
+):  # fmt: skip
+    t, h = tl.program_id(0), tl.program_id(1)
+    splits = tl.load(pos_ptr + t) // SPLIT + 1  # every one of them holds a key this row sees
+    dv = tl.arange(0, BLOCK_DV)
+    base, acc_base = t * s_pt + h * s_ph, pacc_ptr + t * s_at + h * s_ah + dv
+    m = tl.load(pm_ptr + base)
+    l_sum = tl.load(pl_ptr + base)
+    acc = tl.load(acc_base, mask=dv < DV, other=0.0)
+    for s in range(1, splits):
+        ms = tl.load(pm_ptr + base + s * s_ps)
+        ls = tl.load(pl_ptr + base + s * s_ps)
+        a_s = tl.load(acc_base + s * s_as, mask=dv < DV, other=0.0)
+        m_new = tl.maximum(m, ms)
+        old, new = tl.exp(m - m_new), tl.exp(ms - m_new)
+        acc = acc * old + a_s * new
+        l_sum = l_sum * old + ls * new
+        m = m_new
+    out = acc / l_sum
+    tl.store(o_ptr + t * s_ot + h * s_oh + dv, out.to(o_ptr.dtype.element_ty), mask=dv < DV)
+
+
+@dataclass
+class _StepLayout:
+    """Per-step tensors shared by every layer's call (built once per AttentionMetadata)."""
+
+    attn: AttentionMetadata
+    tile_seq: torch.Tensor  # [tiles] int32
+    tile_row: torch.Tensor  # [tiles] int32: first query row of the tile
+    positions: torch.Tensor  # [T] int32: each query row's absolute position
+    max_splits: int
+
+
+class TritonPagedAttention:
+    """`paged_attention(q, k_cache, v_cache, attn, scale)` as in kernels/attention_ref.py."""
+
+    def __init__(self, split: int = SPLIT) -> None:
+        self.split = split  # a multiple of BLOCK_N; tests use a small one
+        self._layout: _StepLayout | None = None  # the current step's, reused by every layer
+
+    def _step_layout(self, attn: AttentionMetadata, device: torch.device) -> _StepLayout:
+        if self._layout is not None and self._layout.attn is attn:
+            return self._layout
+        tile_seq, tile_row, positions, start = [], [], [], 0
+        for i, n in enumerate(attn.query_lens_cpu):
+            for r in range(0, n, BLOCK_M):
+                tile_seq.append(i)
+                tile_row.append(start + r)
+            ctx = attn.context_lens_cpu[i]
+            positions.extend(range(ctx, ctx + n))
+            start += n
+        host = torch.tensor([tile_seq, tile_row], dtype=torch.int32)
+        self._layout = _StepLayout(
+            attn=attn,
+            tile_seq=host[0].to(device, non_blocking=True),
+            tile_row=host[1].to(device, non_blocking=True),
+            positions=torch.tensor(positions, dtype=torch.int32).to(device, non_blocking=True),
+            max_splits=cdiv(max(attn.seq_lens_cpu), self.split),
+        )
+        return self._layout
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        attn: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        tokens, hq, dk = q.shape
+        hkv, dv = k_cache.shape[2], v_cache.shape[-1]
+        out = torch.empty(tokens, hq, dv, device=q.device, dtype=q.dtype)
+        if tokens == 0:
+            return out
+        lay = self._step_layout(attn, q.device)
+        part_m = torch.empty(tokens, hq, lay.max_splits, device=q.device, dtype=torch.float32)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(tokens, hq, lay.max_splits, dv, device=q.device, dtype=torch.float32)
+        block_dv = next_power_of_2(dv)
+        precision = "ieee" if q.dtype == torch.float32 else "tf32"
+        qsl, ctx, tables = attn.query_start_loc, attn.context_lens, attn.block_tables
+        grid = (lay.tile_seq.numel(), hq, lay.max_splits)
+        _split_kernel[grid](
+            q, k_cache, v_cache, tables, lay.tile_seq, lay.tile_row, qsl, ctx,
+            part_m, part_l, part_acc,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(), tables.stride(0),
+            *part_m.stride(), *part_acc.stride()[:3],
+            scale, dk, dv, attn.block_size, hq // hkv,
+            SPLIT=self.split, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=block_dv,
+            PRECISION=precision, num_warps=4, num_stages=2,
+        )  # fmt: skip
+        _combine_kernel[(tokens, hq)](
+            part_m, part_l, part_acc, lay.positions, out,
+            *part_m.stride(), *part_acc.stride()[:3], out.stride(0), out.stride(1), dv,
+            SPLIT=self.split, BLOCK_DV=block_dv, num_warps=4,
+        )  # fmt: skip
+        return out

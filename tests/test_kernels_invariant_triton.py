@@ -1,0 +1,110 @@
+"""The Triton batch-invariant kernels: row bits independent of the batch, and close to the torch
+reference. Runs on CUDA when there is one, else in Triton's interpreter on the CPU; skipped where
+the triton package is absent (the CPU CI machines)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
+pytest.importorskip("triton")
+
+
+def _patch_interpreter() -> None:
+    """Two fixes to Triton's CPU interpreter, for this test harness only (CUDA never runs them):
+    loop bounds are 1-element arrays that NumPy >= 2.4 refuses to int(); and its tl.dot is one
+    np.matmul whose BLAS rounds a row differently by its position in the tile, so it is done row
+    by row here, the way a GPU's matrix instructions treat every row alike."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor):
+        original(tensor)
+        tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        rows = [np.matmul(a.data[i], b.data, dtype=d.data.dtype) for i in range(a.data.shape[0])]
+        return interpreter.TensorHandle(np.stack(rows) + d.data, d.dtype.scalar)
+
+    interpreter._patch_lang_tensor = patched
+    interpreter.InterpreterBuilder.create_dot = dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_interpreter()
+
+from paged_kv import PagedCase  # noqa: E402
+
+from deepserve.kernels import reference  # noqa: E402
+from deepserve.kernels.triton import attention  # noqa: E402
+from deepserve.kernels.triton.kernelset import triton_kernels  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TK = triton_kernels()
+
+
+def _rand(*shape, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(DEVICE, dtype)
+
+
+def test_linear_rows_equal_for_any_row_count_and_match_reference():
+    w, x = _rand(96, 80, seed=1), _rand(70, 80, seed=2)
+    full = TK.linear(x, w)
+    for m in [1, 3, 17, 64, 65]:
+        assert torch.equal(TK.linear(x[:m], w), full[:m]), m
+    assert torch.equal(TK.linear(x[5:6], w)[0], full[5])
+    torch.testing.assert_close(full, reference.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_bmm_rows_equal_for_any_row_count_and_match_reference():
+    a, b = _rand(3, 70, 40, seed=3), _rand(3, 40, 24, seed=4)
+    full = TK.bmm(a, b)
+    for m in [1, 2, 65]:
+        assert torch.equal(TK.bmm(a[:, :m], b), full[:, :m]), m
+    at = a.transpose(0, 1).contiguous().transpose(0, 1)  # strided, as the MLA absorption passes it
+    assert torch.equal(TK.bmm(at, b), full)
+    torch.testing.assert_close(full, reference.bmm(a, b), rtol=1e-5, atol=1e-5)
+
+
+def test_row_kernels_equal_alone_and_match_reference():
+    x, w = _rand(5, 300, seed=5) * 3, _rand(300, seed=6)
+    for name, args in [("rms_norm", (w, 1e-5)), ("softmax", (-1,)), ("log_softmax", (-1,))]:
+        full = getattr(TK, name)(x, *args)
+        assert all(
+            torch.equal(getattr(TK, name)(x[i : i + 1], *args)[0], full[i]) for i in range(5)
+        )
+        torch.testing.assert_close(full, getattr(reference, name)(x, *args), rtol=1e-5, atol=1e-5)
+    wide = _rand(2, 5000, seed=7)  # several chunks per row
+    torch.testing.assert_close(TK.log_softmax(wide, -1), reference.log_softmax(wide, -1))
+
+
+@pytest.mark.parametrize("layout", ["gqa", "mla"])
+def test_attention_rows_equal_across_prefill_chunks_decode_and_batches(layout):
+    split = attention.SPLIT if DEVICE == "cuda" else 2 * attention.BLOCK_N  # interpreter: small
+    kernels = dataclasses.replace(TK, paged_attention=attention.TritonPagedAttention(split))
+    case = PagedCase(layout, [2 * split + 21, 5, 40], device=DEVICE)
+    n = case.lengths[0]
+    whole = case.run(kernels, [(0, 0, n)])[0]
+    for chunk in [13, attention.BLOCK_M + 3]:
+        starts = [0, split - 7, n - chunk]
+        for c in starts:
+            got = case.run(kernels, [(0, c, chunk)])[0]
+            assert torch.equal(got, whole[c : c + chunk]), (chunk, c)
+    decodes = [(0, n - 1, 1), (1, 4, 1), (2, 39, 1), (0, split - 1, 1)]
+    outs = case.run(kernels, decodes)
+    assert torch.equal(outs[0][0], whole[n - 1]) and torch.equal(outs[3][0], whole[split - 1])
+    alone = case.run(kernels, [(2, 39, 1)])[0]
+    assert torch.equal(outs[2], alone)
+    # one at a time: the reference's batched decode reads other sequences' padding as it finds it
+    ref = torch.cat([case.run(reference.KERNELS, [d])[0] for d in decodes])
+    torch.testing.assert_close(torch.cat(outs), ref, rtol=1e-5, atol=1e-5)
+    ref_whole = case.run(reference.KERNELS, [(0, 0, n)])[0]
+    torch.testing.assert_close(whole, ref_whole, rtol=1e-5, atol=1e-5)
