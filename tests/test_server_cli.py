@@ -1,0 +1,70 @@
+"""`deepserve serve` and `deepserve bench serve` flags become the right config objects."""
+
+from __future__ import annotations
+
+from deepserve.server.cli import (
+    bench_config_from_args,
+    build_parser,
+    engine_config_from_args,
+    server_config_from_args,
+)
+
+
+def test_serve_without_arguments_is_smollm2_on_loopback_8000(monkeypatch):
+    monkeypatch.delenv("DEEPSERVE_API_KEY", raising=False)
+    args = build_parser().parse_args(["serve"])
+    server, engine = server_config_from_args(args), engine_config_from_args(args)
+    assert (server.host, server.port, server.api_key) == ("127.0.0.1", 8000, None)
+    assert engine.model == server.served_model_name == "smollm2-135m"
+
+
+def test_serve_flags_reach_server_and_engine_config():
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--model",
+            "tiny-deepseek",
+            "--served-model-name",
+            "ds",
+            "--port",
+            "9001",
+            "--api-key",
+            "k",
+            "--max-model-len",
+            "2048",
+            "--max-num-seqs",
+            "8",
+            "--batch-invariant",
+        ]
+    )
+    server, engine = server_config_from_args(args), engine_config_from_args(args)
+    assert (server.served_model_name, server.port, server.api_key) == ("ds", 9001, "k")
+    assert (engine.model, engine.max_model_len, engine.max_num_seqs) == ("tiny-deepseek", 2048, 8)
+    assert engine.batch_invariant
+
+
+def test_bench_serve_flags():
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            "http://h:1",
+            "--endpoint",
+            "chat",
+            "--concurrency",
+            "4",
+            "--num-prompts",
+            "10",
+            "--output-len",
+            "32",
+        ]
+    )
+    cfg = bench_config_from_args(args)
+    assert (cfg.base_url, cfg.endpoint, cfg.concurrency, cfg.num_prompts, cfg.output_len) == (
+        "http://h:1",
+        "chat",
+        4,
+        10,
+        32,
+    )
