@@ -308,3 +308,47 @@ def test_spec_decode_counters_are_exported_for_prometheus(loaded):
             stats.accepted_per_position[pos],
         )
     assert sum(stats.drafted_per_position) == stats.num_draft_tokens > 0
+
+
+@torch.inference_mode()
+def reference_mtp_drafts(model, tokens: list[int], k: int) -> list[int]:
+    """Drafts recomputed from scratch: the target over all tokens, the MTP layer over every position
+    (row p = target hidden at p-1, zero at p = 0, with token p), then k-1 chained rows."""
+    from deepserve.engine.spec_decode.mtp import build_metadata
+
+    spec = model.kv_cache_spec
+    n, bs = len(tokens), 4
+    table = list(range(-(-(n + k) // bs)))
+    cache = torch.zeros(spec.num_layers, len(table), bs, spec.width, dtype=spec.dtype)
+    ids, pos = torch.tensor(tokens), torch.arange(n)
+    hidden = model.forward(ids, pos, build_metadata([(table, 0, n)], bs, ids.device), cache)
+    prev = torch.cat([torch.zeros_like(hidden[:1]), hidden[:-1]])
+    mtp = model.forward_mtp(ids, pos, prev, build_metadata([(table, 0, n)], bs, ids.device), cache)
+    last, drafts = mtp[-1:], []
+    for j in range(k):
+        drafts.append(int(model.compute_mtp_logits(last).argmax(-1)))
+        if j + 1 < k:
+            attn = build_metadata([(table, n + j, 1)], bs, ids.device)
+            last = model.forward_mtp(
+                torch.tensor(drafts[-1:]), torch.tensor([n + j]), last, attn, cache
+            )
+    return drafts
+
+
+def test_mtp_drafts_equal_a_from_scratch_recomputation(loaded):
+    """The MTP KV built step by step (prefill in 5-token chunks, then one catch-up row per step)
+    gives the same drafts as recomputing every position at once."""
+    llm = make_llm(loaded, MTP3, max_num_batched_tokens=5)
+    engine = llm.engine
+    engine.add_request(
+        "r", PROMPTS[3], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )
+    seen = []
+    while engine.has_unfinished():
+        engine.step()
+        for seq in engine.scheduler.running:
+            if seq.spec_token_ids:
+                seen.append((list(seq.token_ids), list(seq.spec_token_ids)))
+    assert len(seen) >= 5
+    for tokens, drafts in seen:
+        assert drafts == reference_mtp_drafts(loaded.model, tokens, len(drafts)), len(tokens)

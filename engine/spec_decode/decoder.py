@@ -211,7 +211,7 @@ class SpeculativeDecoder:
         last = min(seq.num_tokens - 1, start + valid)  # the token at p and hidden at p-1 known
         if last < first:
             return None
-        prev = [_prev_hidden(p, start, step_hidden) for p in range(first, last + 1)]
+        prev = _prev_hidden(first, last, start, step_hidden)
         is_decoding = seq.num_computed_tokens == seq.num_tokens - 1
         num_drafts = self.draft_budget(seq) if is_decoding else 0
         num_drafts = self._reserve_mtp_slots(seq, num_drafts)
@@ -221,7 +221,7 @@ class SpeculativeDecoder:
             block_table=seq.block_table,
             start=first,
             token_ids=seq.token_ids[first : last + 1],
-            prev_hidden=torch.stack(prev),
+            prev_hidden=prev,
             num_drafts=num_drafts,
         )
 
@@ -235,12 +235,14 @@ class SpeculativeDecoder:
         return -1
 
 
-def _prev_hidden(pos: int, start: int, step_hidden: torch.Tensor) -> torch.Tensor:
-    if pos > start:
-        return step_hidden[pos - 1 - start]
+def _prev_hidden(first: int, last: int, start: int, step_hidden: torch.Tensor) -> torch.Tensor:
+    """Target hidden states at positions first-1 .. last-1 (this step's rows begin at `start`)."""
+    if first > start:
+        return step_hidden[first - 1 - start : last - start]
     # Position 0, or the first token after a prefix-cache hit: the target's hidden state before it
     # was never computed by this sequence. A zero vector only lowers draft quality.
-    return torch.zeros_like(step_hidden[0])
+    zero = torch.zeros_like(step_hidden[:1])
+    return torch.cat([zero, step_hidden[: last - start]])
 
 
 def sampling_views(seq: Sequence) -> list[Sequence]:
