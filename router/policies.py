@@ -91,12 +91,23 @@ class CacheAware:
             matched[wid] = max(n, matched.get(wid, 0))
         scored = [(n, w) for wid, n in matched.items() if (w := by_id.get(wid)) is not None]
         if not scored:
-            return self._least.choose(candidates, token_ids)
+            return self._emptiest(candidates, token_ids)
         best_n = max(n for n, _ in scored)
         best = min((w for n, w in scored if n == best_n), key=Worker.load_score)
         if self._too_busy(best, candidates):
             return self._least.choose(candidates, token_ids)
         return best
+
+    def _emptiest(self, candidates: list[Worker], token_ids: list[int]) -> Worker:
+        """A new prefix goes to the least loaded worker; among equals, the one caching the least
+        (so tenants spread by cache footprint, not only by the moment's load)."""
+        best = min(w.load_score() for w in candidates)
+        idle = [w for w in candidates if w.load_score() == best]
+        least_held = min(self._held(w) for w in idle)
+        return self._least.choose([w for w in idle if self._held(w) == least_held], token_ids)
+
+    def _held(self, w: Worker) -> int:
+        return self.index.held(w.worker_id) if w.worker_id is not None else 0
 
     def _too_busy(self, best: Worker, candidates: list[Worker]) -> bool:
         least = min(w.load_score() for w in candidates)

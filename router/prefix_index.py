@@ -44,6 +44,10 @@ class PrefixIndex:
         for key in self._by_worker.pop(worker_id, set()):
             self._unhold(worker_id, key)
 
+    def held(self, worker_id: str) -> int:
+        """How many blocks the worker's device cache holds, as far as the events tell."""
+        return len(self._by_worker.get(worker_id, ()))
+
     def match(self, token_ids: list[int], block_size: int) -> dict[str, int]:
         """Tokens of `token_ids`' longest cached prefix, per worker that holds any of it."""
         matched: dict[str, int] = {}

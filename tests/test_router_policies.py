@@ -137,3 +137,10 @@ def test_recent_routes_expire():
     assert recent.match(list(range(9)), BS) == {"a": 8}
     now[0] = 6.0
     assert recent.match(list(range(9)), BS) == {}
+
+
+def test_cache_aware_sends_a_new_prefix_to_the_worker_caching_least():
+    index = PrefixIndex()
+    index.apply("a", stored(list(range(100, 140))))
+    policy = CacheAware(index, CacheAwareConfig(block_size=BS))
+    assert policy.choose([worker("a"), worker("b")], list(range(900, 940))).url == "http://b"
