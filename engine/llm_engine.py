@@ -231,7 +231,7 @@ class LLMEngine:
         """Append the accepted drafts and the target's next token, stopping where plain decoding
         would have stopped; then roll the KV slots of rejected drafts back."""
         emitted = self.spec.verify(seq, [token for _, token, _ in rows])
-        for _, token, lp in rows[: len(emitted)]:
+        for token, (_, _, lp) in zip(emitted, rows, strict=False):
             if seq.is_finished:
                 break
             self._append_token(seq, token, lp)
