@@ -251,6 +251,23 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": "invalid_request_error"}}, status)
 
 
+class RequireSecret:
+    """Pure ASGI check of the shared secret on /internal/* (BaseHTTPMiddleware would add a task
+    and a queue to every streamed response, which is the hot path here)."""
+
+    def __init__(self, app, expected: bytes) -> None:
+        self.app = app
+        self.expected = expected
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/internal/"):
+            given = dict(scope["headers"]).get(P.AUTH_HEADER.encode(), b"")
+            if not hmac.compare_digest(given, self.expected):
+                await _error(401, "missing or wrong internal token")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_worker_app(engine: AsyncEngine, config: WorkerConfig) -> FastAPI:
     worker = Worker(engine, config)
 
@@ -267,13 +284,7 @@ def build_worker_app(engine: AsyncEngine, config: WorkerConfig) -> FastAPI:
     app.state.worker = worker
     expected = f"Bearer {config.internal_token}".encode()
 
-    @app.middleware("http")
-    async def require_secret(request: Request, call_next):
-        if request.url.path.startswith("/internal/"):
-            given = request.headers.get(P.AUTH_HEADER, "").encode()
-            if not hmac.compare_digest(given, expected):
-                return _error(401, "missing or wrong internal token")
-        return await call_next(request)
+    app.add_middleware(RequireSecret, expected=expected)
 
     @app.post(P.GENERATE_PATH)
     async def generate(request: Request):
