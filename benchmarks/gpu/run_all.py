@@ -1,0 +1,470 @@
+"""The whole GPU job in one run (issues 2 and 4): kernel checks, engine parity with transformers,
+throughput beside transformers, the cost of `--batch-invariant`, and the 40 x 10 determinism audit.
+
+Runs on the lent H200 through benchmarks/gpu/run_all.sh, which maps the working tree onto the
+`deepserve` namespace (the device has torch, Triton and transformers but not our other deps). Models
+use real shapes with random weights (timing does not depend on the values): a SmolLM2-135M-shaped
+Llama and tiny-deepseek (our DeepSeek-V3 test architecture, vocabulary 129,280), each written as an
+HF folder so the engine loads them through its ordinary loader. Every section is independent: one
+that fails is recorded and the rest still run. Results: $OUT/results.json and $OUT/results.md.
+
+    bash benchmarks/gpu/run_all.sh            # on the device, via the `run` tool
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Scale:
+    """How much work each section does: the full job on the GPU, a smoke run on the CPU."""
+
+    device: str = "cuda"
+    prompts: int = 40
+    runs: int = 10
+    audit_tokens: int = 16
+    decode_tokens: int = 128
+    batches: tuple[int, ...] = (1, 32, 64)
+    hf_batches: tuple[int, ...] = (1, 32)
+    prefill: int = 2000
+
+
+QUICK = Scale("cpu", prompts=3, runs=2, audit_tokens=3, decode_tokens=4, batches=(1, 2),
+              hf_batches=(1,), prefill=100)  # fmt: skip
+SMOLLM2 = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "torch_dtype": "float32",
+}
+
+
+# ---- models on disk ---------------------------------------------------------------------------
+
+
+def _word_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A word-level tokenizer of the model's vocabulary size: the engine is fed token ids."""
+    from tokenizers import Tokenizer, models
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.save(str(folder / "tokenizer.json"))
+
+
+def write_smollm2_shape(folder: Path, device: str) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(**SMOLLM2))
+    model.save_pretrained(folder, safe_serialization=True)
+    (folder / "config.json").write_text(json.dumps(SMOLLM2))
+    _word_tokenizer(folder, SMOLLM2["vocab_size"])
+    return folder
+
+
+def write_tiny_deepseek(folder: Path) -> Path:
+    from safetensors.torch import save_file
+
+    from deepserve.engine.test_model import TINY_CONFIG, _tensors
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = dict(TINY_CONFIG, vocab_size=129280)
+    tensors = _tensors(config, torch.Generator().manual_seed(0))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config))
+    _word_tokenizer(folder, config["vocab_size"])
+    return folder
+
+
+# ---- engine helpers ---------------------------------------------------------------------------
+
+
+def make_llm(folder: Path, sc: Scale, dtype: str, batch_invariant: bool, **kw):
+    from deepserve.engine.config import EngineConfig
+    from deepserve.engine.llm import LLM
+
+    kw.setdefault("kv_cache_bytes", (4 if sc.device == "cuda" else 1) * 2**30)
+    config = EngineConfig(
+        model=str(folder), device=sc.device, dtype=dtype, batch_invariant=batch_invariant, **kw
+    )
+    return LLM(config)
+
+
+def engine_logits(llm, ids: list[int], device: str) -> torch.Tensor:
+    """Last-position logits of one cold prompt, through the loaded model's own forward."""
+    from deepserve.engine.attention import AttentionMetadata
+
+    model = llm.engine.model
+    n, bs = len(ids), 16
+    nb = -(-n // bs)
+    spec = model.kv_cache_spec
+    cache = torch.zeros(spec.num_layers, nb, bs, spec.width, dtype=spec.dtype, device=device)
+
+    def t(v, dt=torch.int32):
+        return torch.tensor(v, dtype=dt, device=device)
+
+    attn = AttentionMetadata(
+        query_start_loc=t([0, n]),
+        seq_lens=t([n]),
+        context_lens=t([0]),
+        slot_mapping=t(list(range(n)), torch.int64),
+        block_tables=t([list(range(nb))]),
+        block_size=bs,
+        query_lens_cpu=[n],
+        seq_lens_cpu=[n],
+        context_lens_cpu=[0],
+    )
+    with torch.inference_mode():
+        hidden = model.forward(t(ids, torch.int64), t(list(range(n)), torch.int64), attn, cache)
+        return model.compute_logits(hidden[-1:]).float()[0]
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def greedy(max_tokens: int, logprobs: int | None = None):
+    from deepserve.engine.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+
+
+def random_prompts(rng: random.Random, count: int, lo: int, hi: int, vocab: int) -> list[list[int]]:
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(count)]
+
+
+# ---- sections ---------------------------------------------------------------------------------
+
+
+def section_kernels(out: dict) -> None:
+    """The Triton kernel tests on real CUDA (invariance + closeness to the torch reference)."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    cmd += [str(REPO / "tests/test_kernels_invariant_triton.py")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
+    out["kernel_tests"] = {"rc": proc.returncode, "tail": proc.stdout[-1500:] + proc.stderr[-800:]}
+
+
+def section_kernel_invariance_and_speed(out: dict) -> None:
+    """Linear at SmolLM2 / DeepSeek-V2-Lite shapes: bitwise rows across M, error, time vs cuBLAS."""
+    import triton.testing
+
+    from deepserve.kernels.triton import matmul
+
+    rows = []
+    for k, n in [(576, 1536), (1536, 576), (576, 49152), (2048, 10944), (2048, 102400)]:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        x = torch.randn(2048, k, device="cuda", dtype=torch.bfloat16)
+        full = matmul.linear(x, w)
+        same = all(torch.equal(matmul.linear(x[:m], w), full[:m]) for m in (1, 3, 17, 64, 65, 1000))
+        ref = x.double() @ w.double().t()
+        err = ((full.double() - ref).norm() / ref.norm()).item()
+        cublas_var = sum(
+            not torch.equal(x[:m] @ w.t(), (x @ w.t())[:m]) for m in (1, 3, 17, 64, 65)
+        )
+        for m in (1, 64, 2048):
+            t_bi = triton.testing.do_bench(
+                lambda m=m, x=x, w=w: matmul.linear(x[:m], w), return_mode="median"
+            )
+            t_cu = triton.testing.do_bench(
+                lambda m=m, x=x, w=w: x[:m] @ w.t(), return_mode="median"
+            )
+            rows.append(dict(k=k, n=n, m=m, triton_ms=t_bi, cublas_ms=t_cu))
+        rows.append(dict(k=k, n=n, rows_invariant=same, rel_err=err, cublas_variant_m=cublas_var))
+    out["linear"] = rows
+
+
+def section_parity(out: dict, models: dict[str, Path], sc: Scale) -> None:
+    """Last-position logits vs transformers for prompts of 1, 17, 300 tokens; 32-token greedy."""
+    from transformers import AutoModelForCausalLM
+
+    res = []
+    for name, folder in models.items():
+        for dtype in ("float32", "bfloat16"):
+            hf = AutoModelForCausalLM.from_pretrained(
+                folder, torch_dtype=getattr(torch, dtype), attn_implementation="eager"
+            ).to(sc.device)
+            hf.eval()
+            rng = random.Random(1)
+            vocab = hf.config.vocab_size
+            for flag in (False, True):
+                llm = make_llm(folder, sc, dtype, flag)
+                diffs = []
+                for n in (1, 17, 300):
+                    ids = [rng.randrange(3, vocab) for _ in range(n)]
+                    with torch.inference_mode():
+                        want = hf(torch.tensor([ids], device=sc.device)).logits[0, -1].float()
+                    diffs.append((engine_logits(llm, ids, sc.device) - want).abs().max().item())
+                ids = [rng.randrange(3, vocab) for _ in range(20)]
+                with torch.inference_mode():
+                    gen = hf.generate(
+                        torch.tensor([ids], device=sc.device), max_new_tokens=32, do_sample=False,
+                        min_new_tokens=32, pad_token_id=0,
+                    )[0, 20:].tolist()  # fmt: skip
+                ours = llm.generate([ids], greedy(32))[0].token_ids
+                agree = next(
+                    (i for i, (a, b) in enumerate(zip(gen, ours, strict=False)) if a != b), 32
+                )
+                res.append(
+                    dict(
+                        model=name,
+                        dtype=dtype,
+                        batch_invariant=flag,
+                        max_abs_logit_diff=diffs,
+                        greedy_tokens_agreeing=agree,
+                    )  # fmt: skip
+                )
+                out["parity"] = res
+                del llm
+            del hf
+            _empty_cache()
+    out["parity"] = res
+
+
+def _empty_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _engine_tok_s(llm, prompts, max_tokens: int) -> float:
+    _sync()
+    t0 = time.perf_counter()
+    llm.generate(prompts, greedy(max_tokens))
+    _sync()
+    return len(prompts) * max_tokens / (time.perf_counter() - t0)
+
+
+def _hf_tok_s(hf, prompts, max_tokens: int, device: str) -> float:
+    ids = torch.tensor(prompts, device=device)
+    kw = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        hf.generate(ids, **kw)  # warm-up at these lengths
+        _sync()
+        t0 = time.perf_counter()
+        hf.generate(ids, **kw)
+        _sync()
+    return len(prompts) * max_tokens / (time.perf_counter() - t0)
+
+
+def _prefill_tok_s(llm, rng: random.Random, vocab: int, length: int) -> float:
+    times = []
+    for _ in range(4):  # fresh prompts: a repeat would be served from the prefix cache
+        long = random_prompts(rng, 1, length, length, vocab)
+        _sync()
+        t0 = time.perf_counter()
+        llm.generate(long, greedy(1))
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return length / statistics.median(times[1:])
+
+
+def section_throughput(out: dict, models: dict[str, Path], sc: Scale, deadline: float) -> None:
+    """bf16 decode tok/s (128 prompt + 128 output) per batch size, flag off and on, beside
+    transformers generate; and prefill tok/s of one 2,000-token prompt, flag off and on."""
+    from transformers import AutoModelForCausalLM
+
+    if torch.cuda.is_available():
+        torch.backends.cuda.enable_cudnn_sdp(False)  # per-length plans skew transformers' timing
+    res = out.setdefault("throughput", [])
+    for name, folder in models.items():
+        rng = random.Random(2)
+        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+        for flag in (False, True):
+            llm = make_llm(folder, sc, "bfloat16", flag, max_num_batched_tokens=4096)
+            llm.generate(random_prompts(rng, 4, 128, 128, vocab), greedy(8))  # warm-up/compile
+            row = dict(model=name, system="deepserve", batch_invariant=flag)
+            for batch in sc.batches:
+                if time.time() > deadline:
+                    break
+                prompts = random_prompts(rng, batch, 128, 128, vocab)
+                tok_s = _engine_tok_s(llm, prompts, sc.decode_tokens)
+                res.append(dict(row, batch=batch, decode_tok_s=tok_s))
+            res.append(dict(row, prefill_tok_s=_prefill_tok_s(llm, rng, vocab, sc.prefill)))
+            del llm
+        hf = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.bfloat16)
+        hf = hf.to(sc.device).eval()
+        for batch in sc.hf_batches:
+            if time.time() > deadline:
+                break
+            prompts = random_prompts(rng, batch, 128, 128, vocab)
+            tok_s = _hf_tok_s(hf, prompts, sc.decode_tokens, sc.device)
+            res.append(dict(model=name, system="transformers", batch=batch, decode_tok_s=tok_s))
+        del hf
+        _empty_cache()
+
+
+def _audit(llm, prompts, noise_pool, params, runs: int, rng: random.Random) -> tuple[int, int]:
+    """Each prompt `runs` times, shuffled among random other traffic; outputs (tokens + logprobs)
+    compared with that prompt's first run -> (differing, total)."""
+    from deepserve.engine.sampling_params import SamplingParams
+
+    first: dict[int, tuple] = {}
+    differ = total = 0
+    for _ in range(runs):
+        noise = rng.sample(noise_pool, rng.randint(0, min(24, len(noise_pool))))
+        loud = [
+            SamplingParams(temperature=1.0, max_tokens=rng.randint(4, 40), ignore_eos=True)
+            for _ in noise
+        ]
+        mixed = [(i, p, params) for i, p in enumerate(prompts)]
+        mixed += [(None, p, q) for p, q in zip(noise, loud, strict=True)]
+        rng.shuffle(mixed)
+        results = llm.generate([p for _, p, _ in mixed], [q for _, _, q in mixed])
+        for (i, _, _), r in zip(mixed, results, strict=True):
+            if i is None:
+                continue
+            lps = tuple(lp.logprob for lp in r.samples[0].logprobs or [])
+            key = (tuple(r.token_ids), lps)
+            total += 1
+            if i not in first:
+                first[i] = key
+            elif key != first[i]:
+                differ += 1
+    return differ, total
+
+
+def section_determinism(out: dict, models: dict[str, Path], sc: Scale, deadline: float) -> None:
+    """40 prompts x 10 runs through the engine in bf16, flag on and off, at temperature 0 and at
+    0.8 with a fixed seed, among random other traffic (chunked prefill; repeats hit the cache)."""
+    from deepserve.engine.sampling_params import SamplingParams
+
+    res = out.setdefault("determinism", [])
+    for name, folder in models.items():
+        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+        for flag in (True, False):
+            llm = make_llm(folder, sc, "bfloat16", flag, max_num_batched_tokens=256)
+            for temp in (0.0, 0.8):
+                if time.time() > deadline:
+                    break
+                rng = random.Random(7)
+                prompts = random_prompts(rng, sc.prompts, 8, 200, vocab)
+                noise = random_prompts(rng, 60, 4, 300, vocab)
+                params = SamplingParams(
+                    temperature=temp, seed=1234 if temp else None, max_tokens=sc.audit_tokens,
+                    ignore_eos=True, logprobs=0,
+                )  # fmt: skip
+                differ, total = _audit(llm, prompts, noise, params, sc.runs, rng)
+                res.append(dict(model=name, batch_invariant=flag, temperature=temp,
+                                differing=differ, total=total))  # fmt: skip
+            del llm
+            _empty_cache()
+
+
+# ---- report -----------------------------------------------------------------------------------
+
+
+def markdown(out: dict) -> str:
+    lines = [f"GPU: {out.get('gpu')}, torch {out.get('torch')}, triton {out.get('triton')}, "
+             f"transformers {out.get('transformers')}", ""]  # fmt: skip
+    for key in ("kernel_tests", "linear", "parity", "throughput", "determinism", "errors"):
+        if key not in out:
+            continue
+        lines.append(f"## {key}")
+        value = out[key]
+        if isinstance(value, list) and value and isinstance(value[0], dict):
+            cols = list(dict.fromkeys(c for row in value for c in row))
+            lines.append("| " + " | ".join(cols) + " |")
+            lines.append("|" + "---|" * len(cols))
+            for row in value:
+                lines.append("| " + " | ".join(_fmt(row.get(c, "")) for c in cols) + " |")
+        else:
+            lines.append(
+                "```\n"
+                + (value if isinstance(value, str) else json.dumps(value, indent=1))
+                + "\n```"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, list):
+        return ", ".join(_fmt(x) for x in v)
+    return str(v)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--budget-s", type=float, default=540, help="stop starting new work after")
+    parser.add_argument("--only", nargs="*", default=None, help="sections to run")
+    parser.add_argument("--quick-cpu", action="store_true", help="a smoke run on the CPU")
+    args = parser.parse_args()
+    sc = QUICK if args.quick_cpu else Scale()
+    start = time.time()
+    deadline = start + args.budget_s
+    out: dict = {"errors": []}
+    import transformers
+
+    out.update(torch=torch.__version__, transformers=transformers.__version__)
+    if sc.device == "cuda":
+        import triton
+
+        out.update(gpu=torch.cuda.get_device_name(), triton=triton.__version__)
+    work = Path("/tmp/deepserve-gpu-models")
+    models: dict[str, Path] = {}
+
+    def write_models() -> None:
+        models["smollm2-shape"] = write_smollm2_shape(work / "smollm2", sc.device)
+        models["tiny-deepseek"] = write_tiny_deepseek(work / "tiny-deepseek")
+
+    sections = [
+        ("kernels", lambda: section_kernels(out)),
+        ("linear", lambda: section_kernel_invariance_and_speed(out)),
+        ("models", write_models),
+        ("determinism", lambda: section_determinism(out, models, sc, deadline - 240)),
+        ("throughput", lambda: section_throughput(out, models, sc, deadline - 90)),
+        ("parity", lambda: section_parity(out, models, sc)),
+    ]
+    for name, fn in sections:
+        if args.only and name not in args.only and name != "models":
+            continue
+        if time.time() > deadline:
+            out["errors"].append(f"{name}: skipped, out of time")
+            continue
+        t0 = time.time()
+        try:
+            fn()
+        except Exception:
+            out["errors"].append(f"{name}: {traceback.format_exc()[-2000:]}")
+        out[f"seconds_{name}"] = round(time.time() - t0, 1)
+        print(f"[{time.time() - start:6.1f}s] {name} done", flush=True)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps(out, indent=1, default=str))
+        (args.out / "results.md").write_text(markdown(out))
+    print(markdown(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
