@@ -58,9 +58,14 @@ class WorkerClient:
                 while event is not None:
                     _raise_for_event_error(event, started)
                     started = started or any(o["token_ids"] for o in event.outputs)
-                    yield event
                     if event.finished:
+                        # Read the body's end before handing over the last event: a consumer
+                        # that stops there would otherwise close the connection, not reuse it.
+                        async for _ in lines:
+                            pass
+                        yield event
                         return
+                    yield event
                     event = await _next_event(lines)
                 raise WorkerUnavailableError(f"{self.url}: stream ended early", started)
         except (httpx.TransportError, TimeoutError) as e:
