@@ -338,7 +338,8 @@ def reference_mtp_drafts(model, tokens: list[int], k: int) -> list[int]:
 @pytest.mark.parametrize("accept_all", [False, True])
 def test_mtp_drafts_equal_a_from_scratch_recomputation(loaded, accept_all):
     """The MTP KV built step by step (prefill in 5-token chunks, then catch-up rows each step)
-    gives the same drafts as recomputing every position at once.
+    gives the same drafts as recomputing every position at once, for both forked samples (n=2:
+    the second redoes the MTP rows of its copied partial block).
 
     Random MTP weights get every draft rejected (one catch-up row per step); with `accept_all` the
     verifier is replaced (test only) by one that takes every draft, so each step's catch-up covers
@@ -349,7 +350,7 @@ def test_mtp_drafts_equal_a_from_scratch_recomputation(loaded, accept_all):
     if accept_all:
         engine.spec.verify = lambda seq, sampled: [*seq.spec_token_ids, sampled[-1]]
     engine.add_request(
-        "r", PROMPTS[3], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        "r", PROMPTS[3], SamplingParams(temperature=0, max_tokens=24, n=2, ignore_eos=True)
     )
     seen = []
     while engine.has_unfinished():
