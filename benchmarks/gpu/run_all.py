@@ -174,31 +174,46 @@ def section_kernels(out: dict) -> None:
 
 
 def section_kernel_invariance_and_speed(out: dict) -> None:
-    """Linear at SmolLM2 / DeepSeek-V2-Lite shapes: bitwise rows across M, error, time vs cuBLAS."""
+    """Linear at SmolLM2 / DeepSeek-V2-Lite shapes: bitwise rows across M, error, time vs cuBLAS,
+    for the engine's tile configuration and a few others (timed only)."""
     import triton.testing
 
     from deepserve.kernels.triton import matmul
 
+    configs = {
+        "default": matmul.DEFAULT,
+        "128x128w8": matmul.TileConfig(128, 128, 64, 8, 8, 3),
+        "128x256w8": matmul.TileConfig(128, 256, 64, 8, 8, 3),
+        "64x256w4": matmul.TileConfig(64, 256, 64, 8, 4, 4),
+    }
     rows = []
     for k, n in [(576, 1536), (1536, 576), (576, 49152), (2048, 10944), (2048, 102400)]:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         x = torch.randn(2048, k, device="cuda", dtype=torch.bfloat16)
-        full = matmul.linear(x, w)
-        same = all(torch.equal(matmul.linear(x[:m], w), full[:m]) for m in (1, 3, 17, 64, 65, 1000))
+        for cname, cfg in configs.items():
+            full = matmul.linear(x, w, cfg)
+            same = all(
+                torch.equal(matmul.linear(x[:m], w, cfg), full[:m])
+                for m in (1, 3, 17, 64, 65, 1000)
+            )
+            row = dict(k=k, n=n, config=cname, rows_invariant=same)
+            for m in (1, 64, 2048):
+                t = triton.testing.do_bench(
+                    lambda m=m, x=x, w=w, cfg=cfg: matmul.linear(x[:m], w, cfg),
+                    return_mode="median",
+                )
+                row[f"ms_m{m}"] = t
+            rows.append(row)
         ref = x.double() @ w.double().t()
-        err = ((full.double() - ref).norm() / ref.norm()).item()
-        cublas_var = sum(
-            not torch.equal(x[:m] @ w.t(), (x @ w.t())[:m]) for m in (1, 3, 17, 64, 65)
+        err = ((matmul.linear(x, w).double() - ref).norm() / ref.norm()).item()
+        cublas = dict(k=k, n=n, config="cublas", rel_err_default=err)
+        cublas["cublas_variant_m"] = sum(
+            not torch.equal(x[:m] @ w.t(), (x @ w.t())[:m]) for m in (1, 3, 17, 64, 65, 1000)
         )
         for m in (1, 64, 2048):
-            t_bi = triton.testing.do_bench(
-                lambda m=m, x=x, w=w: matmul.linear(x[:m], w), return_mode="median"
-            )
-            t_cu = triton.testing.do_bench(
-                lambda m=m, x=x, w=w: x[:m] @ w.t(), return_mode="median"
-            )
-            rows.append(dict(k=k, n=n, m=m, triton_ms=t_bi, cublas_ms=t_cu))
-        rows.append(dict(k=k, n=n, rows_invariant=same, rel_err=err, cublas_variant_m=cublas_var))
+            t = triton.testing.do_bench(lambda m=m, x=x, w=w: x[:m] @ w.t(), return_mode="median")
+            cublas[f"ms_m{m}"] = t
+        rows.append(cublas)
     out["linear"] = rows
 
 
@@ -304,9 +319,14 @@ def section_throughput(out: dict, models: dict[str, Path], sc: Scale, deadline: 
             for batch in sc.batches:
                 if time.time() > deadline:
                     break
-                prompts = random_prompts(rng, batch, 128, 128, vocab)
-                tok_s = _engine_tok_s(llm, prompts, sc.decode_tokens)
-                res.append(dict(row, batch=batch, decode_tok_s=tok_s))
+                _engine_tok_s(llm, random_prompts(rng, batch, 128, 128, vocab), 16)  # warm-up
+                tok_s = [
+                    _engine_tok_s(
+                        llm, random_prompts(rng, batch, 128, 128, vocab), sc.decode_tokens
+                    )
+                    for _ in range(2)
+                ]
+                res.append(dict(row, batch=batch, decode_tok_s=max(tok_s), runs=tok_s))
             res.append(dict(row, prefill_tok_s=_prefill_tok_s(llm, rng, vocab, sc.prefill)))
             del llm
         hf = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.bfloat16)

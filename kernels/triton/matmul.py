@@ -8,16 +8,26 @@ exist). A program walks tiles `pid, pid + P, ...` (P = the SM count): one launch
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from deepserve.kernels.triton.lang import cdiv, constexpr, jit, tl
 
-BLOCK_M = 64
-BLOCK_N = 128
-BLOCK_K = 64
-GROUP_M = 8  # tiles of GROUP_M row-blocks share their B columns in L2
-NUM_WARPS = 4
-NUM_STAGES = 3
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One launch configuration. The engine uses DEFAULT for every shape; others exist to be timed."""
+
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 64
+    group_m: int = 8  # tiles of group_m row-blocks share their B columns in L2
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+DEFAULT = TileConfig()
 
 
 @jit(do_not_specialize=["M", "BATCH"])
@@ -68,13 +78,15 @@ def _num_programs(device: torch.device) -> int:
     return 4  # the Triton interpreter on the CPU (tests)
 
 
-def _launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+def _launch(
+    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cfg: TileConfig = DEFAULT
+) -> torch.Tensor:
     """c[B, M, N] = a[B, M, K] @ b[B, K, N], any strides."""
     batch, m, k = a.shape
     n = b.shape[2]
     if m == 0 or n == 0:
         return c
-    tiles = batch * cdiv(m, BLOCK_M) * cdiv(n, BLOCK_N)
+    tiles = batch * cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
     programs = min(tiles, _num_programs(a.device))
     precision = "ieee" if a.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
     _matmul_kernel[(programs,)](
@@ -82,20 +94,21 @@ def _launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2),
         c.stride(0), c.stride(1), c.stride(2),
-        NUM_PROGRAMS=programs, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        GROUP_M=GROUP_M, PRECISION=precision, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        NUM_PROGRAMS=programs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, PRECISION=precision, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
     return c
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, cfg: TileConfig = DEFAULT) -> torch.Tensor:
     """x[..., in] @ w[out, in].T"""
     lead, k = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, k)
     if w.dtype != flat.dtype:
         flat = flat.to(w.dtype)
     out = torch.empty(flat.shape[0], w.shape[0], device=x.device, dtype=w.dtype)
-    _launch(flat[None], w.t()[None], out[None])
+    _launch(flat[None], w.t()[None], out[None], cfg)
     return out.reshape(*lead, w.shape[0])
 
 
