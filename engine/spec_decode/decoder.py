@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -167,7 +168,7 @@ class SpeculativeDecoder:
         drafts = self.token_proposer.propose(seq.token_ids, budget)[:budget] if budget else []
         return grammar_prefix(seq, drafts)
 
-    def _propose_mtp(self, out: SchedulerOutput, step: StepHidden, kv_cache: torch.Tensor):
+    def _propose_mtp(self, out: SchedulerOutput, step: StepHidden, kv_cache: torch.Tensor) -> None:
         assert self._mtp is not None
         work: list[MtpRows] = []
         owners: list[Sequence] = []
@@ -180,7 +181,9 @@ class SpeculativeDecoder:
             if rows.num_drafts:
                 seq.spec_token_ids = grammar_prefix(seq, seq_drafts)
 
-    def _mtp_rows(self, out: SchedulerOutput, step: StepHidden):
+    def _mtp_rows(
+        self, out: SchedulerOutput, step: StepHidden
+    ) -> Iterator[tuple[Sequence, MtpRows]]:
         """(sequence, MtpRows) for every scheduled sequence with newly verified positions."""
         children = {id(f.parent): f.children for f in out.forks}
         offset = 0
