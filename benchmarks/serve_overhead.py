@@ -2,7 +2,8 @@
 
 One process, one engine: first N concurrent requests straight into `AsyncEngine.generate`, then the
 same prompts as streaming /v1/completions requests through uvicorn + FastAPI + the SSE path, measured
-with `deepserve bench serve`'s client. Prints one JSON object with both and their ratio.
+by `deepserve bench serve` run as a separate process (so the client's own parsing does not share the
+server's GIL). Prints one JSON object with both and their ratio.
 
     .venv/bin/python benchmarks/serve_overhead.py --concurrency 16 --num-prompts 32 --output-len 128
 """
@@ -12,7 +13,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from server_harness import engine_for, running_server  # noqa: E402
 
 from deepserve.engine.sampling_params import SamplingParams  # noqa: E402
-from deepserve.server.bench import BenchConfig, bench, make_prompts  # noqa: E402
+from deepserve.server.bench import make_prompts  # noqa: E402
 
 
 async def offline(engine, prompts: list[list[int]], concurrency: int, output_len: int) -> dict:
@@ -50,6 +53,35 @@ async def offline(engine, prompts: list[list[int]], concurrency: int, output_len
     }
 
 
+def bench_subprocess(base_url: str, args: argparse.Namespace) -> dict:
+    cli = Path(sys.executable).with_name("deepserve")
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run(
+            [
+                str(cli),
+                "bench",
+                "serve",
+                "--base-url",
+                base_url,
+                "--endpoint",
+                "completions",
+                "--concurrency",
+                str(args.concurrency),
+                "--num-prompts",
+                str(args.num_prompts),
+                "--input-len",
+                str(args.input_len),
+                "--output-len",
+                str(args.output_len),
+                "--result-file",
+                out.name,
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        return json.loads(Path(out.name).read_text())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
@@ -66,16 +98,7 @@ def main() -> None:
         asyncio.run(offline(engine, ids[:2], 2, 8))  # warm-up
         off = asyncio.run(offline(engine, ids, args.concurrency, args.output_len))
         with running_server(engine, args.model) as srv:
-            cfg = BenchConfig(
-                base_url=srv.base_url,
-                endpoint="completions",
-                concurrency=args.concurrency,
-                num_prompts=args.num_prompts,
-                input_len=args.input_len,
-                output_len=args.output_len,
-                seed=0,
-            )
-            http = asyncio.run(bench(cfg))
+            http = bench_subprocess(srv.base_url, args)
     http.pop("config", None)
     print(
         json.dumps(
