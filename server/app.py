@@ -78,12 +78,13 @@ def _add_routes(app: FastAPI, state: AppState) -> None:
             "created": created,
             "owned_by": "deepserve",
             "max_model_len": state.max_model_len,
+            "batch_invariant": state.metrics.batch_invariant,
         }
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok"}
+        return {"status": "ok", "batch_invariant": state.metrics.batch_invariant}
 
     @app.get("/ready")
     async def ready() -> Response:

@@ -129,6 +129,7 @@ class ServerMetrics:
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.labels = {"model_name": model_name, "role": role}
+        self.batch_invariant = batch_invariant  # also shown by /health and /v1/models
         names = list(self.labels)
         r = self.registry
 
