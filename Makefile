@@ -19,7 +19,6 @@ setup: $(VENV)/.ready
 
 $(VENV)/.ready: pyproject.toml setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/deepserve fetch-model smollm2-135m

@@ -65,4 +65,6 @@ class SamplingParams:
         bad = [t for t in (self.logit_bias or {}) if not 0 <= t < vocab_size]
         bad += [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+            raise InvalidRequestError(
+                f"token id {bad[0]} is outside the vocabulary (size {vocab_size})"
+            )
