@@ -6,7 +6,7 @@
 
 frontend - serve is what the router hop adds (goal: < 2 ms at p50); frontend - worker is the
 whole frontend (HTTP + protocol + tokenizer + router). One prompt, repeated, so every run is a
-prefix-cache hit and compute stays small and equal.
+prefix-cache hit and compute stays small and equal; the three take turns request by request.
 
     .venv/bin/python benchmarks/router_overhead.py [--iterations 200]
 """
@@ -26,13 +26,16 @@ from deepserve.disagg import protocol as P
 PROMPT = "The quick brown fox jumps over the lazy dog."
 
 
-def timed(fn, iterations: int) -> list[float]:
-    fn()  # warm: connection, caches
-    out = []
+def timed(calls: dict, iterations: int) -> dict[str, list[float]]:
+    """Latency of each call in ms; the calls take turns, so drift in machine load hits all alike."""
+    for fn in calls.values():
+        fn()  # warm: connection, caches
+    out: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(iterations):
-        start = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - start) * 1000)
+        for name, fn in calls.items():
+            start = time.perf_counter()
+            fn()
+            out[name].append((time.perf_counter() - start) * 1000)
     return out
 
 
@@ -70,11 +73,12 @@ def main() -> None:
             from tokenizers import Tokenizer
 
             ids = Tokenizer.from_str(card["tokenizer"]).encode(PROMPT).ids
-            runs = {
-                "worker": timed(direct(http, w, ids), args.iterations),
-                "frontend": timed(completion(http, front.url, args.model), args.iterations),
-                "serve": timed(completion(http, serve.url, args.model), args.iterations),
+            calls = {
+                "worker": direct(http, w, ids),
+                "frontend": completion(http, front.url, args.model),
+                "serve": completion(http, serve.url, args.model),
             }
+            runs = timed(calls, args.iterations)
     finally:
         rc.stop_all(front, serve, w)
     result = {k: {"p50_ms": pct(v, 50), "p99_ms": pct(v, 99)} for k, v in runs.items()}
