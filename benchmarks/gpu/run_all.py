@@ -439,6 +439,7 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=540, help="stop starting new work after")
     parser.add_argument("--only", nargs="*", default=None, help="sections to run")
     parser.add_argument("--quick-cpu", action="store_true", help="a smoke run on the CPU")
+    parser.add_argument("--models", nargs="*", default=None, help="subset of the two models")
     args = parser.parse_args()
     sc = QUICK if args.quick_cpu else Scale()
     start = time.time()
@@ -455,8 +456,11 @@ def main() -> int:
     models: dict[str, Path] = {}
 
     def write_models() -> None:
-        models["smollm2-shape"] = write_smollm2_shape(work / "smollm2", sc.device)
-        models["tiny-deepseek"] = write_tiny_deepseek(work / "tiny-deepseek")
+        wanted = args.models or ["smollm2-shape", "tiny-deepseek"]
+        if "smollm2-shape" in wanted:
+            models["smollm2-shape"] = write_smollm2_shape(work / "smollm2", sc.device)
+        if "tiny-deepseek" in wanted:
+            models["tiny-deepseek"] = write_tiny_deepseek(work / "tiny-deepseek")
 
     sections = [
         ("kernels", lambda: section_kernels(out)),

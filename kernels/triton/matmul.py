@@ -4,6 +4,8 @@ Why it is batch-invariant: the tile sizes never depend on M, K is never split ac
 each output tile accumulates its K blocks in order from 0, so an output row gets the same sequence of
 tensor-core instructions whatever the number of rows (the row count only changes how many tiles
 exist). A program walks tiles `pid, pid + P, ...` (P = the SM count): one launch fills the GPU at any M.
+Nothing that varies with M is a compile-time constant (`M`, `BATCH` and `NUM_PROGRAMS` are not
+specialised on), so a new row count never triggers a compile.
 """
 
 from __future__ import annotations
@@ -30,11 +32,11 @@ class TileConfig:
 DEFAULT = TileConfig()
 
 
-@jit(do_not_specialize=["M", "BATCH"])
+@jit(do_not_specialize=["M", "BATCH", "NUM_PROGRAMS", "s_ab", "s_cb"])
 def _matmul_kernel(
     a_ptr, b_ptr, c_ptr, M, N, K, BATCH,
-    s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn,
-    NUM_PROGRAMS: constexpr, BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_K: constexpr,
+    s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn, NUM_PROGRAMS,
+    BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_K: constexpr,
     GROUP_M: constexpr, PRECISION: constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -93,8 +95,8 @@ def _launch(
         a, b, c, m, n, k, batch,
         a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2),
-        c.stride(0), c.stride(1), c.stride(2),
-        NUM_PROGRAMS=programs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        c.stride(0), c.stride(1), c.stride(2), programs,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, PRECISION=precision, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
