@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from deepserve.engine.attention import AttentionMetadata
 from deepserve.engine.models.base import KVCacheSpec
 from deepserve.engine.models.common import WeightStore, require, swiglu
+from deepserve.kernels import reference
 from deepserve.kernels.attention_ref import write_kv
 from deepserve.kernels.registry import KernelSet
 from deepserve.kernels.rope import apply_rope, build_rope_tables, rope_at
@@ -85,6 +86,8 @@ class LlamaForCausalLM:
         self.norm = weights.get("model.norm.weight")
         tied = a.tie_word_embeddings or not weights.has("lm_head.weight")
         self.lm_head = self.embed if tied else weights.get("lm_head.weight")
+        if kernels.name == "reference":
+            self._pack_weights()
         self._views_key: tuple | None = None
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.rope = build_rope_tables(
@@ -102,6 +105,15 @@ class LlamaForCausalLM:
             gate_up=w.cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
             down=w.get(p + "mlp.down_proj.weight"),
         )
+
+    def _pack_weights(self) -> None:
+        """Matmul weights in the reference kernels' pre-packed CPU layout (a no-op elsewhere). A tied
+        lm_head gets its own packed copy: the embedding lookup needs the plain table."""
+        pack = reference.pack_linear_weight
+        for layer in self.layers:
+            layer.qkv, layer.o = pack(layer.qkv), pack(layer.o)
+            layer.gate_up, layer.down = pack(layer.gate_up), pack(layer.down)
+        self.lm_head = pack(self.lm_head)
 
     def forward(
         self,
