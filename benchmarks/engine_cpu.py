@@ -42,12 +42,15 @@ TOPICS = [
 
 
 NOTES = [
-    "Where the time goes (cProfile of a batch-16 decode step): ~70% in `F.linear` (GEMMs of the "
-    "model and the 49152-row lm_head), ~15% in reference paged attention, under 2% in the "
-    "engine (scheduling, batch building, sampling). The CPU has AVX2 and no AVX-512; at batch 16 "
-    "the GEMMs run at ~40 GFLOP/s per core and batch 1 is bound by reading 540 MB of float32 "
-    "weights per token. One torch thread is the default: with two, a step was 4-8x slower here "
-    "because the second core is shared with other processes (OpenMP threads wait on each other).",
+    "Each deepserve row is measured right before the transformers row of the same dtype and "
+    "batch (same load). float32 matmuls use oneDNN pre-packed weights "
+    "(`kernels/reference.py: pack_linear_weight`); decode attention gathers KV blocks with "
+    "index_select and runs torch's fused SDPA on the strided views. The CPU is an AMD EPYC with "
+    "AVX2 and no AVX-512: oneDNN cannot pack bfloat16 weights here and bfloat16 GEMMs convert "
+    "on the fly, so bfloat16 is slower than float32 on this machine (both systems). Batch 1 is "
+    "bound by reading 540 MB of float32 weights per token. One torch thread is the default: with "
+    "two, a step was 4-8x slower here because the second core is shared with other processes "
+    "(OpenMP threads wait on each other).",
 ]
 
 
@@ -106,22 +109,24 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> 
     return statistics.median(first.values()) * 1000, total / wall
 
 
-def bench_engine(args, dtype: str, publish) -> tuple[list[Row], object]:
+def bench_dtype(args, dtype: str, publish) -> None:
+    """Each batch size measured on deepserve and then, right after, on transformers: the machine
+    is shared, so the pair should see the same load."""
     config = EngineConfig(dtype=dtype, num_threads=args.threads, max_num_seqs=max(args.batches))
     engine = LLMEngine(config)
     run_engine(engine, make_prompts(engine.tokenizer, 2), 8)  # warm-up
-    rows = []
+    model = None if args.no_hf else load_hf(dtype)
     for b in args.batches:
         engine.block_manager.reset_prefix_cache()
-        ttft, tps = run_engine(engine, make_prompts(engine.tokenizer, b), args.max_tokens)
-        rows.append(Row("deepserve", dtype, b, ttft, tps, os.getloadavg()[0]))
-        print(rows[-1], flush=True)
-        publish(rows[-1:])
+        prompts = make_prompts(engine.tokenizer, b)
+        ttft, tps = run_engine(engine, prompts, args.max_tokens)
+        publish([Row("deepserve", dtype, b, ttft, tps, os.getloadavg()[0])])
+        if model is not None:
+            publish([hf_row(model, dtype, prompts, args.max_tokens)])
     engine.close()
-    return rows, engine.tokenizer
 
 
-def bench_hf(args, dtype: str, tokenizer, publish) -> list[Row]:
+def load_hf(dtype: str):
     import transformers
 
     from deepserve.engine.model_registry import resolve_model
@@ -130,17 +135,21 @@ def bench_hf(args, dtype: str, tokenizer, publish) -> list[Row]:
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).to(getattr(torch, dtype))
-    model.eval()
-    rows = []
-    for b in args.batches:
-        ids, mask = left_pad(make_prompts(tokenizer, b))
-        ttft = hf_time(model, ids, mask, 1) * 1000
-        wall = hf_time(model, ids, mask, args.max_tokens)
-        tps = b * args.max_tokens / wall
-        rows.append(Row("transformers", dtype, b, ttft, tps, os.getloadavg()[0]))
-        print(rows[-1], flush=True)
-        publish(rows[-1:])
-    return rows
+    return model.eval()
+
+
+def hf_row(model, dtype: str, prompts: list[list[int]], max_tokens: int) -> Row:
+    ids, mask = left_pad(prompts)
+    ttft = hf_time(model, ids, mask, 1) * 1000
+    wall = hf_time(model, ids, mask, max_tokens)
+    return Row(
+        "transformers",
+        dtype,
+        len(prompts),
+        ttft,
+        len(prompts) * max_tokens / wall,
+        os.getloadavg()[0],
+    )
 
 
 def left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,16 +268,14 @@ def main() -> None:
     def publish(new_rows: list[Row]) -> None:
         # Written after every measurement, so a run cut short still leaves its numbers.
         rows.extend(new_rows)
+        print(*new_rows, sep="\n", flush=True)
         fresh = {r.key for r in rows}
         merged = [r for r in old_rows if r.key not in fresh] + rows
         if not args.no_write:
             write_results(render(merged, args, commands))
 
     for dtype in args.dtypes:
-        _, tokenizer = bench_engine(args, dtype, publish)
-        if not args.no_hf:
-            torch.set_num_threads(args.threads or 1)
-            bench_hf(args, dtype, tokenizer, publish)
+        bench_dtype(args, dtype, publish)
     print(render(rows, args, [command]))
 
 
