@@ -25,8 +25,8 @@ def _patch_interpreter() -> None:
 
     original = interpreter._patch_lang_tensor
 
-    def patched(tensor):
-        original(tensor)
+    def patched(tensor, *rest):  # Triton >= 3.6 also passes a patch scope
+        original(tensor, *rest)
         tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
 
     def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
