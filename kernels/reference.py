@@ -7,6 +7,8 @@ in their own modules and implement the same `KernelSet`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -14,25 +16,39 @@ from deepserve.kernels.attention_ref import paged_attention
 from deepserve.kernels.registry import KernelSet
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x[..., in] @ w[out, in].T; `w` may be a weight packed by `pack_linear_weight`."""
-    if w.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, None, "none", [], "")
-    return F.linear(x, w)
+@dataclass(frozen=True)
+class PackedWeight:
+    """A float32 CPU linear weight `[out, in]` kept in the two layouts that win on this AVX2 machine
+    (twice the memory of the plain weight): measured over SmolLM2's 121 matmuls streamed from
+    DRAM, one row took 32 ms through `transposed` vs 39-40 ms through F.linear or `packed`, and 2-3
+    rows 50 ms through `packed` vs 54-68 ms (transposed) and 73-91 ms (F.linear)."""
+
+    transposed: torch.Tensor  # [in, out], contiguous: the fastest one-row GEMV
+    packed: torch.Tensor  # oneDNN's blocked layout (opaque): fastest from two rows up
 
 
-def pack_linear_weight(w: torch.Tensor) -> torch.Tensor:
-    """A float32 CPU weight `[out, in]` in oneDNN's pre-packed layout (an opaque tensor only
-    `linear` above can use), or `w` itself where packing does not apply. On this AVX2 machine the
-    packed GEMMs were 20-30% faster than F.linear's MKL path for 4-32 rows and even at 1 row
-    (benchmarks/RESULTS.md, engine section). oneDNN packs bfloat16 only with AVX-512/AVX-NE."""
+def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight) -> torch.Tensor:
+    """x[..., in] @ w[out, in].T; `w` may come from `pack_linear_weight`."""
+    if not isinstance(w, PackedWeight):
+        return F.linear(x, w)
+    if x.numel() == x.shape[-1]:
+        return torch.matmul(x, w.transposed)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w.packed, None, "none", [], "")
+
+
+def pack_linear_weight(w: torch.Tensor) -> torch.Tensor | PackedWeight:
+    """`w` as a `PackedWeight` where that applies (float32 on a CPU with oneDNN), else `w` itself.
+    oneDNN packs bfloat16 only with AVX-512 or AVX-NE-CONVERT, which this machine lacks."""
     usable = (
         w.device.type == "cpu"
         and w.dtype == torch.float32
         and w.dim() == 2
         and torch.backends.mkldnn.is_available()
     )
-    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None) if usable else w
+    if not usable:
+        return w
+    packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
+    return PackedWeight(transposed=w.t().contiguous(), packed=packed)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

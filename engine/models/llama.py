@@ -57,14 +57,18 @@ class LlamaArgs:
         )
 
 
+# A matmul weight `[out, in]`, or the reference kernels' packed CPU form of one.
+Weight = torch.Tensor | reference.PackedWeight
+
+
 @dataclass
 class _Layer:
     attn_norm: torch.Tensor
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, hidden]
-    o: torch.Tensor
+    qkv: Weight  # [(Hq + 2 Hkv) * D, hidden]
+    o: Weight
     mlp_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * I, hidden]
-    down: torch.Tensor
+    gate_up: Weight  # [2 * I, hidden]
+    down: Weight
 
 
 class LlamaForCausalLM:

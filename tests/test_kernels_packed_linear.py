@@ -1,0 +1,22 @@
+"""The reference kernels' packed CPU weights give F.linear's values for any number of rows."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deepserve.kernels.reference import PackedWeight, linear, pack_linear_weight
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+def test_packed_weight_matches_f_linear(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(300, 96, generator=g)
+    x = torch.randn(rows, 96, generator=g)
+    packed = pack_linear_weight(w)
+    assert isinstance(packed, PackedWeight)
+    torch.testing.assert_close(linear(x, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_weight_is_left_plain() -> None:
+    w = torch.randn(8, 4, dtype=torch.bfloat16)
+    assert pack_linear_weight(w) is w
