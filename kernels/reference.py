@@ -18,13 +18,15 @@ from deepserve.kernels.registry import KernelSet
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A float32 CPU linear weight `[out, in]` kept in the two layouts that win on this AVX2 machine
-    (twice the memory of the plain weight): measured over SmolLM2's 121 matmuls streamed from
-    DRAM, one row took 32 ms through `transposed` vs 39-40 ms through F.linear or `packed`, and 2-3
-    rows 50 ms through `packed` vs 54-68 ms (transposed) and 73-91 ms (F.linear)."""
+    """A CPU linear weight `[out, in]` kept in the two layouts that win on an AVX2 machine (more
+    memory than the plain weight). Measured over SmolLM2's 121 matmuls streamed from DRAM:
+    float32, one row 32 ms through a transposed copy vs 39-40 ms through F.linear or oneDNN's
+    packed layout, 2-3 rows 50 ms packed vs 54-68 ms (transposed) and 73-91 ms (F.linear);
+    bfloat16 (no native bf16 GEMM without AVX-512), one row 36 ms through the bf16 weight itself,
+    16 rows 109 ms through a float32 packed copy vs 489 ms for the bf16 GEMM."""
 
-    transposed: torch.Tensor  # [in, out], contiguous: the fastest one-row GEMV
-    packed: torch.Tensor  # oneDNN's blocked layout (opaque): fastest from two rows up
+    one_row: torch.Tensor  # `[in, out]` (maybe a transposed view) for `x @ one_row`, in x's dtype
+    packed: torch.Tensor  # oneDNN's blocked float32 layout (opaque): two rows and up
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight) -> torch.Tensor:
@@ -32,23 +34,25 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight) -> torch.Tensor:
     if not isinstance(w, PackedWeight):
         return F.linear(x, w)
     if x.numel() == x.shape[-1]:
-        return torch.matmul(x, w.transposed)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w.packed, None, "none", [], "")
+        return torch.matmul(x, w.one_row)
+    # bfloat16 rows widen exactly to float32 and round once at the end, like a bf16 GEMM that
+    # accumulates in float32.
+    xf = x.contiguous() if x.dtype == torch.float32 else x.float()
+    y = torch.ops.mkldnn._linear_pointwise(xf, w.packed, None, "none", [], "")
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 def pack_linear_weight(w: torch.Tensor) -> torch.Tensor | PackedWeight:
-    """`w` as a `PackedWeight` where that applies (float32 on a CPU with oneDNN), else `w` itself.
-    oneDNN packs bfloat16 only with AVX-512 or AVX-NE-CONVERT, which this machine lacks."""
-    usable = (
-        w.device.type == "cpu"
-        and w.dtype == torch.float32
-        and w.dim() == 2
-        and torch.backends.mkldnn.is_available()
-    )
-    if not usable:
+    """`w` as a `PackedWeight` where that applies (a CPU with oneDNN; float32, or bfloat16 on a CPU
+    without AVX-512, where oneDNN has no bf16 GEMM to pack for), else `w` itself."""
+    usable = w.device.type == "cpu" and w.dim() == 2 and torch.backends.mkldnn.is_available()
+    if not usable or w.dtype not in (torch.float32, torch.bfloat16):
         return w
-    packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
-    return PackedWeight(transposed=w.t().contiguous(), packed=packed)
+    if w.dtype == torch.bfloat16 and torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return w
+    packed = torch.ops.mkldnn._reorder_linear_weight(w.float().contiguous(), None)
+    one_row = w.t().contiguous() if w.dtype == torch.float32 else w.t()
+    return PackedWeight(one_row=one_row, packed=packed)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
