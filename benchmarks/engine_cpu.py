@@ -55,12 +55,13 @@ NOTES = [
     "394 -> 266 ms; then a second A/B for the transposed one-row copy: batch 1 52.3 -> 45.7 ms. "
     "The previous table (load 3-5): 11.8 / 34.0 / 37.2 / 32.9 tok/s at batch 1 / 8 / 16 / 32.",
     "",
-    "Goals: float32 is ahead of transformers at every batch size; bfloat16 at batch 16 is not "
-    "(23 vs 24 tok/s). vLLM-CPU's 50 / 341 tok/s is not reached (19 / 82). The CPU has AVX2 and "
-    "no AVX-512: oneDNN cannot pack bfloat16 here and bfloat16 GEMMs convert on the fly, so "
-    "bfloat16 only wins at batch 1 (half the bytes to stream). Batch 1 is bound by streaming "
-    "~540 MB of float32 weights per token (the GEMVs stream at ~12-17 GB/s); batch 16-32 by GEMM "
-    "FLOPs (~4.3 GFLOP per 16-token step) on one core, with attention ~35% of a step at batch 32. "
+    "Goals: deepserve is ahead of transformers at every batch size measured, float32 and "
+    "bfloat16. vLLM-CPU's 50 / 341 tok/s is not reached (float32 19 / 82). The CPU has AVX2 and "
+    "no AVX-512, so there is no native bfloat16 GEMM: a bfloat16 one-row step stays a bf16 GEMV "
+    "(half the bytes to stream), and two rows and up widen to float32 against a packed float32 "
+    "copy (the bf16 GEMM was 4.5x slower). Batch 1 is bound by streaming ~540 MB of float32 "
+    "weights per token (the GEMVs stream at ~12-17 GB/s); batch 16-32 by GEMM FLOPs (~4.3 GFLOP "
+    "per 16-token step) on one core, with attention ~35% of a step at batch 32. "
     "One torch thread is the default: two threads were 7-8x slower per step (batch 1: 58 vs 424 "
     "ms; batch 16: 186 vs 1464 ms, load 2.0) because the second core is busy with other "
     "processes (OpenMP threads wait on each other).",
