@@ -3,7 +3,8 @@
 Names carry the `deepserve:` prefix and follow vLLM's where one exists, so existing dashboards
 map over. Labels are the model name and the process role, plus a bounded set of values (endpoint,
 status, finish reason, constraint kind); never request contents. Engine-side gauges (running,
-waiting, KV usage, preemptions) are read from the backend's `load()` at scrape time.
+waiting, KV usage) are read from the backend's `load()` at scrape time; preemptions and the other
+engine counters come from server/component_metrics.py.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 P = "deepserve:"
@@ -110,11 +111,6 @@ class _EngineCollector(Collector):
             g = GaugeMetricFamily(P + name, doc, labels=names)
             g.add_metric(values, float(value))
             yield g
-        preemptions = getattr(load, "num_preemptions", None)
-        if preemptions is not None:
-            c = CounterMetricFamily(P + "num_preemptions", "Requests preempted.", labels=names)
-            c.add_metric(values, float(preemptions))
-            yield c
 
 
 class ServerMetrics:

@@ -243,6 +243,7 @@ def test_stream_disconnect_aborts_and_frees_kv(server):
         "messages": HELLO,
         "max_tokens": 400,
         "temperature": 0,
+        "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -258,7 +259,14 @@ def test_stream_disconnect_aborts_and_frees_kv(server):
 
 
 def test_non_stream_disconnect_aborts(server):
-    body = {"model": MODEL, "messages": HELLO, "max_tokens": 400, "temperature": 0}
+    # ignore_eos keeps the request running however fast the engine is: the client must leave first.
+    body = {
+        "model": MODEL,
+        "messages": HELLO,
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=1.5)
     assert wait_until(lambda: server.engine.load().running == 0, timeout=5)
