@@ -15,6 +15,7 @@ import collections
 import contextlib
 import threading
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from deepserve.engine.config import EngineConfig
@@ -47,22 +48,25 @@ class EngineDeadError(EngineError):
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, loaded=None) -> None:
-        self.engine = LLMEngine(config, loaded)
         self.config = config
-        self.tokenizer = self.engine.tokenizer
-        self.model_info = self.engine.model_info
         self._cond = threading.Condition()
         self._adds: list[_Add] = []
         self._aborts: list[str] = []
         self._streams: dict[str, _Stream] = {}
         self._stopping = False
         self._error: BaseException | None = None
-        self._load = self.engine.load()
         # Block stored/removed events for KV-aware routers, drained on the engine thread every
         # step; bounded, so an engine nobody asks keeps only the newest.
         self._block_events: collections.deque = collections.deque(maxlen=MAX_BLOCK_EVENTS)
-        self._thread = threading.Thread(target=self._run, name="deepserve-engine", daemon=True)
+        built: Future[LLMEngine] = Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(loaded, built), name="deepserve-engine", daemon=True
+        )
         self._thread.start()
+        self.engine = built.result()  # re-raises a load error here, in the caller
+        self.tokenizer = self.engine.tokenizer
+        self.model_info = self.engine.model_info
+        self._load = self.engine.load()
 
     # ---- caller side ----------------------------------------------------------------------
 
@@ -132,7 +136,19 @@ class AsyncEngine:
 
     # ---- engine thread --------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, loaded, built: Future) -> None:
+        # The engine is built on this thread, not the caller's: OpenMP (torch's CPU threads) keeps
+        # one worker pool per thread that runs parallel regions, and once two pools exist libgomp
+        # counts more threads than cores and stops spin-waiting; a 16-row decode step then ran
+        # ~30% slower on the 2-core box than with a single pool (benchmarks/RESULTS.md).
+        try:
+            engine = LLMEngine(self.config, loaded)
+        except BaseException as e:
+            built.set_exception(e)
+            return
+        self._load = engine.load()
+        built.set_result(engine)
+        self.engine = engine
         try:
             while self._take_inbox():
                 outputs = self.engine.step()

@@ -10,6 +10,7 @@ is queued.
 from __future__ import annotations
 
 import itertools
+import os
 import secrets
 import threading
 import time
@@ -25,15 +26,15 @@ from deepserve.engine.request import Request, Sequence, derive_seed
 from deepserve.engine.sampling_params import SamplingParams
 from deepserve.engine.scheduler import Scheduler, SchedulerOutput
 
-# Measured on the 2-core machine (benchmarks/engine_cpu.py): one intra-op thread was fastest for
-# decode-heavy batches, as vLLM-CPU found too; more threads contend with the API process.
-DEFAULT_CPU_THREADS = 1
-
 
 def default_num_threads(config: EngineConfig) -> int | None:
+    """Torch intra-op threads: as configured, else every core this process may run on. On the
+    idle 2-core box two threads beat one (offline batch 16: 148 vs 92 tok/s; batch 1: 23 vs 19),
+    but a machine shared with other busy processes wants 1 (OpenMP threads wait on each other
+    when one is descheduled): several workers on one host each pass --num-threads."""
     if config.num_threads is not None:
         return config.num_threads
-    return DEFAULT_CPU_THREADS if config.device == "cpu" else None
+    return len(os.sched_getaffinity(0)) if config.device == "cpu" else None
 
 
 class LLMEngine:

@@ -11,7 +11,7 @@ import pytest
 
 from deepserve.engine.async_engine import AsyncEngine, EngineDeadError
 from deepserve.engine.config import EngineConfig
-from deepserve.engine.errors import InvalidRequestError
+from deepserve.engine.errors import InvalidRequestError, ModelNotFoundError
 from deepserve.engine.llm import LLM
 from deepserve.engine.sampling_params import SamplingParams
 
@@ -109,6 +109,12 @@ async def test_shutdown_stops_the_thread_and_refuses_new_work(loaded):
     assert not any(t.name == "deepserve-engine" and t.is_alive() for t in threading.enumerate())
     with pytest.raises(EngineDeadError):
         await collect(eng, "late", [1, 2, 3], GREEDY)
+
+
+def test_load_error_raises_in_the_caller_and_leaves_no_thread():
+    with pytest.raises(ModelNotFoundError):
+        AsyncEngine(EngineConfig(model="no-such-model"))
+    assert not any(t.name == "deepserve-engine" and t.is_alive() for t in threading.enumerate())
 
 
 async def test_structured_request_compiles_off_loop_and_matches_its_regex(engine):
