@@ -125,9 +125,13 @@ class Router:
         try:
             async with contextlib.aclosing(w.client.generate(req)) as events:
                 async for ev in events:
+                    if ev.finished:
+                        # Settled before the hand-over: a consumer that stops at the last event
+                        # (the frontend does) must not send the worker an abort for a request
+                        # it already finished, an extra round trip on every request.
+                        settled = True
+                        self.pool.record_success(w)
                     yield ev
-            settled = True
-            self.pool.record_success(w)
         except WorkerRejectedError:
             settled = True
             raise

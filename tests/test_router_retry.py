@@ -207,6 +207,19 @@ async def test_consumer_stopping_early_aborts_on_the_worker():
         await router.close()
 
 
+async def test_consumer_stopping_at_the_finished_event_sends_no_abort():
+    w = ScriptedWorker("ok")
+    async with serving(w) as urls:
+        router = router_for(urls)
+        async with contextlib.aclosing(router.stream("mixed", request("done", 3))) as events:
+            async for ev in events:
+                if ev.finished:
+                    break
+        await asyncio.sleep(0.2)
+        assert w.aborts == []
+        await router.close()
+
+
 async def test_hung_worker_times_out_and_request_moves_on():
     hung, good = ScriptedWorker("hang"), ScriptedWorker("ok")
     async with serving(hung, good) as urls:
