@@ -1,12 +1,18 @@
-"""Benchmark: the router's own overhead. The same tiny request, one at a time, three ways:
+"""Benchmark: the router's own overhead. The same tiny request, one at a time, five ways:
 
 - worker: straight to a worker's internal API (token ids in, NDJSON out);
-- frontend: the OpenAI frontend -> router -> that worker;
-- serve: `deepserve serve`, the same FastAPI app with the engine in-process (no router hop).
+- frontend: the OpenAI frontend -> router -> that worker (uvloop + httptools, the default when
+  installed);
+- serve_uvloop: `deepserve serve`, the same FastAPI app with the engine in-process (no router
+  hop), on the same event loop as the frontend;
+- frontend_asyncio: a second frontend -> worker pair on asyncio's loop and h11 (the stack before
+  uvloop/httptools), for the A/B;
+- serve: `deepserve serve` as shipped (asyncio's loop).
 
-frontend - serve is what the router hop adds (goal: < 2 ms at p50); frontend - worker is the
-whole frontend (HTTP + protocol + tokenizer + router). One prompt, repeated, so every run is a
-prefix-cache hit and compute stays small and equal; the three take turns request by request.
+frontend - serve_uvloop is what the router hop adds (goal: < 2 ms at p50): the same request, the
+same loop and HTTP parser, with and without the hop. frontend - worker is the whole frontend (HTTP
++ protocol + tokenizer + router). One prompt, repeated, so every run is a prefix-cache hit and
+compute stays small and equal; the paths take turns request by request.
 
     .venv/bin/python benchmarks/router_overhead.py [--iterations 200]
 """
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import httpx
@@ -51,9 +58,17 @@ def direct(http: httpx.Client, w: rc.Proc, token_ids: list[int]):
     ).raise_for_status()
 
 
-def serve_proc(model: str) -> rc.Proc:
+# `deepserve serve` has no loop flag; uvloop's policy makes its asyncio.run use uvloop.
+UVLOOP_CLI = [
+    sys.executable,
+    "-c",
+    "import sys, uvloop; uvloop.install(); from deepserve.server.cli import main; sys.exit(main())",
+]
+
+
+def serve_proc(model: str, cli: list[str] = rc.CLI) -> rc.Proc:
     port = rc.free_port()
-    argv = [*rc.CLI, "serve", "--model", model, "--port", str(port), "--num-threads", "1"]
+    argv = [*cli, "serve", "--model", model, "--port", str(port), "--num-threads", "1"]
     return rc.Proc(f"serve-{port}", argv, port, "/health")
 
 
@@ -62,12 +77,16 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--iterations", type=int, default=200)
     args = p.parse_args()
+    slow_io = ("--loop", "asyncio", "--http", "h11")
     w = rc.worker("mixed", args.model, None)
-    rc.start_all(w)
+    w_slow = rc.worker("mixed", args.model, None, *slow_io)
+    rc.start_all(w, w_slow)
     front = rc.frontend(args.model, workers=[w])
-    serve = serve_proc(args.model)
+    front_slow = rc.frontend(args.model, workers=[w_slow], extra=slow_io)
+    serve_uv, serve = serve_proc(args.model, UVLOOP_CLI), serve_proc(args.model)
+    procs = (front, front_slow, serve_uv, serve)
     try:
-        rc.start_all(front, serve)
+        rc.start_all(*procs)
         with httpx.Client(timeout=60) as http:
             card = http.get(w.url + P.MODEL_PATH, headers=w.headers).json()
             from tokenizers import Tokenizer
@@ -76,13 +95,18 @@ def main() -> None:
             calls = {
                 "worker": direct(http, w, ids),
                 "frontend": completion(http, front.url, args.model),
+                "serve_uvloop": completion(http, serve_uv.url, args.model),
+                "frontend_asyncio": completion(http, front_slow.url, args.model),
                 "serve": completion(http, serve.url, args.model),
             }
             runs = timed(calls, args.iterations)
     finally:
-        rc.stop_all(front, serve, w)
+        rc.stop_all(*procs, w, w_slow)
     result = {k: {"p50_ms": pct(v, 50), "p99_ms": pct(v, 99)} for k, v in runs.items()}
-    result["router_hop_p50_ms"] = result["frontend"]["p50_ms"] - result["serve"]["p50_ms"]
+    result["router_hop_p50_ms"] = result["frontend"]["p50_ms"] - result["serve_uvloop"]["p50_ms"]
+    result["router_hop_asyncio_p50_ms"] = (
+        result["frontend_asyncio"]["p50_ms"] - result["serve"]["p50_ms"]
+    )
     result["frontend_total_p50_ms"] = result["frontend"]["p50_ms"] - result["worker"]["p50_ms"]
     print(json.dumps(result, indent=2))
 

@@ -100,6 +100,14 @@ def add_worker_parser(sub) -> None:
         default=None,
         help="redis:// URL for KV block events (default: --kv-store when it is redis)",
     )
+    add_io_args(p)
+
+
+def add_io_args(p: argparse.ArgumentParser) -> None:
+    """uvicorn's event loop and HTTP parser; `auto` takes uvloop and httptools when installed
+    (every request to a worker crosses two HTTP stacks, so their per-request cost counts twice)."""
+    p.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto")
+    p.add_argument("--http", choices=["auto", "h11", "httptools"], default="auto")
 
 
 def worker_config_from_args(args: argparse.Namespace):
@@ -148,6 +156,7 @@ def add_frontend_parser(sub) -> None:
     g.add_argument("--readmit-after", type=int, default=2, help="probe successes to re-admit")
     g.add_argument("--first-token-timeout", type=float, default=120.0)
     g.add_argument("--token-timeout", type=float, default=30.0, help="max gap between tokens")
+    add_io_args(p)
 
 
 def frontend_config_from_args(args: argparse.Namespace):
@@ -184,7 +193,9 @@ def frontend_config_from_args(args: argparse.Namespace):
         ),
     )
     server = replace(server_config_from_args(args), role="frontend")
-    return FrontendConfig(router=router, server=server, model=args.model)
+    return FrontendConfig(
+        router=router, server=server, model=args.model, loop=args.loop, http=args.http
+    )
 
 
 def add_serve_parser(sub) -> None:
@@ -298,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         from deepserve.server.worker import run_worker
 
         config = worker_config_from_args(args)
-        return run_worker(engine_config_from_args(args), config, args.host, args.port)
+        engine_config = engine_config_from_args(args)
+        return run_worker(engine_config, config, args.host, args.port, args.loop, args.http)
     if args.command == "serve":
         from deepserve.server.serve import run_serve
 

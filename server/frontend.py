@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import uvicorn
@@ -33,6 +34,8 @@ class FrontendConfig:
     server: ServerConfig
     model: str  # what --model named; checked against the workers' card
     startup_timeout_s: float = 600.0
+    loop: str = "auto"  # uvicorn's names: auto | asyncio | uvloop
+    http: str = "auto"  # auto | h11 | httptools
 
 
 async def connect(config: FrontendConfig) -> RemoteEngine:
@@ -60,6 +63,7 @@ async def serve_frontend(config: FrontendConfig) -> None:
         app,
         host=config.server.host,
         port=config.server.port,
+        http=config.http,
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=5,
@@ -75,5 +79,20 @@ def run_frontend(config: FrontendConfig) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # else one line per worker call
-    asyncio.run(serve_frontend(config))
+    # The loop also runs the worker clients, so uvloop speeds up both HTTP exchanges of a request.
+    with asyncio.Runner(loop_factory=loop_factory(config.loop)) as runner:
+        runner.run(serve_frontend(config))
     return 0
+
+
+def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvicorn's loop choice for a loop we create ourselves (None: asyncio's default)."""
+    if name == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if name == "uvloop":
+            raise
+        return None
+    return uvloop.new_event_loop

@@ -325,11 +325,27 @@ def build_worker_app(engine: AsyncEngine, config: WorkerConfig) -> FastAPI:
     return app
 
 
-def run_worker(engine_config, config: WorkerConfig, host: str, port: int) -> int:
-    """Load the engine, then serve the internal API until SIGINT/SIGTERM."""
+def run_worker(
+    engine_config,
+    config: WorkerConfig,
+    host: str,
+    port: int,
+    loop: str = "auto",
+    http: str = "auto",
+) -> int:
+    """Load the engine, then serve the internal API until SIGINT/SIGTERM. `loop` and `http` are
+    uvicorn's; "auto" takes uvloop and httptools when installed."""
     import uvicorn
 
     engine = AsyncEngine(engine_config)
     app = build_worker_app(engine, config)
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        loop=loop,
+        http=http,
+        log_level="warning",
+        timeout_graceful_shutdown=5,
+    )
     return 0
