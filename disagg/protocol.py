@@ -10,6 +10,7 @@ Not here: the HTTP client (disagg/client.py), the worker app (server/worker.py),
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,7 +72,7 @@ class GenerateRequest:
     kv_keys: list[str] = field(default_factory=list)  # decode: blocks the prefill worker stored
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return _shallow(self)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> GenerateRequest:
@@ -94,7 +95,7 @@ class StreamEvent:
     error: str | None = None  # set only on the last event of a stream that failed
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return _shallow(self)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> StreamEvent:
@@ -211,12 +212,20 @@ class EventBatch:
     events: list[BlockEvent]
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {"worker_id": self.worker_id, "events": [_shallow(e) for e in self.events]}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> EventBatch:
         return cls(d["worker_id"], [BlockEvent(**e) for e in d["events"]])
 
 
-def _field_names(cls: type) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls)]
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _shallow(obj: Any) -> dict[str, Any]:
+    """The fields as a dict, for messages whose fields are already JSON values. On the hot path:
+    `dataclasses.asdict` deep-copies every list element (a prompt's every token id), which costs
+    more than encoding it."""
+    return {name: getattr(obj, name) for name in _field_names(type(obj))}
