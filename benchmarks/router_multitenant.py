@@ -1,13 +1,16 @@
 """Benchmark: multi-tenant prefix sharing over 2 mixed workers, cache_aware vs round_robin.
 
 8 tenants, each with its own ~400-token system prompt, send many short requests in random order.
-Each worker's device KV pool holds about half of the tenants' prompts, as a busy fleet's would:
-round robin makes every worker see every tenant (and evict), cache_aware keeps each tenant on the
-worker holding its prefix. Workers have no shared KV tier here; the router learns from their block
+Each worker's device KV pool holds about half of the tenants' prompts, as a busy fleet's would
+(the capacity-constrained regime is where routing decides the hit rate; with room for every
+prompt on every worker any policy ends up hitting): 100 blocks of 16 tokens are 4 tenants' 23
+full prompt blocks plus the two private blocks of each of the 4 concurrent requests. Round robin
+makes every worker see every tenant (and evict), cache_aware keeps each tenant on the worker
+holding its prefix. Workers have no shared KV tier here; the router learns from their block
 events on Redis. Reports prefix hit rate (cached / prompt tokens, as clients see it in usage) and
 TTFT for both policies, each on freshly started workers, in one run.
 
-    .venv/bin/python benchmarks/router_multitenant.py [--requests 96] [--concurrency 4]
+    .venv/bin/python benchmarks/router_multitenant.py [--requests 192] [--concurrency 4]
 """
 
 from __future__ import annotations
@@ -100,10 +103,10 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--tenants", type=int, default=8)
     p.add_argument("--system-words", type=int, default=330, help="about 400 tokens")
-    p.add_argument("--requests", type=int, default=96)
+    p.add_argument("--requests", type=int, default=192, help="the 8 cold misses weigh less")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--kv-blocks", type=int, default=112, help="device KV pool per worker")
+    p.add_argument("--kv-blocks", type=int, default=100, help="device KV pool per worker")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     convs = conversations(args)

@@ -59,8 +59,11 @@ class PowerOfTwo:
 class CacheAwareConfig:
     block_size: int = 16
     # Fall back to least load when the best-matching worker's load exceeds the least loaded one's
-    # by more than `balance_abs` AND more than `balance_rel` times it.
-    balance_abs: float = 4.0
+    # by more than `balance_abs` AND more than `balance_rel` times it. SGLang's router documents
+    # balance_abs_threshold 32: a request sent away from its prefix both recomputes it and evicts
+    # another prefix there, so only a queue far longer than a prefill's cost may justify that.
+    # A gap of a few requests is the normal jitter of a handful of concurrent streams.
+    balance_abs: float = 32.0
     balance_rel: float = 1.5
 
 

@@ -129,7 +129,7 @@ def worker_config_from_args(args: argparse.Namespace):
 
 
 def add_frontend_parser(sub) -> None:
-    from deepserve.router.policies import POLICIES
+    from deepserve.router.policies import POLICIES, CacheAwareConfig
 
     p = sub.add_parser("frontend", help="the HTTP frontend over remote workers (router, PD)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="the model the workers serve")
@@ -144,6 +144,18 @@ def add_frontend_parser(sub) -> None:
     g.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode workers")
     g.add_argument("--pool-file", default=None, help="YAML role -> URLs, re-read when it changes")
     g.add_argument("--policy", choices=POLICIES, default="cache_aware")
+    g.add_argument(
+        "--balance-abs-threshold",
+        type=float,
+        default=CacheAwareConfig.balance_abs,
+        help="cache_aware: queue gap (requests) over which load wins over the prefix",
+    )
+    g.add_argument(
+        "--balance-rel-threshold",
+        type=float,
+        default=CacheAwareConfig.balance_rel,
+        help="cache_aware: ... and the busier/less busy load ratio that must also be exceeded",
+    )
     g.add_argument("--kv-store", default=None, help="redis:// carrying the workers' KV events")
     g.add_argument(
         "--internal-token",
@@ -163,6 +175,7 @@ def frontend_config_from_args(args: argparse.Namespace):
     from dataclasses import replace
 
     from deepserve.disagg.client import ClientTimeouts
+    from deepserve.router.policies import CacheAwareConfig
     from deepserve.router.pool import HealthPolicy
     from deepserve.router.router import RouterConfig
     from deepserve.server.frontend import FrontendConfig
@@ -190,6 +203,9 @@ def frontend_config_from_args(args: argparse.Namespace):
         health=HealthPolicy(args.eject_after, args.readmit_after),
         timeouts=ClientTimeouts(
             first_event=args.first_token_timeout, between_events=args.token_timeout
+        ),
+        cache_aware=CacheAwareConfig(
+            balance_abs=args.balance_abs_threshold, balance_rel=args.balance_rel_threshold
         ),
     )
     server = replace(server_config_from_args(args), role="frontend")

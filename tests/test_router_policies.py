@@ -99,6 +99,15 @@ def test_cache_aware_falls_back_to_least_load_when_holder_is_overloaded():
     assert policy.choose([a, b], conversation) is b
 
 
+def test_cache_aware_keeps_a_prefix_on_its_holder_a_few_requests_busier():
+    index = PrefixIndex()
+    a, b = worker("a", inflight=4, kv=0.9), worker("b", inflight=0, kv=0.1)
+    conversation = list(range(100, 120))
+    index.apply("a", stored(conversation))
+    policy = CacheAware(index, CacheAwareConfig(block_size=BS))
+    assert policy.choose([a, b], conversation) is a
+
+
 def test_cache_aware_spreads_unrelated_requests():
     policy = CacheAware(PrefixIndex(), CacheAwareConfig(block_size=BS))
     ws = [worker("a"), worker("b")]
