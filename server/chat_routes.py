@@ -9,6 +9,10 @@ is queued. Then stream or collect the protocol chunks (server/stream.py, server/
 from __future__ import annotations
 
 import asyncio
+import json
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import deepseek_recipe as dr
@@ -19,7 +23,7 @@ from deepserve.engine.errors import InvalidRequestError
 from deepserve.engine.sampling_params import SamplingParams
 from deepserve.server.errors import HTTPError, message_of_conversion_error
 from deepserve.server.framing import FrameInfo, collect, sse_body
-from deepserve.server.protocols import ProtocolSpec, parse_request
+from deepserve.server.protocols import CHAT, ProtocolSpec, parse_request
 from deepserve.server.sampling import build_sampling_params, pop_extras
 from deepserve.server.state import (
     AppState,
@@ -55,13 +59,16 @@ async def handle(request: Request, spec: ProtocolSpec, state: AppState) -> Respo
         job,
     )
     if prepared.stream:
-        return StreamingResponse(
-            sse_body(chunks, info), media_type="text/event-stream", headers=SSE_HEADERS
-        )
+        body = sse_body(chunks, info)
+        if job.logprob_feed is not None:
+            body = _stream_with_logprobs(body, job.logprob_feed)
+        return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         result = await until_disconnect(request, collect(chunks, info))
     except ClientDisconnected:
         return Response(status_code=499)
+    if job.logprob_feed is not None:
+        _set_logprobs(result, job.logprob_feed)
     return JSONResponse(result)
 
 
@@ -84,7 +91,54 @@ def prepare(spec: ProtocolSpec, body: dict, state: AppState) -> Prepared:
     )
     if params.structured is not None and params.structured.kind == "structural_tag":
         job.text_tokenizer = state.backend.tokenizer
+        if params.logprobs is not None:
+            job.logprob_feed = _logprob_feed(spec)
     return Prepared(job, conv.stream, include_usage)
+
+
+def _logprob_feed(spec: ProtocolSpec) -> deque:
+    """Logprobs for a request pushed as text (DeepSeek tools) are set here, outside the recipe.
+
+    Only Chat Completions has a place for them that does not depend on how the recipe split the
+    output into items; elsewhere they would be dropped, so the request is refused instead.
+    """
+    if spec is not CHAT:
+        raise HTTPError(400, f"logprobs are not supported with tools on the {spec.name} endpoint")
+    return deque()
+
+
+async def _stream_with_logprobs(
+    body: AsyncIterator[bytes], feed: deque[tuple[int, list[dict]]]
+) -> AsyncIterator[bytes]:
+    """Put each chunk's logprob entries on its SSE event.
+
+    sse_body writes one event per recipe chunk in the order stream_chunks yields them, and the
+    feed holds one entry per such chunk, so the head of the feed belongs to the next event; the
+    events after the chunks (usage, [DONE], an error) find the feed empty.
+    """
+    async with aclosing(body):  # a client that leaves must still abort the engine request now
+        async for event in body:
+            if feed:
+                _, entries = feed.popleft()
+                if entries:
+                    event = _with_entries(event, entries)
+            yield event
+
+
+def _with_entries(event: bytes, entries: list[dict]) -> bytes:
+    head, sep, data = event.decode().partition("data: ")
+    chunk = json.loads(data)
+    for choice in chunk.get("choices") or []:
+        choice["logprobs"] = {"content": entries, "refusal": None}
+    return f"{head}{sep}{json.dumps(chunk, ensure_ascii=False)}\n\n".encode()
+
+
+def _set_logprobs(result: dict, feed: deque[tuple[int, list[dict]]]) -> None:
+    content: dict[int, list[dict]] = {}
+    for index, entries in feed:
+        content.setdefault(index, []).extend(entries)
+    for i, choice in enumerate(result.get("choices") or []):
+        choice["logprobs"] = {"content": content.get(i, []), "refusal": None}
 
 
 def _resolve_max_tokens(conv: dr.ConversationRequest, n_prompt: int, context: int) -> int:

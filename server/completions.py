@@ -1,8 +1,9 @@
 """POST /v1/completions: plain prompts (text or token ids), as benchmark tools send them.
 
 The recipe covers the chat protocols only, so this legacy OpenAI shape is built here: the prompt
-is encoded as is (no chat template), text is decoded incrementally per choice, and stop strings
-end a choice. Not here: chat requests (server/chat_routes.py).
+is encoded as is (no chat template), text is decoded incrementally per choice, stop strings end a
+choice, and logprobs take the legacy shape (`tokens`, `token_logprobs`, `top_logprobs`,
+`text_offset`). Not here: chat requests (server/chat_routes.py).
 """
 
 from __future__ import annotations
@@ -13,15 +14,19 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from deepserve.engine.errors import InvalidRequestError
+from deepserve.engine.outputs import CompletionOutput, TokenLogprob
 from deepserve.engine.sampling_params import SamplingParams
 from deepserve.server.errors import HTTPError
 from deepserve.server.framing import sse
+from deepserve.server.sampling import parse_int_list, parse_logit_bias
 from deepserve.server.state import (
     AppState,
     ClientDisconnected,
@@ -58,46 +63,95 @@ _ALLOWED = {
     "suffix",
 }
 
+# JSON has no -inf; OpenAI-compatible servers report an impossible token at this floor.
+_LOGPROB_FLOOR = -9999.0
+
+
+@dataclass(frozen=True)
+class _Job:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stops: list[str]
+    echo: str  # the prompt text returned before the completion ("" without echo)
+
+
+@dataclass
+class _Event:
+    """One choice's new output: text, its token count, and its logprobs in the legacy shape."""
+
+    index: int
+    text: str
+    finish: str | None
+    num_tokens: int
+    logprobs: dict | None
+
 
 async def handle(request: Request, state: AppState) -> Response:
     body = await read_json(request, state.config.max_body_bytes)
     check_model(body, state.config.served_model_name)
-    prompt_ids, params, stops = await asyncio.to_thread(_prepare, body, state)
+    job = await asyncio.to_thread(_prepare, body, state)
     rid = "cmpl-" + uuid.uuid4().hex[:24]
-    events = _generate(state, rid, prompt_ids, params, stops)
+    events = _generate(state, rid, job)
+    n_prompt = len(job.prompt_ids)
     if body.get("stream"):
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        sse_events = _sse(events, rid, state, usage, len(prompt_ids))
+        sse_events = _sse(events, rid, state, usage, n_prompt)
         return StreamingResponse(sse_events, media_type="text/event-stream")
     try:
-        collected = _collect(events, rid, state, params.n, len(prompt_ids))
+        collected = _collect(events, rid, state, job.params, n_prompt)
         result = await until_disconnect(request, collected)
     except ClientDisconnected:
         return Response(status_code=499)
     return JSONResponse(result)
 
 
-def _prepare(body: dict, state: AppState) -> tuple[list[int], SamplingParams, list[str]]:
+def _prepare(body: dict, state: AppState) -> _Job:
     unknown = sorted(set(body) - _ALLOWED)
     if unknown:
         raise HTTPError(400, f"unknown field {unknown[0]!r}", param=unknown[0])
-    prompt_ids = _encode_prompt(body.get("prompt"), state)
+    prompt, prompt_ids = _encode_prompt(body.get("prompt"), state)
     stops = body.get("stop") or []
     stops = [stops] if isinstance(stops, str) else stops
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise HTTPError(400, "stop must be a string or a list of strings", param="stop")
     params = _params(body)
+    _check_unsupported(body, params)
     state.backend.check_request(prompt_ids, params)
-    return prompt_ids, params, stops
+    echo = ""
+    if body.get("echo"):
+        echo = (
+            prompt
+            if prompt is not None
+            else state.backend.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        )
+    return _Job(prompt_ids, params, stops, echo)
 
 
-def _encode_prompt(prompt, state: AppState) -> list[int]:
+def _check_unsupported(body: dict, params: SamplingParams) -> None:
+    """Reject the fields whose meaning this server cannot deliver, rather than ignore them."""
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != params.n:
+        # Picking the best of several samples needs their cumulative logprobs ranked server-side.
+        raise HTTPError(400, "best_of is only supported equal to n", param="best_of")
+    if body.get("suffix") is not None:
+        raise HTTPError(400, "suffix (insertion) is not supported", param="suffix")
+    if body.get("echo") is not None and not isinstance(body["echo"], bool):
+        raise HTTPError(400, "echo must be a boolean", param="echo")
+    if body.get("echo") and params.logprobs is not None:
+        # The legacy API then also scores the prompt; the engine computes output logprobs only.
+        raise HTTPError(
+            400, "echo with logprobs needs prompt logprobs, which are not supported", param="echo"
+        )
+
+
+def _encode_prompt(prompt, state: AppState) -> tuple[str | None, list[int]]:
+    """(the prompt text when it was given as text, its token ids)."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
-        return state.backend.tokenizer.encode(prompt, add_special_tokens=False).ids
+        return prompt, state.backend.tokenizer.encode(prompt, add_special_tokens=False).ids
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        return prompt
+        return None, prompt
     raise HTTPError(400, "prompt must be a non-empty string or a list of token ids", param="prompt")
 
 
@@ -110,9 +164,16 @@ def _params(body: dict) -> SamplingParams:
             raise InvalidRequestError(f"{name} must be a number")
         return value
 
-    logprobs = body.get("logprobs")
+    def integer(name: str, default: int | None = None) -> int | None:
+        value = body.get(name)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise HTTPError(400, f"{name} must be an integer", param=name)
+        return value
+
     return SamplingParams(
-        n=int(num("n", 1)),
+        n=integer("n", 1),
         temperature=float(num("temperature", 1.0)),
         top_p=float(num("top_p", 1.0)),
         top_k=max(int(num("top_k", 0)), 0),
@@ -120,52 +181,107 @@ def _params(body: dict) -> SamplingParams:
         presence_penalty=float(num("presence_penalty", 0.0)),
         frequency_penalty=float(num("frequency_penalty", 0.0)),
         repetition_penalty=float(num("repetition_penalty", 1.0)),
-        seed=body.get("seed") if isinstance(body.get("seed"), int) else None,
-        max_tokens=int(num("max_tokens", 16)),
-        min_tokens=int(num("min_tokens", 0)),
-        stop_token_ids=tuple(int(t) for t in body.get("stop_token_ids") or ()),
+        seed=integer("seed"),
+        max_tokens=integer("max_tokens", 16),
+        min_tokens=integer("min_tokens", 0),
+        stop_token_ids=tuple(parse_int_list(body.get("stop_token_ids"), "stop_token_ids")),
         ignore_eos=bool(body.get("ignore_eos", False)),
-        logprobs=int(logprobs)
-        if isinstance(logprobs, int) and not isinstance(logprobs, bool)
-        else None,
-        logit_bias={int(k): float(v) for k, v in (body.get("logit_bias") or {}).items()} or None,
+        logprobs=integer("logprobs"),
+        logit_bias=parse_logit_bias(body.get("logit_bias")),
     )
 
 
-async def _generate(
-    state: AppState, rid: str, prompt_ids: list[int], params: SamplingParams, stops: list[str]
-) -> AsyncIterator[tuple[int, str, str | None, int]]:
-    """Yield (choice index, new text, finish reason, new token count); aborts when left early."""
+@dataclass
+class _Choice:
+    """One choice's decoding state: its output text so far and whether it has ended."""
+
+    decoder: DecodeStream
+    echo: str
+    text: str = ""  # the output only: stop strings are looked for here, not in the echo
+    started: bool = False
+    done: bool = False
+
+
+async def _generate(state: AppState, rid: str, job: _Job) -> AsyncIterator[_Event]:
+    """Yield each choice's new output as it comes; aborts the engine request when left early."""
     tok = state.backend.tokenizer
-    decoders = [DecodeStream(skip_special_tokens=True) for _ in range(params.n)]
-    texts = [""] * params.n
-    done = [False] * params.n
+    params = job.params
+    choices = [_Choice(DecodeStream(skip_special_tokens=True), job.echo) for _ in range(params.n)]
     timing = Timing(time.perf_counter())
     finished, reason = False, "abort"
     try:
-        async for out in state.backend.generate(rid, prompt_ids, params):
+        async for out in state.backend.generate(rid, job.prompt_ids, params):
             if not timing.ready:
                 timing.ready = True
                 record_prompt(state.metrics, out)
             record_tokens(state.metrics, timing, out)
             for c in out.outputs:
-                if done[c.index]:
+                choice = choices[c.index]
+                if choice.done:
                     continue
-                piece = "".join(s for t in c.token_ids if (s := decoders[c.index].step(tok, t)))
-                piece, hit = _apply_stops(texts[c.index], piece, stops)
-                texts[c.index] += piece
-                finish = "stop" if hit else c.finish_reason
-                done[c.index] = finish is not None
-                reason = finish or reason
-                yield c.index, piece, finish, len(c.token_ids)
+                event = _advance(choice, c, tok, job.stops, params.logprobs)
+                choice.done = event.finish is not None
+                reason = event.finish or reason
+                yield event
             finished = out.finished
-            if finished or all(done):
+            if finished or all(c.done for c in choices):
                 break
     finally:
         if not finished:
             await asyncio.shield(state.backend.abort(rid))
         state.metrics.e2e.observe(time.perf_counter() - timing.arrival)
         state.metrics.request_finished(reason)
+
+
+def _advance(
+    choice: _Choice, c: CompletionOutput, tok: Tokenizer, stops: list[str], k: int | None
+) -> _Event:
+    """Decode one delta of a choice, cut at a stop string, with the logprobs of what is kept."""
+    prefix = "" if choice.started else choice.echo
+    choice.started = True
+    before = choice.text
+    base = len(choice.echo) + len(before)
+    # Where each token's text starts in the returned text: the legacy `text_offset`.
+    offsets, piece = [], ""
+    for t in c.token_ids:
+        offsets.append(base + len(piece))
+        piece += choice.decoder.step(tok, t) or ""
+    piece, hit = _apply_stops(before, piece, stops)
+    kept = len(c.token_ids)
+    if hit:
+        # Tokens that start inside the stop string are cut with it.
+        kept = sum(1 for o in offsets if o < base + len(piece))
+    elif c.stop_token_id is not None and c.token_ids and c.token_ids[-1] == c.stop_token_id:
+        kept -= 1  # a stop token (EOS or a stop id) is not output, as a stop string is not
+    choice.text = before + piece
+    lp = None
+    if k is not None and c.logprobs is not None:
+        lp = _legacy_logprobs(c.logprobs[:kept], offsets[:kept], tok, k)
+    finish = "stop" if hit else c.finish_reason
+    return _Event(c.index, prefix + piece, finish, len(c.token_ids), lp)
+
+
+def _legacy_logprobs(lps: list[TokenLogprob], offsets: list[int], tok: Tokenizer, k: int) -> dict:
+    """The legacy shape; each top dict holds the top k and, as OpenAI promises, the sampled token
+    (so k + 1 entries when it is not among them, and just the sampled token for k = 0)."""
+    tokens, values, tops = [], [], []
+    for lp in lps:
+        token, value = _token_text(tok, lp.token_id), max(lp.logprob, _LOGPROB_FLOOR)
+        top = {_token_text(tok, tid): max(v, _LOGPROB_FLOOR) for tid, v in lp.top[:k]}
+        top.setdefault(token, value)
+        tokens.append(token)
+        values.append(value)
+        tops.append(top)
+    return {
+        "tokens": tokens,
+        "token_logprobs": values,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def _token_text(tok: Tokenizer, token_id: int) -> str:
+    return tok.decode([token_id], skip_special_tokens=False)
 
 
 def _apply_stops(before: str, piece: str, stops: list[str]) -> tuple[str, bool]:
@@ -199,29 +315,45 @@ def _usage(prompt: int, completion: int) -> dict:
 
 
 async def _sse(
-    events, rid: str, state: AppState, include_usage: bool, n_prompt: int
+    events: AsyncIterator[_Event], rid: str, state: AppState, include_usage: bool, n_prompt: int
 ) -> AsyncIterator[bytes]:
     model = state.config.served_model_name
     tokens = 0
     async with aclosing(events):
-        async for index, text, finish, n in events:
-            tokens += n
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+        async for ev in events:
+            tokens += ev.num_tokens
+            choice = {
+                "index": ev.index,
+                "text": ev.text,
+                "logprobs": ev.logprobs,
+                "finish_reason": ev.finish,
+            }
             yield sse(None, json.dumps(_chunk(rid, model, [choice])))
     if include_usage:
         yield sse(None, json.dumps(_chunk(rid, model, [], _usage(n_prompt, tokens))))
     yield sse(None, "[DONE]")
 
 
-async def _collect(events, rid: str, state: AppState, n: int, n_prompt: int) -> dict:
+async def _collect(
+    events: AsyncIterator[_Event], rid: str, state: AppState, params: SamplingParams, n_prompt: int
+) -> dict:
+    n = params.n
     texts, finishes, tokens = [""] * n, [None] * n, 0
+    logprobs = [_empty_logprobs() if params.logprobs is not None else None for _ in range(n)]
     async with aclosing(events):
-        async for index, text, finish, count in events:
-            texts[index] += text
-            finishes[index] = finish or finishes[index]
-            tokens += count
+        async for ev in events:
+            texts[ev.index] += ev.text
+            finishes[ev.index] = ev.finish or finishes[ev.index]
+            tokens += ev.num_tokens
+            if ev.logprobs is not None:
+                for key, values in ev.logprobs.items():
+                    logprobs[ev.index][key] += values
     choices = [
-        {"index": i, "text": texts[i], "logprobs": None, "finish_reason": finishes[i]}
+        {"index": i, "text": texts[i], "logprobs": logprobs[i], "finish_reason": finishes[i]}
         for i in range(n)
     ]
     return _chunk(rid, state.config.served_model_name, choices, _usage(n_prompt, tokens))
+
+
+def _empty_logprobs() -> dict:
+    return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}

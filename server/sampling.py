@@ -108,11 +108,11 @@ def build_sampling_params(
         presence_penalty=_float(body.get("presence_penalty", 0.0), "presence_penalty"),
         frequency_penalty=_float(body.get("frequency_penalty", 0.0), "frequency_penalty"),
         repetition_penalty=_float(body.get("repetition_penalty", 1.0), "repetition_penalty"),
-        logit_bias=_logit_bias(body.get("logit_bias")),
+        logit_bias=parse_logit_bias(body.get("logit_bias")),
         seed=options.seed,
         max_tokens=max_tokens,
         min_tokens=_int(body.get("min_tokens", 0), "min_tokens", lo=0),
-        stop_token_ids=tuple(_int_list(body.get("stop_token_ids"), "stop_token_ids")),
+        stop_token_ids=tuple(parse_int_list(body.get("stop_token_ids"), "stop_token_ids")),
         ignore_eos=bool(body.get("ignore_eos", False)),
         logprobs=(options.top_logprobs or 0) if options.logprobs else None,
         structured=structured,
@@ -140,7 +140,7 @@ def _int(value, name: str, lo: int | None = None, hi: int | None = None) -> int:
     return value
 
 
-def _int_list(value, name: str) -> list[int]:
+def parse_int_list(value, name: str) -> list[int]:
     if value is None:
         return []
     if not isinstance(value, list):
@@ -148,7 +148,7 @@ def _int_list(value, name: str) -> list[int]:
     return [_int(v, name) for v in value]
 
 
-def _logit_bias(value) -> dict[int, float] | None:
+def parse_logit_bias(value) -> dict[int, float] | None:
     if value is None:
         return None
     if not isinstance(value, dict):

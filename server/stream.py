@@ -10,7 +10,9 @@ Latency and token metrics are recorded here, where the timings are seen. Not her
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -36,6 +38,9 @@ class GenerationJob:
     # Set for DeepSeek tool-call grammars: xgrammar may spell a DSML marker from plain tokens,
     # which the recipe parses only as text, so those requests are pushed as decoded text.
     text_tokenizer: Tokenizer | None = None
+    # Set when a text-pushed Chat Completions request asks for logprobs: (choice index, entries)
+    # for every chunk stream_chunks yields, in order, to be put on the chunk by the HTTP layer.
+    logprob_feed: deque[tuple[int, list[dict]]] | None = None
     arrival: float = field(default_factory=time.perf_counter)
     prompt_tokens: int = 0  # set when the engine's first output arrives
     cached_tokens: int = 0
@@ -56,7 +61,9 @@ async def stream_chunks(
     metrics: ServerMetrics,
 ) -> AsyncIterator[tuple[int, list]]:
     processors = [
-        _ChoiceProcessor(dr.StreamProcessor(job.make_generator(), job.parsing, tokenizer), job)
+        _ChoiceProcessor(
+            dr.StreamProcessor(job.make_generator(), job.parsing, tokenizer), job, tokenizer
+        )
         for _ in range(job.params.n)
     ]
     timing = Timing(job.arrival)
@@ -71,12 +78,12 @@ async def stream_chunks(
                 record_prompt(metrics, out)
                 ready = _ready(out)
                 for i, p in enumerate(processors):
-                    yield i, p.sp.push(ready)
+                    yield i, p.feed(i, p.sp.push(ready))
             record_tokens(metrics, timing, out)
             for c in out.outputs:
                 p = processors[c.index]
                 if not p.finished:
-                    yield c.index, p.push(c)
+                    yield c.index, p.feed(c.index, p.push(c))
                 reason = c.finish_reason or reason
             engine_done = out.finished
             if engine_done or all(p.finished for p in processors):
@@ -86,8 +93,7 @@ async def stream_chunks(
         if not engine_done:
             await asyncio.shield(backend.abort(job.request_id))
         for p in processors:
-            if not p.finished:
-                p.sp.close()
+            p.close()
         metrics.e2e.observe(time.perf_counter() - timing.arrival)
         metrics.request_finished(reason)
 
@@ -102,15 +108,30 @@ def _ready(out: RequestOutput) -> dr.InferenceChunk:
 class _ChoiceProcessor:
     """One choice's StreamProcessor, fed token ids (or decoded text, see GenerationJob)."""
 
-    def __init__(self, sp: dr.StreamProcessor, job: GenerationJob) -> None:
+    def __init__(self, sp: dr.StreamProcessor, job: GenerationJob, tokenizer: dr.Tokenizer) -> None:
         self.sp = sp
         self.tokenizer = job.text_tokenizer
         self.ids: list[int] = []
         self.sent = 0  # characters of the decoded text already pushed
+        self.job = job
+        self.shadow = _LogprobShadow(job, tokenizer) if job.logprob_feed is not None else None
 
     @property
     def finished(self) -> bool:
         return self.sp.finished
+
+    def feed(self, index: int, chunks: list) -> list:
+        """Queue the logprob entries seen so far for the first of `chunks`, nothing for the rest."""
+        if self.shadow is not None:
+            for i, _ in enumerate(chunks):
+                self.job.logprob_feed.append((index, self.shadow.take() if i == 0 else []))
+        return chunks
+
+    def close(self) -> None:
+        if not self.sp.finished:
+            self.sp.close()
+        if self.shadow is not None:
+            self.shadow.close()
 
     def push(self, c: CompletionOutput) -> list:
         """Push one choice's delta; the stop token (EOS or a stop id) is not output text."""
@@ -119,12 +140,16 @@ class _ChoiceProcessor:
             ids.pop()
             logprobs = logprobs[: len(ids)] if logprobs is not None else None
         final = c.finish_reason is not None
+        if self.shadow is not None:
+            self.shadow.push(ids, logprobs, final=False)
         chunks = self.sp.push(self._chunk(ids, logprobs, final)) if ids else []
         if c.finish_reason is not None and not self.sp.finished:
             reason = _FINISH.get(c.finish_reason, _FINISH["stop"])
             chunks += self.sp.push(dr.InferenceChunk.finish(reason))
         if self.sp.finished or c.finish_reason is not None:
             chunks += self.sp.finish()
+            if self.shadow is not None:
+                self.shadow.push([], None, True)
         return chunks
 
     def _chunk(self, ids: list[int], logprobs, final: bool) -> dr.InferenceChunk:
@@ -143,6 +168,49 @@ class _ChoiceProcessor:
             return ""
         piece, self.sent = text[self.sent :], len(text)
         return piece
+
+
+class _LogprobShadow:
+    """Logprob entries for a choice pushed as text, formatted by the recipe.
+
+    Text chunks carry no logprobs, and the recipe puts none on tool-call deltas even from token
+    chunks, while vLLM reports one entry per generated token whatever the parser made of it. A
+    second processor with markup parsing off sees the same tokens as plain content, so its
+    `logprobs.content` covers every token, in the recipe's own format (token, bytes, top).
+    """
+
+    def __init__(self, job: GenerationJob, tokenizer: dr.Tokenizer) -> None:
+        options = dr.ParsingOptions(
+            parse_tool_calls=False, stop_sequences=job.parsing.stop_sequences
+        )
+        self.sp = dr.StreamProcessor(job.make_generator(), options, tokenizer)
+        self.sp.push(dr.InferenceChunk.ready())
+        self.pending: list[dict] = []
+        self.done = False
+
+    def push(self, ids: list[int], logprobs, final: bool) -> None:
+        if self.done:
+            return
+        chunks = []
+        if ids:
+            lp = [(t.logprob, [(tid, v) for tid, v in t.top]) for t in logprobs or []]
+            chunks += self.sp.push(dr.InferenceChunk.tokens(ids, lp))
+        if final and not self.sp.finished:
+            chunks += self.sp.push(dr.InferenceChunk.finish(_FINISH["stop"]))
+        if final or self.sp.finished:
+            chunks += self.sp.finish()
+            self.done = True
+        for ch in chunks:
+            for choice in json.loads(ch.to_json()).get("choices", []):
+                self.pending += (choice.get("logprobs") or {}).get("content") or []
+
+    def take(self) -> list[dict]:
+        entries, self.pending = self.pending, []
+        return entries
+
+    def close(self) -> None:
+        if not self.done:
+            self.sp.close()
 
 
 def record_prompt(metrics: ServerMetrics, out: RequestOutput) -> None:

@@ -89,3 +89,61 @@ def test_thinking_mode_streams_reasoning_content(client):
     r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=6)
     assert r.choices[0].message.model_extra.get("reasoning_content")
     assert r.usage.completion_tokens_details.reasoning_tokens > 0
+
+
+def _tool_request(client, tool_choice: str, **kwargs):
+    return client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice=tool_choice,
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=300,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body=NO_THINKING,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "auto"])
+def test_tool_request_reports_a_logprob_per_generated_token(client, tool_choice):
+    r = _tool_request(client, tool_choice)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens > 0
+    for item in content:
+        top = [t.logprob for t in item.top_logprobs]
+        assert len(top) == 2 and top == sorted(top, reverse=True)
+        # Logprobs are the model's own (before the grammar), so the chosen token may rank lower.
+        assert item.logprob <= top[0] + 1e-6
+
+
+def test_tool_call_logprob_tokens_spell_the_call(client):
+    choice = _tool_request(client, "required").choices[0]
+    text = "".join(i.token for i in choice.logprobs.content)
+    (call,) = choice.message.tool_calls
+    assert call.function.name in text
+    assert json.loads(call.function.arguments)["city"] in text
+
+
+def test_streamed_tool_call_logprobs_equal_non_stream(client):
+    whole = _tool_request(client, "required").choices[0].logprobs.content
+    streamed = []
+    for chunk in _tool_request(client, "required", stream=True):
+        for c in chunk.choices:
+            streamed += c.logprobs.content if c.logprobs and c.logprobs.content else []
+    assert [(i.token, i.logprob) for i in streamed] == [(i.token, i.logprob) for i in whole]
+
+
+def test_responses_tool_request_with_logprobs_is_rejected(client):
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client.responses.create(
+            model=MODEL,
+            input="What is the weather in Paris?",
+            tools=[{"type": "function", "name": "get_weather", "parameters": PARAMS}],
+            top_logprobs=2,
+            include=["message.output_text.logprobs"],
+            max_output_tokens=8,
+            extra_body=NO_THINKING,
+        )

@@ -1,0 +1,123 @@
+"""POST /v1/completions on SmolLM2 with the official openai SDK: legacy logprobs, stop strings,
+echo, and the fields the server refuses rather than ignores."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from openai import OpenAI
+from server_harness import running_server, smollm_engine
+
+MODEL = "smollm2-135m"
+PROMPT = "The capital of France is"
+CAPITAL = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+
+__all__ = ["smollm_engine"]  # the shared session fixture
+
+
+@pytest.fixture(scope="module")
+def server(smollm_engine):
+    with running_server(smollm_engine, MODEL) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server) -> OpenAI:
+    return OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def complete(client: OpenAI, **kwargs):
+    args = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "max_tokens": 8, **kwargs}
+    return client.completions.create(**args)
+
+
+def test_completion_logprobs_equal_chat_logprobs_for_the_same_tokens(server, client):
+    # The chat template rendered as the family does, so both endpoints run the same prompt tokens.
+    template = server.app.state.deepserve.family.template
+    prompt = template.render(messages=CAPITAL, add_generation_prompt=True)
+    lp = complete(client, prompt=prompt, max_tokens=6, logprobs=2).choices[0].logprobs
+    chat = client.chat.completions.create(
+        model=MODEL, messages=CAPITAL, temperature=0, max_tokens=6, logprobs=True, top_logprobs=2
+    )
+    content = chat.choices[0].logprobs.content
+    assert lp.tokens == [i.token for i in content]
+    assert lp.token_logprobs == pytest.approx([i.logprob for i in content], abs=1e-4)
+
+
+def test_completion_top_logprobs_have_n_entries_led_by_the_greedy_token(client):
+    lp = complete(client, logprobs=3).choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 3
+        assert value == pytest.approx(max(top.values()), abs=1e-5) and top[token] == value
+
+
+def test_completion_logprobs_zero_reports_only_the_sampled_token(client):
+    lp = complete(client, logprobs=0, max_tokens=4).choices[0].logprobs
+    assert lp.top_logprobs == [{t: v} for t, v in zip(lp.tokens, lp.token_logprobs, strict=True)]
+
+
+def test_completion_text_offsets_point_at_each_token(client):
+    choice = complete(client, logprobs=1).choices[0]
+    lp = choice.logprobs
+    assert "".join(lp.tokens) == choice.text
+    for token, offset in zip(lp.tokens, lp.text_offset, strict=True):
+        assert choice.text[offset : offset + len(token)] == token
+
+
+def test_streamed_completion_logprobs_equal_non_stream(client):
+    whole = complete(client, logprobs=2).choices[0].logprobs
+    parts = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in complete(client, logprobs=2, stream=True):
+        for c in chunk.choices:
+            for key, values in parts.items():
+                values += getattr(c.logprobs, key)
+    assert parts["tokens"] == whole.tokens
+    assert parts["token_logprobs"] == pytest.approx(whole.token_logprobs, abs=1e-5)
+    assert parts["text_offset"] == whole.text_offset
+    assert [set(t) for t in parts["top_logprobs"]] == [set(t) for t in whole.top_logprobs]
+
+
+def test_stop_string_cuts_completion_logprobs(client):
+    full = complete(client, logprobs=1).choices[0]
+    stop = full.text.split()[1]  # a word the greedy completion is known to contain
+    cut = complete(client, logprobs=1, stop=[stop]).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.index(stop)]
+    kept = len(cut.logprobs.tokens)
+    assert 0 < kept < len(full.logprobs.tokens)
+    assert cut.logprobs.tokens == full.logprobs.tokens[:kept]
+    assert all(offset < len(cut.text) for offset in cut.logprobs.text_offset)
+    assert "".join(cut.logprobs.tokens).startswith(cut.text)
+
+
+def test_echo_prepends_the_prompt(client):
+    plain = complete(client).choices[0].text
+    assert complete(client, echo=True).choices[0].text == PROMPT + plain
+
+
+def test_streamed_echo_sends_the_prompt_first(client):
+    texts = [c.text for chunk in complete(client, echo=True, stream=True) for c in chunk.choices]
+    assert texts[0].startswith(PROMPT)
+    assert "".join(texts) == PROMPT + complete(client).choices[0].text
+
+
+def test_echo_with_logprobs_is_rejected(client):
+    with pytest.raises(openai.BadRequestError, match="prompt logprobs"):
+        complete(client, echo=True, logprobs=1)
+
+
+def test_best_of_other_than_n_is_rejected(client):
+    assert complete(client, best_of=1, max_tokens=2).choices[0].text
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        complete(client, best_of=2, max_tokens=2)
+
+
+def test_suffix_is_rejected(client):
+    with pytest.raises(openai.BadRequestError, match="suffix"):
+        complete(client, suffix=" and that is all.", max_tokens=2)
+
+
+@pytest.mark.parametrize("field", ["logprobs", "seed"])
+def test_non_integer_logprobs_or_seed_is_rejected(client, field):
+    with pytest.raises(openai.BadRequestError, match=field):
+        complete(client, max_tokens=2, extra_body={field: "3"})
