@@ -123,7 +123,7 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> 
     return statistics.median(first.values()) * 1000, total / wall
 
 
-def bench_dtype(args, dtype: str, publish) -> None:
+def bench_dtype(args, dtype: str, publish) -> Roofline | None:
     """Each batch size measured on deepserve and then, right after, on transformers: the machine
     is shared, so the pair should see the same load."""
     config = EngineConfig(dtype=dtype, num_threads=args.threads, max_num_seqs=max(args.batches))
@@ -137,7 +137,72 @@ def bench_dtype(args, dtype: str, publish) -> None:
         publish([Row("deepserve", dtype, b, ttft, tps, os.getloadavg()[0])])
         if model is not None:
             publish([hf_row(model, dtype, prompts, args.max_tokens)])
+    roof = measure_roofline(engine) if dtype == "float32" else None
     engine.close()
+    return roof
+
+
+@dataclass
+class Roofline:
+    """What this machine allows at the moment of the run, measured on the model's own weights:
+    one decode step must stream every matmul weight once (batch 1 is bandwidth-bound) and do
+    2 * params FLOPs per row (large batches are compute-bound)."""
+
+    weight_bytes: int
+    stream_gbs: float  # reading the weights (sum over each), this run's threads
+    gemm_gflops: float  # the engine's own linear at 256 rows (prefill-sized, near peak)
+
+    def tok_s(self, batch: int) -> float:
+        stream_s = self.weight_bytes / (self.stream_gbs * 1e9)
+        flops = 2 * self.weight_bytes / 4 * batch  # float32 params
+        return batch / max(stream_s, flops / (self.gemm_gflops * 1e9))
+
+
+def measure_roofline(engine: LLMEngine) -> Roofline:
+    from deepserve.kernels import reference
+
+    model = engine.model
+    weights = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    weights.append(model.lm_head)
+    plain = [w.one_row if isinstance(w, reference.PackedWeight) else w for w in weights]
+    nbytes = sum(w.numel() * w.element_size() for w in plain)
+    params = sum(w.numel() for w in plain)
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    stream = best(lambda: [w.sum() for w in plain])
+    rows = {w.shape[0]: torch.randn(256, w.shape[0]) for w in plain}  # one_row is [in, out]
+    gemm = best(
+        lambda: [reference.linear(rows[p.shape[0]], w) for p, w in zip(plain, weights, strict=True)]
+    )
+    return Roofline(nbytes, nbytes / stream / 1e9, 2 * 256 * params / gemm / 1e9)
+
+
+def roofline_lines(roof: Roofline, rows: list[Row]) -> list[str]:
+    ours = {r.batch: r.tok_s for r in rows if r.system == "deepserve" and r.dtype == "float32"}
+    vllm = {1: 50.0, 16: 341.0}
+    lines = [
+        f"Roofline, float32, measured in the same run with {torch.get_num_threads()} thread(s): "
+        f"streaming the {roof.weight_bytes / 1e6:.0f} MB of matmul weights ran at "
+        f"{roof.stream_gbs:.1f} GB/s and the engine's linear at 256 rows at "
+        f"{roof.gemm_gflops:.0f} GFLOP/s; a step cannot beat max(weights / bandwidth, FLOPs / "
+        "that rate), attention and everything else excluded.",
+        "",
+        "| batch | roofline tok/s | deepserve tok/s | deepserve / roofline | vLLM-CPU / roofline |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for b in sorted(ours):
+        top = roof.tok_s(b)
+        peer = f"{vllm[b] / top:.2f}" if b in vllm else ""
+        lines.append(f"| {b} | {top:.0f} | {ours[b]:.1f} | {ours[b] / top:.2f} | {peer} |")
+    return [*lines, ""]
 
 
 def load_hf(dtype: str):
@@ -213,7 +278,7 @@ def bench_structured(args) -> str:
     )
 
 
-def render(rows: list[Row], args, commands: list[str]) -> str:
+def render(rows: list[Row], args, commands: list[str], roof: Roofline | None = None) -> str:
     lines = [
         BEGIN,
         "## Engine, CPU offline throughput (SmolLM2-135M-Instruct)",
@@ -231,6 +296,7 @@ def render(rows: list[Row], args, commands: list[str]) -> str:
         "|---|---|---:|---:|---:|---:|",
         *[r.markdown() for r in sorted(rows, key=lambda r: (r.dtype, r.batch, r.system))],
         "",
+        *(roofline_lines(roof, rows) if roof is not None else []),
         *NOTES,
         END,
     ]
@@ -263,7 +329,9 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 32])
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (engine default: 1)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads (engine default: all cores)"
+    )
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
     p.add_argument("--structured", action="store_true", help="only the structured-output timing")
@@ -278,6 +346,7 @@ def main() -> None:
     old_rows, commands = read_section() if args.merge else ([], [])
     commands = [c for c in commands if c != command] + [command]
     rows: list[Row] = []
+    roof: list[Roofline] = []
 
     def publish(new_rows: list[Row]) -> None:
         # Written after every measurement, so a run cut short still leaves its numbers.
@@ -286,11 +355,13 @@ def main() -> None:
         fresh = {r.key for r in rows}
         merged = [r for r in old_rows if r.key not in fresh] + rows
         if not args.no_write:
-            write_results(render(merged, args, commands))
+            write_results(render(merged, args, commands, roof[0] if roof else None))
 
     for dtype in args.dtypes:
-        bench_dtype(args, dtype, publish)
-    print(render(rows, args, [command]))
+        if (measured := bench_dtype(args, dtype, publish)) is not None:
+            roof.append(measured)
+            publish([])
+    print(render(rows, args, [command], roof[0] if roof else None))
 
 
 if __name__ == "__main__":
