@@ -8,13 +8,13 @@ exactly the HF layout the models expect.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from gguf import GGMLQuantizationType as Q
 from tokenizers import Tokenizer
 
+from deepserve.engine.checkpoint import Checkpoint
 from deepserve.engine.errors import ModelNotFoundError, UnsupportedModelError
 from deepserve.engine.gguf_format import GGUFFile, dequantize, read_gguf_file
 from deepserve.engine.tokenizer import tokenizer_from_gguf
@@ -35,17 +35,7 @@ _LAYER_NAMES = {
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-@dataclass
-class GGUFCheckpoint:
-    config: dict  # HF config.json-style keys
-    weights: dict[str, torch.Tensor]  # HF names, float32
-    tokenizer: Tokenizer
-    bos_token_id: int | None
-    eos_token_ids: list[int]
-    chat_template: str | None
-
-
-def read_gguf(path: Path) -> GGUFCheckpoint:
+def read_gguf(path: Path) -> Checkpoint:
     if not path.is_file():
         raise ModelNotFoundError(f"GGUF file {path} does not exist")
     f = read_gguf_file(path)
@@ -59,13 +49,14 @@ def read_gguf(path: Path) -> GGUFCheckpoint:
     weights = _read_tensors(f, config)
     config["tie_word_embeddings"] = "lm_head.weight" not in weights
     eos = meta.get("tokenizer.ggml.eos_token_id")
-    return GGUFCheckpoint(
+    return Checkpoint(
         config=config,
         weights=weights,
         tokenizer=_tokenizer(meta),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [int(eos)],
         chat_template=meta.get("tokenizer.chat_template"),
+        files=[path],
     )
 
 

@@ -5,26 +5,15 @@ BOS and EOS ids from tokenizer_config.json / generation_config.json."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
+from deepserve.engine.checkpoint import Checkpoint
 from deepserve.engine.errors import ModelNotFoundError, UnsupportedModelError
 from deepserve.engine.tokenizer import load_tokenizer_json
-
-
-@dataclass
-class HFCheckpoint:
-    config: dict
-    weights: dict[str, torch.Tensor]
-    tokenizer: Tokenizer
-    bos_token_id: int | None
-    eos_token_ids: list[int]
-    chat_template: str | None
-    weight_files: list[Path]
 
 
 def _read_json(path: Path) -> dict:
@@ -49,7 +38,7 @@ def weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def read_hf_folder(folder: Path) -> HFCheckpoint:
+def read_hf_folder(folder: Path) -> Checkpoint:
     if not (folder / "config.json").exists():
         raise ModelNotFoundError(f"{folder} has no config.json")
     config = _read_json(folder / "config.json")
@@ -62,14 +51,14 @@ def read_hf_folder(folder: Path) -> HFCheckpoint:
     gen_config = _optional_json(folder / "generation_config.json")
     bos = _token_id(tokenizer, tok_config.get("bos_token"), gen_config.get("bos_token_id"))
     bos = bos if bos is not None else config.get("bos_token_id")
-    return HFCheckpoint(
+    return Checkpoint(
         config=config,
         weights=weights,
         tokenizer=tokenizer,
         bos_token_id=bos,
         eos_token_ids=_eos_ids(config, tok_config, gen_config, tokenizer),
         chat_template=tok_config.get("chat_template"),
-        weight_files=files,
+        files=files,
     )
 
 

@@ -12,6 +12,7 @@ import torch
 import xxhash
 from tokenizers import Tokenizer
 
+from deepserve.engine.checkpoint import Checkpoint
 from deepserve.engine.config import EngineConfig
 from deepserve.engine.errors import UnsupportedModelError
 from deepserve.engine.model_registry import resolve_model
@@ -45,17 +46,6 @@ class LoadedModel:
     model: CausalLM
     tokenizer: Tokenizer
     info: ModelInfo
-
-
-@dataclass
-class _Checkpoint:
-    config: dict
-    weights: dict[str, torch.Tensor]
-    tokenizer: Tokenizer
-    bos_token_id: int | None
-    eos_token_ids: list[int]
-    chat_template: str | None
-    files: list[Path]
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -101,32 +91,14 @@ def load_model(config: EngineConfig) -> LoadedModel:
     return LoadedModel(model=model, tokenizer=ckpt.tokenizer, info=info)
 
 
-def _read_checkpoint(path: Path) -> _Checkpoint:
+def _read_checkpoint(path: Path) -> Checkpoint:
     if path.suffix == ".gguf":
         from deepserve.engine.gguf_loader import read_gguf
 
-        g = read_gguf(path)
-        return _Checkpoint(
-            g.config,
-            g.weights,
-            g.tokenizer,
-            g.bos_token_id,
-            g.eos_token_ids,
-            g.chat_template,
-            [path],
-        )
+        return read_gguf(path)
     from deepserve.engine.hf_loader import read_hf_folder
 
-    h = read_hf_folder(path)
-    return _Checkpoint(
-        h.config,
-        h.weights,
-        h.tokenizer,
-        h.bos_token_id,
-        h.eos_token_ids,
-        h.chat_template,
-        h.weight_files,
-    )
+    return read_hf_folder(path)
 
 
 def model_fingerprint(config: dict, files: list[Path]) -> str:

@@ -1,0 +1,22 @@
+"""`Checkpoint`: what a loader reads from disk (config, weights by HF name, tokenizer, special token
+ids, chat template, the files read), the same for an HF folder and a GGUF file. Building a model
+from it is engine/loader.py's job."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+
+@dataclass
+class Checkpoint:
+    config: dict  # HF config.json keys (a GGUF's metadata translated to them)
+    weights: dict[str, torch.Tensor]  # HF tensor names
+    tokenizer: Tokenizer
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    chat_template: str | None
+    files: list[Path]  # the weight files, hashed into the model fingerprint
