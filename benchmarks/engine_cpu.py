@@ -19,15 +19,14 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+from results_md import RESULTS, write_section
 
 from deepserve.engine.config import EngineConfig
 from deepserve.engine.llm_engine import LLMEngine
 from deepserve.engine.sampling_params import SamplingParams
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
 BEGIN, END = "<!-- engine_cpu:begin -->", "<!-- engine_cpu:end -->"
 TOPICS = [
     "a robot who learns to paint",
@@ -314,16 +313,6 @@ def read_section() -> tuple[list[Row], list[str]]:
     return rows, commands
 
 
-def write_results(section: str) -> None:
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + section.rstrip("\n") + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    RESULTS.write_text(text)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 32])
@@ -355,7 +344,7 @@ def main() -> None:
         fresh = {r.key for r in rows}
         merged = [r for r in old_rows if r.key not in fresh] + rows
         if not args.no_write:
-            write_results(render(merged, args, commands, roof[0] if roof else None))
+            write_section(BEGIN, END, render(merged, args, commands, roof[0] if roof else None))
 
     for dtype in args.dtypes:
         if (measured := bench_dtype(args, dtype, publish)) is not None:

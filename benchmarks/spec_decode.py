@@ -23,9 +23,9 @@ import platform
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+from results_md import write_section
 
 from deepserve.engine.config import EngineConfig, SpeculativeConfig
 from deepserve.engine.llm import LLM
@@ -33,7 +33,6 @@ from deepserve.engine.loader import load_model
 from deepserve.engine.sampling_params import SamplingParams
 from deepserve.engine.spec_decode.stats import SpecDecodeStats
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
 BEGIN, END = "<!-- spec_decode:begin -->", "<!-- spec_decode:end -->"
 PARAGRAPHS = [
     "Teh old lighthouse stood on the edge of the cliff, its paint peeling after years of wind and "
@@ -237,16 +236,6 @@ def render(args, rows: list[Row], steps: list[StepRow]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_results(section: str) -> None:
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + section.rstrip("\n") + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    RESULTS.write_text(text)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--k", type=int, default=4, help="n-gram draft tokens")
@@ -266,7 +255,7 @@ def main() -> None:
     section = render(args, rows, steps)
     print(section)
     if not args.no_write:
-        write_results(section)
+        write_section(BEGIN, END, section)
 
 
 if __name__ == "__main__":
