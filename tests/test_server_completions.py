@@ -73,7 +73,8 @@ def test_streamed_completion_logprobs_equal_non_stream(client):
             for key, values in parts.items():
                 values += getattr(c.logprobs, key)
     assert parts["tokens"] == whole.tokens
-    assert parts["token_logprobs"] == pytest.approx(whole.token_logprobs, abs=1e-5)
+    # A prefix-cache hit may take another reduction order: equal to float noise.
+    assert parts["token_logprobs"] == pytest.approx(whole.token_logprobs, abs=1e-4)
     assert parts["text_offset"] == whole.text_offset
     assert [set(t) for t in parts["top_logprobs"]] == [set(t) for t in whole.top_logprobs]
 

@@ -133,7 +133,9 @@ def test_streamed_tool_call_logprobs_equal_non_stream(client):
     for chunk in _tool_request(client, "required", stream=True):
         for c in chunk.choices:
             streamed += c.logprobs.content if c.logprobs and c.logprobs.content else []
-    assert [(i.token, i.logprob) for i in streamed] == [(i.token, i.logprob) for i in whole]
+    assert [i.token for i in streamed] == [i.token for i in whole]
+    # A prefix-cache hit may take another reduction order: equal to float noise.
+    assert [i.logprob for i in streamed] == pytest.approx([i.logprob for i in whole], abs=1e-4)
 
 
 def test_responses_tool_request_with_logprobs_is_rejected(client):
