@@ -31,6 +31,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     grammar: object
+    resume_token_ids: list[int]
 
 
 @dataclass
@@ -70,9 +71,11 @@ class AsyncEngine:
 
     # ---- caller side ----------------------------------------------------------------------
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, resume_token_ids=()
+    ) -> None:
         """Raise InvalidRequestError for a request the engine would refuse."""
-        self.engine.check_request(prompt_token_ids, params)
+        self.engine.check_request(prompt_token_ids, params, resume_token_ids)
 
     def compile_grammar(self, params: SamplingParams):
         """Compile (and cache) a request's output constraint, e.g. on a worker thread before
@@ -80,11 +83,16 @@ class AsyncEngine:
         return self.engine.compile_grammar(params)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        resume_token_ids=(),
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's deltas; leaving the iteration early aborts the request."""
+        """Stream a request's deltas; leaving the iteration early aborts the request.
+        `resume_token_ids`: see `LLMEngine.add_request`."""
         self._raise_if_dead()
-        self.check_request(prompt_token_ids, params)
+        self.check_request(prompt_token_ids, params, resume_token_ids)
         grammar = None
         if params.structured is not None:  # compiling can take 100+ ms: keep it off the loop
             grammar = await asyncio.to_thread(self.engine.compile_grammar, params)
@@ -93,7 +101,8 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise InvalidRequestError(f"request id {request_id!r} is already running")
             self._streams[request_id] = stream
-            self._adds.append(_Add(request_id, list(prompt_token_ids), params, grammar))
+            add = _Add(request_id, list(prompt_token_ids), params, grammar, list(resume_token_ids))
+            self._adds.append(add)
             self._cond.notify()
         finished = False
         try:
@@ -189,7 +198,9 @@ class AsyncEngine:
 
     def _admit(self, add: _Add) -> None:
         try:
-            self.engine.add_request(add.request_id, add.prompt_token_ids, add.params, add.grammar)
+            self.engine.add_request(
+                add.request_id, add.prompt_token_ids, add.params, add.grammar, add.resume_token_ids
+            )
         except InvalidRequestError as e:  # e.g. a duplicate id racing another caller
             self._deliver_error(add.request_id, e)
 

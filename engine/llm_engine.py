@@ -87,17 +87,21 @@ class LLMEngine:
 
     # ---- admission ------------------------------------------------------------------------
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+    def check_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, resume_token_ids=()
+    ) -> int:
         """Validate a request; return its resolved max_tokens. Raises InvalidRequestError."""
         n_prompt = len(prompt_token_ids)
         if n_prompt == 0:
             raise InvalidRequestError("the prompt is empty")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        bad = [t for t in [*prompt_token_ids, *resume_token_ids] if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(
-                f"prompt token id {bad[0]} is outside the vocabulary (size {self.vocab_size})"
+                f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})"
             )
         params.validate(self.vocab_size)
+        if resume_token_ids:
+            self._check_resume(n_prompt, params, len(resume_token_ids))
         if n_prompt >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {n_prompt} tokens; the context limit is {self.max_model_len} "
@@ -113,6 +117,19 @@ class LLMEngine:
                 f"n={params.n} exceeds max_num_seqs {self.config.max_num_seqs}"
             )
         return max_tokens
+
+    def _check_resume(self, n_prompt: int, params: SamplingParams, n_resume: int) -> None:
+        if params.n != 1:
+            raise InvalidRequestError("only a single-sample request (n=1) can be resumed")
+        if params.max_tokens is not None and n_resume >= params.max_tokens:
+            raise InvalidRequestError(
+                f"{n_resume} resumed tokens leave nothing of max_tokens {params.max_tokens}"
+            )
+        if n_prompt + n_resume >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt and resumed tokens ({n_prompt + n_resume}) leave no room in the "
+                f"context limit {self.max_model_len}"
+            )
 
     def _resolve_max_tokens(self, n_prompt: int, requested: int | None) -> int:
         room = self.max_model_len - n_prompt
@@ -150,11 +167,17 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         compiled_grammar=None,
+        resume_token_ids=(),
     ) -> Request:
-        """Validate and queue. `compiled_grammar` may be passed when compiled off-thread."""
+        """Validate and queue. `compiled_grammar` may be passed when compiled off-thread.
+
+        `resume_token_ids`: output tokens this request already produced elsewhere (a prefill
+        worker's first token), never emitted again. They count as outputs everywhere colocated
+        decoding counts them (max/min_tokens, penalties, the seeded noise's output position, the
+        grammar), so with the same seed the continuation equals a colocated run's."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
-        max_tokens = self.check_request(prompt_token_ids, params)
+        max_tokens = self.check_request(prompt_token_ids, params, resume_token_ids)
         if compiled_grammar is None:
             compiled_grammar = self.compile_grammar(params)
         seed = params.seed if params.seed is not None else secrets.randbits(64)
@@ -163,6 +186,8 @@ class LLMEngine:
         )
         request.compiled_grammar = compiled_grammar
         request.sequences = [self._new_sequence(request, i) for i in range(params.n)]
+        if resume_token_ids:
+            _resume(request.sequences[0], list(resume_token_ids))
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request
@@ -271,7 +296,8 @@ class LLMEngine:
         finished = request.is_finished
         if finished:
             self.requests.pop(request.request_id, None)
-        cached = max(request.num_cached_tokens, 0)
+        # a resumed token may complete a cached block: only prompt tokens count as cached
+        cached = min(max(request.num_cached_tokens, 0), len(request.prompt_token_ids))
         by_tier = {"device": request.num_device_cached_tokens}
         if self.kv_tiering is not None:
             by_tier |= self.kv_tiering.cached_tokens_by_tier(request.request_id, finished)
@@ -367,3 +393,10 @@ def _delta(seq: Sequence) -> CompletionOutput | None:
         finish_reason=seq.finish_reason if seq.is_finished else None,
         stop_token_id=seq.stop_token_id,
     )
+
+
+def _resume(seq: Sequence, tokens: list[int]) -> None:
+    if seq.matcher is not None and not all(seq.matcher.accept(t) for t in tokens):
+        raise InvalidRequestError("a resumed token is not allowed by the request's grammar")
+    seq.token_ids += tokens
+    seq.num_emitted_tokens = len(tokens)
