@@ -51,7 +51,7 @@ class WorkerClient:
                 "POST", P.GENERATE_PATH, json=req.to_json(), timeout=timeout
             ) as resp:
                 await _raise_for_status(resp)
-                lines = resp.aiter_lines()
+                lines = _ndjson_lines(resp)
                 async with asyncio.timeout(t.first_event):
                     first = await _next_event(lines)
                 event = first
@@ -102,10 +102,22 @@ class WorkerClient:
         return resp
 
 
-async def _next_event(lines: AsyncIterator[str]) -> P.StreamEvent | None:
+async def _ndjson_lines(resp: httpx.Response) -> AsyncIterator[bytes]:
+    """The body's non-empty lines as bytes. httpx's `aiter_lines` decodes to text and splits
+    through two more generator layers per chunk; JSON parses bytes, and this is the hot path."""
+    pending = b""
+    async for chunk in resp.aiter_bytes():
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            if line.strip():
+                yield line
+    if pending.strip():
+        yield pending
+
+
+async def _next_event(lines: AsyncIterator[bytes]) -> P.StreamEvent | None:
     async for line in lines:
-        if line.strip():
-            return P.StreamEvent.from_json(json.loads(line))
+        return P.StreamEvent.from_json(json.loads(line))
     return None
 
 
