@@ -40,6 +40,8 @@ COMPOSE_VARIABLES = {
     "DEEPSERVE_PORT": "host port the frontend is published on",
     "DEEPSERVE_UI_BIND": "host address the Prometheus and Grafana UIs are published on",
     "DEEPSERVE_VARIANT": "image variant: `cpu` (slim) or `cuda`",
+    "DEEPSERVE_WORKER_THREADS": "torch CPU threads of each worker (`--num-threads`); the three "
+    "share one host's cores",
     "GRAFANA_ADMIN_PASSWORD": "Grafana admin password (anonymous viewers can read the dashboard)",
 }
 
