@@ -24,7 +24,7 @@ from deepserve.engine.sampling_params import SamplingParams
 from deepserve.server.errors import HTTPError, message_of_conversion_error
 from deepserve.server.framing import FrameInfo, collect, sse_body
 from deepserve.server.protocols import CHAT, ProtocolSpec, parse_request
-from deepserve.server.sampling import build_sampling_params, pop_extras
+from deepserve.server.sampling import BodyExtras, build_sampling_params, pop_extras
 from deepserve.server.state import (
     AppState,
     ClientDisconnected,
@@ -33,6 +33,7 @@ from deepserve.server.state import (
     until_disconnect,
 )
 from deepserve.server.stream import GenerationJob, stream_chunks
+from deepserve.server.tool_calls import ToolPlan, rewrite_result, rewrite_stream
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -42,6 +43,7 @@ class Prepared:
     job: GenerationJob
     stream: bool
     include_usage: bool
+    tools: ToolPlan | None = None  # tool calls to parse out of the text (ChatML family)
 
 
 async def handle(request: Request, spec: ProtocolSpec, state: AppState) -> Response:
@@ -62,6 +64,8 @@ async def handle(request: Request, spec: ProtocolSpec, state: AppState) -> Respo
         body = sse_body(chunks, info)
         if job.logprob_feed is not None:
             body = _stream_with_logprobs(body, job.logprob_feed)
+        if prepared.tools is not None:
+            body = rewrite_stream(body, prepared.tools)
         return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         result = await until_disconnect(request, collect(chunks, info))
@@ -69,6 +73,8 @@ async def handle(request: Request, spec: ProtocolSpec, state: AppState) -> Respo
         return Response(status_code=499)
     if job.logprob_feed is not None:
         _set_logprobs(result, job.logprob_feed)
+    if prepared.tools is not None:
+        rewrite_result(result, prepared.tools)
     return JSONResponse(result)
 
 
@@ -80,7 +86,16 @@ def prepare(spec: ProtocolSpec, body: dict, state: AppState) -> Prepared:
         spec, body, state.family.conversion_options, state.config.served_model_name
     )
     conv = parsed.conversation
-    prompt = state.family.prepare(conv, extras.parallel_tool_calls)
+    prompt = state.family.prepare(conv, extras.parallel_tool_calls, extras.tools)
+    if prompt.tools is not None and spec is not CHAT:
+        # The rewrite into tool calls exists for Chat Completions only; elsewhere the tools
+        # would be ignored, so the request is refused instead.
+        raise HTTPError(
+            400,
+            f"tools on this model are served on /v1/chat/completions, not the {spec.name} "
+            'endpoint; send tool_choice "none" to answer without them',
+        )
+    _check_tool_constraint(prompt.tools, extras)
     max_tokens = _resolve_max_tokens(conv, len(prompt.token_ids), state.max_model_len)
     params = build_sampling_params(
         body, conv.inference_options, max_tokens, extras, prompt.structured
@@ -93,7 +108,19 @@ def prepare(spec: ProtocolSpec, body: dict, state: AppState) -> Prepared:
         job.text_tokenizer = state.backend.tokenizer
         if params.logprobs is not None:
             job.logprob_feed = _logprob_feed(spec)
-    return Prepared(job, conv.stream, include_usage)
+    return Prepared(job, conv.stream, include_usage, prompt.tools)
+
+
+def _check_tool_constraint(plan: ToolPlan | None, extras: BodyExtras) -> None:
+    """A named or required tool_choice is a constraint of its own; a second one cannot hold too."""
+    if plan is None or plan.constraint() is None:
+        return
+    if extras.structured or extras.schema or extras.json_object:
+        raise HTTPError(
+            400,
+            f"tool_choice {plan.mode!r} constrains the output to tool calls; it cannot be "
+            "combined with response_format or structured_outputs",
+        )
 
 
 def _logprob_feed(spec: ProtocolSpec) -> deque:

@@ -4,7 +4,7 @@ A family turns a converted recipe `ConversationRequest` into prompt token ids, s
 is parsed (`ParsingOptions`) and which output constraint the engine enforces. `DeepSeekFamily`
 renders with deepseek-recipe's V4 / V4.1 encodings and parses reasoning and DSML tool calls;
 `ChatMLFamily` (SmolLM2 and other HF chat models) renders with the model's own chat template and
-parses plain text. Not here: protocol request/response handling (server/chat.py).
+parses plain text, with tool calls from server/tool_calls.py. Not here: protocol request/response handling (server/chat.py).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import deepseek_recipe as dr
+from jinja2 import meta
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
@@ -19,6 +20,13 @@ from tokenizers import Tokenizer
 from deepserve.engine.errors import InvalidRequestError, UnsupportedModelError
 from deepserve.engine.sampling_params import StructuredOutput
 from deepserve.engine.structured import tool_call_constraint
+from deepserve.server.tool_calls import (
+    ToolPlan,
+    ToolRequest,
+    template_message,
+    tool_plan,
+    with_tool_instructions,
+)
 
 _XGRAMMAR_FORMATS = {
     dr.ModelVersion.DeepseekV4Pro: "deepseek_v4",
@@ -31,6 +39,7 @@ class PreparedPrompt:
     token_ids: list[int]
     parsing: dr.ParsingOptions
     structured: StructuredOutput | None
+    tools: ToolPlan | None = None  # set when tool calls are parsed out of plain text
 
 
 class ModelFamily:
@@ -41,7 +50,10 @@ class ModelFamily:
     recipe_tokenizer: dr.Tokenizer  # decodes `tokens` chunks inside the StreamProcessor
 
     def prepare(
-        self, request: dr.ConversationRequest, parallel_tools: bool = True
+        self,
+        request: dr.ConversationRequest,
+        parallel_tools: bool = True,
+        tools: ToolRequest | None = None,
     ) -> PreparedPrompt:
         raise NotImplementedError
 
@@ -91,7 +103,10 @@ class DeepSeekFamily(ModelFamily):
         self.conversion_options = dr.ConversionOptions().with_model_alias(served_name, version)
 
     def prepare(
-        self, request: dr.ConversationRequest, parallel_tools: bool = True
+        self,
+        request: dr.ConversationRequest,
+        parallel_tools: bool = True,
+        tools: ToolRequest | None = None,
     ) -> PreparedPrompt:
         structured = self.constraint(request, parallel_tools)
         try:
@@ -114,7 +129,11 @@ class DeepSeekFamily(ModelFamily):
 
 
 class ChatMLFamily(ModelFamily):
-    """HF chat models: the checkpoint's own chat template, plain-text output (no reasoning/tools)."""
+    """HF chat models: the checkpoint's own chat template, plain-text output (no reasoning).
+
+    Tool calls go through server/tool_calls.py: a named or required tool_choice constrains the
+    output to JSON, "auto" parses `<tool_call>` blocks out of the text.
+    """
 
     name = "chatml"
 
@@ -123,6 +142,9 @@ class ChatMLFamily(ModelFamily):
         self.recipe_tokenizer = dr.Tokenizer.from_str(tokenizer.to_str())
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self.template = env.from_string(chat_template)
+        self.template_takes_tools = "tools" in meta.find_undeclared_variables(
+            env.parse(chat_template)
+        )
         # Thinking off by default: in thinking mode the recipe forces temperature 1.0.
         self.conversion_options = (
             dr.ConversionOptions()
@@ -130,20 +152,29 @@ class ChatMLFamily(ModelFamily):
             .with_model_alias(served_name, dr.ModelVersion.DeepseekV4Pro)
         )
 
-    def render(self, conversation: dr.Conversation) -> str:
-        messages = [{"role": m.role, "content": m.content} for m in conversation.messages]
+    def render(self, conversation: dr.Conversation, plan: ToolPlan | None = None) -> str:
+        messages = [template_message(m, self.template_takes_tools) for m in conversation.messages]
+        extra = {}
+        if plan is not None and self.template_takes_tools:
+            extra["tools"] = [t.as_openai() for t in plan.tools]
+        elif plan is not None:
+            messages = with_tool_instructions(messages, plan)
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True)
+            return self.template.render(messages=messages, add_generation_prompt=True, **extra)
         except TemplateError as e:
             raise InvalidRequestError(f"the chat template rejected the messages: {e}") from e
 
     def prepare(
-        self, request: dr.ConversationRequest, parallel_tools: bool = True
+        self,
+        request: dr.ConversationRequest,
+        parallel_tools: bool = True,
+        tools: ToolRequest | None = None,
     ) -> PreparedPrompt:
-        structured = self.constraint(request, parallel_tools)
-        text = self.render(request.conversation)
+        plan = tool_plan(request.conversation, tools or ToolRequest(), parallel_tools)
+        structured = plan.constraint() if plan else self.constraint(request, parallel_tools)
+        text = self.render(request.conversation, plan)
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        return PreparedPrompt(ids, plain_parsing(request.parsing_options), structured)
+        return PreparedPrompt(ids, plain_parsing(request.parsing_options), structured, plan)
 
 
 def plain_parsing(options: dr.ParsingOptions) -> dr.ParsingOptions:

@@ -9,12 +9,13 @@ parsing and stop strings (the recipe's StreamProcessor applies those).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import deepseek_recipe as dr
 
 from deepserve.engine.errors import InvalidRequestError
 from deepserve.engine.sampling_params import SamplingParams, StructuredOutput
+from deepserve.server.tool_calls import ToolRequest
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class BodyExtras:
     structured: StructuredOutput | None = None  # from an extension field
     schema: str | None = None  # the client's own json_schema, before the recipe normalizes it
     parallel_tool_calls: bool = True
+    tools: ToolRequest = field(default_factory=ToolRequest)
 
 
 def pop_extras(body: dict, allow_n: bool) -> BodyExtras:
@@ -42,7 +44,14 @@ def pop_extras(body: dict, allow_n: bool) -> BodyExtras:
     if json_object:
         body.pop("response_format")
     parallel = body.get("parallel_tool_calls", True) is not False
-    return BodyExtras(n, json_object, _extension_constraint(body), _client_schema(body), parallel)
+    return BodyExtras(
+        n,
+        json_object,
+        _extension_constraint(body),
+        _client_schema(body),
+        parallel,
+        ToolRequest.from_body(body),
+    )
 
 
 def _client_schema(body: dict) -> str | None:
