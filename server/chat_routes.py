@@ -3,7 +3,9 @@
 Read the body, check the model name, then off the event loop: convert with the recipe, render and
 encode the prompt (model family), resolve max_tokens against the context, build SamplingParams,
 validate with the engine and compile any grammar, so every bad request fails with 4xx before work
-is queued. Then stream or collect the protocol chunks (server/stream.py, server/framing.py).
+is queued. Then stream or collect the protocol chunks (server/stream.py, server/framing.py); for
+chat-template models with tools, the Chat Completions output is rewritten into tool calls
+(server/tool_calls.py).
 """
 
 from __future__ import annotations
