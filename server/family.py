@@ -4,7 +4,8 @@ A family turns a converted recipe `ConversationRequest` into prompt token ids, s
 is parsed (`ParsingOptions`) and which output constraint the engine enforces. `DeepSeekFamily`
 renders with deepseek-recipe's V4 / V4.1 encodings and parses reasoning and DSML tool calls;
 `ChatMLFamily` (SmolLM2 and other HF chat models) renders with the model's own chat template and
-parses plain text, with tool calls from server/tool_calls.py. Not here: protocol request/response handling (server/chat.py).
+parses plain text, with tool calls from server/tool_calls.py. Not here: protocol request/response
+handling (server/chat_routes.py).
 """
 
 from __future__ import annotations
