@@ -1,4 +1,5 @@
-"""`WorkerClient`: the async HTTP client for one worker's internal API (httpx, NDJSON streams).
+"""`WorkerClient`: the async HTTP client for one worker's internal API (NDJSON streams over
+disagg/http1.py's keep-alive connections; httpx for the other calls).
 
 Every call carries the shared secret and a bounded timeout: connecting, the wait for the first
 event, and the gap between events. Transport failures and 5xx become `WorkerUnavailableError`; 4xx
@@ -16,6 +17,7 @@ import httpx
 
 from deepserve.disagg import protocol as P
 from deepserve.disagg.errors import WorkerRejectedError, WorkerUnavailableError
+from deepserve.disagg.http1 import Http1Error, Http1Pool
 
 
 @dataclass(frozen=True)
@@ -37,21 +39,25 @@ class WorkerClient:
             timeout=httpx.Timeout(t.control, connect=t.connect),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
+        self._streams = Http1Pool(self.url, P.bearer(token))  # the generate hot path
 
     async def close(self) -> None:
+        await self._streams.close()
         await self._http.aclose()
 
     async def generate(self, req: P.GenerateRequest) -> AsyncIterator[P.StreamEvent]:
-        """Stream the worker's events for `req`; raise on failure, never end silently early."""
+        """Stream the worker's events for `req`; raise on failure, never end silently early.
+        Every read waits at most `between_events`; the first event at most `first_event`."""
         t = self.timeouts
-        timeout = httpx.Timeout(t.control, connect=t.connect, read=t.between_events)
+        body = json.dumps(req.to_json(), separators=(",", ":")).encode()
         started = False
         try:
-            async with self._http.stream(
-                "POST", P.GENERATE_PATH, json=req.to_json(), timeout=timeout
+            async with self._streams.post(
+                P.GENERATE_PATH, body, t.connect, t.between_events
             ) as resp:
-                await _raise_for_status(resp)
-                lines = _ndjson_lines(resp)
+                if resp.status >= 400:
+                    raise _status_error(resp.status, await resp.read(t.control), self.url)
+                lines = _ndjson_lines(resp.chunks(t.between_events))
                 async with asyncio.timeout(t.first_event):
                     first = await _next_event(lines)
                 event = first
@@ -68,7 +74,7 @@ class WorkerClient:
                     yield event
                     event = await _next_event(lines)
                 raise WorkerUnavailableError(f"{self.url}: stream ended early", started)
-        except (httpx.TransportError, TimeoutError) as e:
+        except (OSError, TimeoutError, Http1Error) as e:
             raise WorkerUnavailableError(f"{self.url}: {type(e).__name__}: {e}", started) from e
 
     async def abort(self, request_id: str) -> None:
@@ -102,11 +108,10 @@ class WorkerClient:
         return resp
 
 
-async def _ndjson_lines(resp: httpx.Response) -> AsyncIterator[bytes]:
-    """The body's non-empty lines as bytes. httpx's `aiter_lines` decodes to text and splits
-    through two more generator layers per chunk; JSON parses bytes, and this is the hot path."""
+async def _ndjson_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The body's non-empty lines, as bytes (JSON parses bytes; no text decoding on the hot path)."""
     pending = b""
-    async for chunk in resp.aiter_bytes():
+    async for chunk in chunks:
         *lines, pending = (pending + chunk).split(b"\n")
         for line in lines:
             if line.strip():
@@ -130,15 +135,19 @@ async def _raise_for_status(resp: httpx.Response) -> None:
     if resp.status_code < 400:
         return
     await resp.aread()
-    message = _error_message(resp)
+    raise _status_error(resp.status_code, resp.content, str(resp.url))
+
+
+def _status_error(status: int, body: bytes, where: str) -> Exception:
+    message = _error_message(body) or f"status {status}"
     # A wrong secret is the deployment's fault and overload is the worker's: neither is the request's.
-    if resp.status_code < 500 and resp.status_code not in (401, 403, 429):
-        raise WorkerRejectedError(message, resp.status_code)
-    raise WorkerUnavailableError(f"{resp.url}: {resp.status_code} {message}")
+    if status < 500 and status not in (401, 403, 429):
+        return WorkerRejectedError(message, status)
+    return WorkerUnavailableError(f"{where}: {status} {message}")
 
 
-def _error_message(resp: httpx.Response) -> str:
+def _error_message(body: bytes) -> str:
     try:
-        return str(resp.json()["error"]["message"])
+        return str(json.loads(body)["error"]["message"])
     except (ValueError, KeyError, TypeError):
-        return resp.text[:500] or f"status {resp.status_code}"
+        return body[:500].decode(errors="replace")

@@ -98,13 +98,14 @@ def _free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def serving(*workers: ScriptedWorker):
+async def serving(*workers: ScriptedWorker, keep_alive_s: float = 5):
     servers, urls = [], []
     for w in workers:
         port = _free_port()
-        server = uvicorn.Server(
-            uvicorn.Config(w.app, host="127.0.0.1", port=port, log_level="error")
+        config = uvicorn.Config(
+            w.app, host="127.0.0.1", port=port, log_level="error", timeout_keep_alive=keep_alive_s
         )
+        server = uvicorn.Server(config)
         servers.append((server, asyncio.create_task(server.serve())))
         urls.append(f"http://127.0.0.1:{port}")
     for server, _ in servers:
@@ -217,6 +218,18 @@ async def test_consumer_stopping_at_the_finished_event_sends_no_abort():
                     break
         await asyncio.sleep(0.2)
         assert w.aborts == []
+        await router.close()
+
+
+async def test_connection_the_worker_closed_while_idle_is_replaced_not_failed():
+    w = ScriptedWorker("ok")
+    async with serving(w, keep_alive_s=0.05) as urls:
+        router = router_for(urls)
+        assert await collect(router, request("first")) == [0, 1, 2]
+        await asyncio.sleep(0.3)  # the worker drops the kept-alive connection meanwhile
+        assert await collect(router, request("second")) == [0, 1, 2]
+        assert w.requests == ["first", "second"]
+        assert router.pool.workers()[0].consecutive_failures == 0
         await router.close()
 
 
