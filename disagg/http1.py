@@ -29,13 +29,17 @@ class Http1Error(Exception):
 class _Parsed:
     """What httptools' callbacks collect from one response."""
 
+    parser: httptools.HttpResponseParser | None = None
     status: int = 0
     headers_done: bool = False
+    keep_alive: bool = False
     complete: bool = False
     body: list[bytes] = field(default_factory=list)
 
     def on_headers_complete(self) -> None:
         self.headers_done = True
+        # Only meaningful now: once the message is complete httptools resets it to False.
+        self.keep_alive = self.parser.should_keep_alive()
 
     def on_body(self, chunk: bytes) -> None:
         self.body.append(chunk)
@@ -75,7 +79,7 @@ class Response:
         return self._parsed.complete
 
     def reusable(self) -> bool:
-        return self._parsed.complete and self._parser.should_keep_alive()
+        return self._parsed.complete and self._parsed.keep_alive
 
 
 class _Conn:
@@ -158,7 +162,7 @@ class Http1Pool:
         async with asyncio.timeout(read_timeout):
             await conn.writer.drain()
         parsed = _Parsed()
-        parser = httptools.HttpResponseParser(parsed)
+        parser = parsed.parser = httptools.HttpResponseParser(parsed)
         while not parsed.headers_done:
             await conn.feed(parser, read_timeout)
         parsed.status = parser.get_status_code()

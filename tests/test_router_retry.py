@@ -30,6 +30,7 @@ class ScriptedWorker:
     def __init__(self, behaviour: str = "ok") -> None:
         self.behaviour = behaviour
         self.requests: list[str] = []
+        self.client_ports: list[int] = []  # one per generate call: the connection it came on
         self.aborts: list[str] = []
         self.bad_auth = 0
         self.app = self._build()
@@ -45,9 +46,10 @@ class ScriptedWorker:
             return await call_next(request)
 
         @app.post(P.GENERATE_PATH)
-        async def generate(body: dict):
+        async def generate(body: dict, request: Request):
             req = P.GenerateRequest.from_json(body)
             self.requests.append(req.request_id)
+            self.client_ports.append(request.client.port)
             if self.behaviour == "fail":
                 return JSONResponse({"error": {"message": "boom"}}, status_code=500)
             if self.behaviour == "reject":
@@ -218,6 +220,16 @@ async def test_consumer_stopping_at_the_finished_event_sends_no_abort():
                     break
         await asyncio.sleep(0.2)
         assert w.aborts == []
+        await router.close()
+
+
+async def test_generate_streams_reuse_one_kept_alive_connection():
+    w = ScriptedWorker("ok")
+    async with serving(w) as urls:
+        router = router_for(urls)
+        for i in range(3):
+            assert await collect(router, request(f"r{i}")) == [0, 1, 2]
+        assert len(set(w.client_ports)) == 1
         await router.close()
 
 
