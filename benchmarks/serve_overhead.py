@@ -89,10 +89,9 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--num-threads", type=int, default=None, help="default: all cores, as serve")
     args = ap.parse_args()
-    overrides = {} if args.num_threads is None else {"num_threads": args.num_threads}
-    with engine_for(args.model, **overrides) as engine:
+    with engine_for(args.model, num_threads=args.num_threads) as engine:
         texts = make_prompts(args.num_prompts, args.input_len, seed=0)
         ids = [engine.tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
         asyncio.run(offline(engine, ids[:2], 2, 8))  # warm-up

@@ -50,10 +50,9 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--num-threads", type=int, default=None, help="default: all cores, as serve")
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
-    overrides = {} if args.num_threads is None else {"num_threads": args.num_threads}
     free = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     constrained = SamplingParams(
         temperature=0.0,
@@ -61,7 +60,7 @@ def main() -> None:
         structured=StructuredOutput("json_schema", json.dumps(SCHEMA)),
     )
     rows = []
-    with engine_for(args.model, **overrides) as engine:
+    with engine_for(args.model, num_threads=args.num_threads) as engine:
         for batch in args.batch_sizes:
             texts = make_prompts(batch, 24, seed=batch)
             template = "<|im_start|>user\nWrite a long story as JSON: {}<|im_end|>\n<|im_start|>assistant\n"
