@@ -7,10 +7,12 @@ worker then continues from prompt + first token, finding the prompt's blocks in 
 (a prefix hit) and recomputing only the partial last block. A missing block is just a miss there,
 so a failed transfer costs time, never correctness.
 
-Continuing from prompt + first token reproduces colocated output exactly when the next tokens
-depend on the token sequence alone: greedy, no penalties, no grammar, one sample. For any other
-request the prefill worker only moves the KV and the decode worker generates every token itself.
-If no prefill worker can take a request before its first token, the decode worker does it all.
+The decode worker resumes the request after that first token (the engine's `resume_token_ids`):
+the token counts as output for max/min_tokens, penalties, the grammar and the seeded noise, and
+both workers sample with the same seed (one is drawn here when the client gave none), so the
+stream equals a colocated run's. Requests with n > 1 (a first token per sample) are not split: the
+prefill worker only moves the KV and the decode worker generates every token itself. If no prefill
+worker can take a request before its first token, the decode worker does it all.
 
 Not here: picking workers, retries and aborts on one worker (router/router.py).
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import secrets
 from collections.abc import AsyncIterator
 
 from deepserve.disagg import protocol as P
@@ -31,15 +34,8 @@ log = logging.getLogger(__name__)
 
 
 def resumable(params: SamplingParams) -> bool:
-    """True when decoding from prompt + first token gives exactly the colocated tokens."""
-    return (
-        params.n == 1
-        and params.greedy
-        and params.structured is None
-        and params.presence_penalty == 0
-        and params.frequency_penalty == 0
-        and params.repetition_penalty == 1
-    )
+    """True when a decode worker can continue after the prefill worker's first token."""
+    return params.n == 1
 
 
 class GenerationFlow:
@@ -62,6 +58,8 @@ class GenerationFlow:
                 async for ev in events:
                     yield ev
             return
+        if params.seed is None:  # both workers must draw the same noise
+            params = dataclasses.replace(params, seed=secrets.randbits(63))
         split = self._split if resumable(params) else self._transfer_then_decode
         async with contextlib.aclosing(split(request_id, prompt, params)) as events:
             async for ev in events:
@@ -92,15 +90,10 @@ class GenerationFlow:
         first.outputs[0]["finish_reason"] = None
         first.outputs[0]["stop_token_id"] = None
         yield first
-        rest = dataclasses.replace(
-            params,
-            max_tokens=None if params.max_tokens is None else params.max_tokens - 1,
-            min_tokens=max(params.min_tokens - 1, 0),
-        )
         dec = P.GenerateRequest(
             request_id,
-            [*prompt, token],
-            P.sampling_to_dict(rest),
+            prompt,
+            P.sampling_to_dict(params),
             "decode",
             resume_token_ids=[token],
             kv_keys=first.kv_keys,

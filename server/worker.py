@@ -75,7 +75,7 @@ class Worker:
             params = P.sampling_from_dict(req.sampling)
         except (TypeError, ValueError) as e:
             raise InvalidRequestError(f"bad sampling parameters: {e}") from e
-        self.engine.check_request(req.prompt_token_ids, params)
+        self.engine.check_request(req.prompt_token_ids, params, req.resume_token_ids)
         if params.structured is not None:  # compiled (and cached) now, so a bad one is a 400
             compiled = self.engine.compile_grammar(params)
             if compiled is None:
@@ -87,7 +87,10 @@ class Worker:
     async def stream(self, req: P.GenerateRequest, params) -> AsyncIterator[bytes]:
         first = True
         try:
-            async for out in self.engine.generate(req.request_id, req.prompt_token_ids, params):
+            outputs = self.engine.generate(
+                req.request_id, req.prompt_token_ids, params, req.resume_token_ids
+            )
+            async for out in outputs:
                 if first:
                     self._count_prompt(out)
                     self._count_received(req, out)

@@ -5,9 +5,11 @@ loopback, driven with the official openai SDK."""
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 import router_cluster as rc
+from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.slow
 
@@ -104,6 +106,27 @@ def test_disaggregated_seeded_sampling_equals_colocated(stacks):
     messages = [{"role": "user", "content": "Invent a word."}]
     kw = {"temperature": 0.9, "seed": 1234}
     assert answer(chat(pd, model, messages, **kw)) == answer(chat(colo, model, messages, **kw))
+
+
+def generated_tokens(w: rc.Proc) -> float:
+    text = httpx.get(w.url + "/metrics", headers=w.headers, timeout=5).text
+    family = next(
+        f for f in text_string_to_metric_families(text) if f.name.endswith("generation_tokens")
+    )
+    return sum(s.value for s in family.samples if s.name.endswith("_total"))
+
+
+def test_sampled_request_with_penalties_streams_the_prefill_workers_first_token(stacks):
+    model, pd, colo, (prefill, decode) = stacks
+    messages = [{"role": "user", "content": "Invent a word."}]
+    kw = {"temperature": 0.9, "seed": 99, "frequency_penalty": 0.5, "presence_penalty": 0.3}
+    before = generated_tokens(decode)
+    got = chat(pd, model, messages, **kw)
+    assert answer(got) == answer(chat(colo, model, messages, **kw))
+    # the decode worker resumed after the prefill worker's token instead of generating it again
+    # (the engine also counts the EOS that ends a "stop"; usage does not)
+    eos = 1 if got.choices[0].finish_reason == "stop" else 0
+    assert generated_tokens(decode) - before == got.usage.completion_tokens - 1 + eos
 
 
 def test_multi_turn_conversation_matches_and_later_turns_hit_the_cache(stacks):
