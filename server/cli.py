@@ -30,7 +30,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--batch-invariant", action="store_true", help="bitwise-identical results in any batch"
     )
-    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: every core; pass 1 when other busy processes share them)",
+    )
     g.add_argument("--speculative", choices=["mtp", "ngram"], default=None)
     g.add_argument("--num-speculative-tokens", type=int, default=3)
     add_kv_tier_args(p)
