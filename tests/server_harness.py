@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 import uvicorn
+from openai import OpenAI
 
 from deepserve.engine.async_engine import AsyncEngine
 from deepserve.engine.config import EngineConfig
@@ -81,3 +82,15 @@ def smollm_engine() -> Iterator[AsyncEngine]:
     """One SmolLM2 engine shared by every server test module (loading it takes ~20 s)."""
     with engine_for("smollm2-135m") as engine:
         yield engine
+
+
+@pytest.fixture(scope="module")
+def server(smollm_engine) -> Iterator[RunningServer]:
+    """A server on a free port over the shared SmolLM2 engine, one per test module."""
+    with running_server(smollm_engine, "smollm2-135m") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> OpenAI:
+    return OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=120)

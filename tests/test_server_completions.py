@@ -6,24 +6,13 @@ from __future__ import annotations
 import openai
 import pytest
 from openai import OpenAI
-from server_harness import running_server, smollm_engine
+from server_harness import client, server, smollm_engine
 
 MODEL = "smollm2-135m"
 PROMPT = "The capital of France is"
 CAPITAL = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
 
-__all__ = ["smollm_engine"]  # the shared session fixture
-
-
-@pytest.fixture(scope="module")
-def server(smollm_engine):
-    with running_server(smollm_engine, MODEL) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server) -> OpenAI:
-    return OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+__all__ = ["client", "server", "smollm_engine"]  # shared fixtures (server_harness)
 
 
 def complete(client: OpenAI, **kwargs):

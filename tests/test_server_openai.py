@@ -10,26 +10,14 @@ import httpx
 import jsonschema
 import pytest
 from anthropic import Anthropic
-from openai import OpenAI
-from server_harness import running_server, smollm_engine, wait_until
+from server_harness import client, server, smollm_engine, wait_until
 
 MODEL = "smollm2-135m"
 CAPITAL = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
 HELLO = [{"role": "user", "content": "Say hello."}]
 
 
-__all__ = ["smollm_engine"]  # the shared session fixture
-
-
-@pytest.fixture(scope="module")
-def server(smollm_engine):
-    with running_server(smollm_engine, MODEL) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server) -> OpenAI:
-    return OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+__all__ = ["client", "server", "smollm_engine"]  # shared fixtures (server_harness)
 
 
 def test_chat_stream_equals_non_stream_at_temperature_zero(client):

@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 from openai import OpenAI
-from server_harness import running_server, smollm_engine
+from server_harness import client, server, smollm_engine
 
 MODEL = "smollm2-135m"
 WEATHER = {
@@ -52,13 +52,7 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 # Forces the text a tool-calling model writes, so "auto" parsing is checked whatever 135M would say.
 AUTO_TEXT = r'Let me check\. <tool_call>\[\{"name": "get_weather", "arguments": \{"city": "Paris", "days": 3\}\}\]</tool_call>'  # noqa: E501
 
-__all__ = ["smollm_engine"]  # the shared session fixture
-
-
-@pytest.fixture(scope="module")
-def client(smollm_engine) -> OpenAI:
-    with running_server(smollm_engine, MODEL) as srv:
-        yield OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+__all__ = ["client", "server", "smollm_engine"]  # shared fixtures (server_harness)
 
 
 def ask(client: OpenAI, **kwargs):

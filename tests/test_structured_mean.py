@@ -14,7 +14,7 @@ import json
 import jsonschema
 import pytest
 from openai import OpenAI
-from server_harness import running_server, smollm_engine
+from server_harness import server, smollm_engine
 
 from deepserve.engine.sampling_params import SamplingParams, StructuredOutput
 
@@ -40,13 +40,7 @@ PROMPTS = [
 ]
 FORMAT = {"type": "json_schema", "json_schema": {"name": "poem", "schema": SCHEMA, "strict": True}}
 
-__all__ = ["smollm_engine"]
-
-
-@pytest.fixture(scope="module")
-def server(smollm_engine):
-    with running_server(smollm_engine, MODEL) as srv:
-        yield srv
+__all__ = ["server", "smollm_engine"]  # shared fixtures (server_harness)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
