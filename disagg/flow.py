@@ -10,7 +10,9 @@ so a failed transfer costs time, never correctness.
 The decode worker resumes the request after that first token (the engine's `resume_token_ids`):
 the token counts as output for max/min_tokens, penalties, the grammar and the seeded noise, and
 both workers sample with the same seed (one is drawn here when the client gave none), so the
-stream equals a colocated run's. Requests with n > 1 (a first token per sample) are not split: the
+stream equals a colocated run's. The same resume carries a request over a worker that dies
+mid-stream: another worker of the role continues after every token already streamed, so the
+client sees a pause, not an error (single-sample requests; n > 1 fails as before). Requests with n > 1 (a first token per sample) are not split: the
 prefill worker only moves the KV and the decode worker generates every token itself. If no prefill
 worker can take a request before its first token, the decode worker does it all.
 
@@ -51,15 +53,15 @@ class GenerationFlow:
     async def stream(
         self, request_id: str, prompt: list[int], params: SamplingParams
     ) -> AsyncIterator[P.StreamEvent]:
+        if params.seed is None and resumable(params):  # every worker must draw the same noise
+            params = dataclasses.replace(params, seed=secrets.randbits(63))
         if not self.disaggregated:
             role = "mixed" if self.router.pool.has_role("mixed") else "decode"
             req = P.GenerateRequest(request_id, prompt, P.sampling_to_dict(params))
-            async with contextlib.aclosing(self.router.stream(role, req)) as events:
+            async with contextlib.aclosing(self._failing_over(role, req, params)) as events:
                 async for ev in events:
                     yield ev
             return
-        if params.seed is None:  # both workers must draw the same noise
-            params = dataclasses.replace(params, seed=secrets.randbits(63))
         split = self._split if resumable(params) else self._transfer_then_decode
         async with contextlib.aclosing(split(request_id, prompt, params)) as events:
             async for ev in events:
@@ -98,9 +100,38 @@ class GenerationFlow:
             resume_token_ids=[token],
             kv_keys=first.kv_keys,
         )
-        async with contextlib.aclosing(self.router.stream("decode", dec)) as events:
+        async with contextlib.aclosing(self._failing_over("decode", dec, params)) as events:
             async for ev in events:
                 yield _as_prompt_of(ev, first)
+
+    async def _failing_over(
+        self, role: str, req: P.GenerateRequest, params: SamplingParams
+    ) -> AsyncIterator[P.StreamEvent]:
+        """`req` on a worker of `role`; when that worker dies after streaming, another one
+        resumes after every token emitted so far (n=1 only; the seed is fixed by then)."""
+        emitted = list(req.resume_token_ids)
+        first: P.StreamEvent | None = None
+        for attempt in range(self.router.config.max_attempts):
+            if attempt:
+                req = dataclasses.replace(req, resume_token_ids=list(emitted))
+            try:
+                async with contextlib.aclosing(self.router.stream(role, req)) as events:
+                    async for ev in events:
+                        first = first or ev
+                        emitted += [t for o in ev.outputs for t in o["token_ids"]]
+                        yield ev if not attempt else _as_prompt_of(ev, first)
+                return
+            except WorkerUnavailableError as e:
+                last_try = attempt + 1 == self.router.config.max_attempts
+                if not (e.started and resumable(params)) or last_try:
+                    raise
+                log.warning(
+                    "%s died mid-stream, resuming after %d tokens: %s",
+                    req.request_id,
+                    len(emitted),
+                    e,
+                )
+                self.router.stats.retried(role)
 
     def _ends_after_first(
         self, first: P.StreamEvent, params: SamplingParams, n_prompt: int

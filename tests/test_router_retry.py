@@ -18,6 +18,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from deepserve.disagg import protocol as P
 from deepserve.disagg.client import ClientTimeouts
 from deepserve.disagg.errors import NoWorkerError, WorkerRejectedError, WorkerUnavailableError
+from deepserve.disagg.flow import GenerationFlow
+from deepserve.engine.sampling_params import SamplingParams
 from deepserve.router.pool import HealthPolicy
 from deepserve.router.router import Router, RouterConfig
 
@@ -30,6 +32,7 @@ class ScriptedWorker:
     def __init__(self, behaviour: str = "ok") -> None:
         self.behaviour = behaviour
         self.requests: list[str] = []
+        self.resumed: list[list[int]] = []  # resume_token_ids of each generate call
         self.client_ports: list[int] = []  # one per generate call: the connection it came on
         self.aborts: list[str] = []
         self.bad_auth = 0
@@ -49,6 +52,7 @@ class ScriptedWorker:
         async def generate(body: dict, request: Request):
             req = P.GenerateRequest.from_json(body)
             self.requests.append(req.request_id)
+            self.resumed.append(req.resume_token_ids)
             self.client_ports.append(request.client.port)
             if self.behaviour == "fail":
                 return JSONResponse({"error": {"message": "boom"}}, status_code=500)
@@ -73,7 +77,7 @@ class ScriptedWorker:
 
     async def _events(self, req: P.GenerateRequest):
         n = int(req.sampling.get("max_tokens") or 3)
-        for i in range(n):
+        for i in range(len(req.resume_token_ids), n):  # a resumed request continues
             if self.behaviour == "hang":
                 await asyncio.sleep(3600)
             if self.behaviour == "die_mid" and i == 1:
@@ -177,6 +181,21 @@ async def test_failure_after_first_token_surfaces_as_error_not_silent_end():
             async for ev in router.stream("mixed", request()):
                 got.append(ev)
         assert err.value.started and len(got) == 1
+        await router.close()
+
+
+async def test_flow_resumes_on_another_worker_after_a_mid_stream_death():
+    dying, good = ScriptedWorker("die_mid"), ScriptedWorker("ok")
+    async with serving(dying, good) as urls:
+        router = router_for(urls)
+        flow = GenerationFlow(router, max_model_len=64)
+        for i in range(2):  # round robin sends one of the two to the dying worker first
+            events = [
+                ev async for ev in flow.stream(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=3))
+            ]
+            assert [t for ev in events for t in ev.outputs[0]["token_ids"]] == [0, 1, 2]
+            assert events[-1].finished
+        assert dying.requests and [0] in good.resumed
         await router.close()
 
 

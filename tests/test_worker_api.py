@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
+import time
 
 import httpx
 import pytest
@@ -110,22 +110,15 @@ def test_worker_publishes_its_block_events_on_redis(worker, redis):
     pubsub.subscribe(P.KV_EVENTS_CHANNEL)
     pubsub.get_message(timeout=5)  # the subscribe confirmation
     prompt = list(range(3000, 3033))
+    blocks = [prompt[:16], prompt[16:32]]
     run(generate(worker, P.GenerateRequest("ev", prompt, {"max_tokens": 1})))
+    # Earlier tests' events may still be in flight on the channel: keep only this prompt's.
     stored: list[P.BlockEvent] = []
-    done = threading.Event()
-
-    def collect():
-        while not done.is_set():
-            msg = pubsub.get_message(timeout=1)
-            if msg and msg["type"] == "message":
-                batch = P.EventBatch.from_json(json.loads(msg["data"]))
-                stored.extend(e for e in batch.events if e.kind == "stored")
-                if len(stored) >= 2:
-                    done.set()
-
-    t = threading.Thread(target=collect)
-    t.start()
-    t.join(10)
-    done.set()
-    assert [e.token_ids for e in stored[:2]] == [prompt[:16], prompt[16:32]]
+    deadline = time.monotonic() + 10
+    while len(stored) < 2 and time.monotonic() < deadline:
+        msg = pubsub.get_message(timeout=1)
+        if msg and msg["type"] == "message":
+            batch = P.EventBatch.from_json(json.loads(msg["data"]))
+            stored.extend(e for e in batch.events if e.kind == "stored" and e.token_ids in blocks)
+    assert [e.token_ids for e in stored] == blocks
     assert stored[0].parent is None and stored[1].parent == stored[0].key
