@@ -14,4 +14,8 @@ for root in ROOTS:
     packages.append(f"deepserve.{root}")
     packages += [f"deepserve.{root}.{sub}" for sub in find_packages(root)]
 
-setup(packages=packages, package_dir=package_dir, package_data={"deepserve.server": ["py.typed"]})
+setup(
+    packages=packages,
+    package_dir=package_dir,
+    package_data={"deepserve.server": ["py.typed"], "deepserve.kernels": ["csrc/*.cpp"]},
+)
