@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from deepserve.kernels.attention_ref import paged_attention
+from deepserve.kernels import cpu_ops
 from deepserve.kernels.registry import KernelSet
 
 
@@ -57,7 +57,11 @@ def pack_linear_weight(w: torch.Tensor) -> torch.Tensor | PackedWeight:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in float32. Lower precisions cast back before the weight, as the HF models do; in
-    float32 torch's fused op gives the same values in one call."""
+    float32 torch's fused op gives the same values in one call, the native CPU kernel in one pass
+    (within an ulp or two: another summation order)."""
+    native = cpu_ops.rms_norm(x, weight, eps)
+    if native is not None:
+        return native
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
@@ -84,5 +88,5 @@ KERNELS = KernelSet(
     softmax=softmax,
     log_softmax=log_softmax,
     bmm=bmm,
-    paged_attention=paged_attention,
+    paged_attention=cpu_ops.paged_attention,
 )

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from deepserve.engine.attention import AttentionMetadata
 from deepserve.engine.models.base import KVCacheSpec
-from deepserve.engine.models.common import WeightStore, require, swiglu
-from deepserve.kernels import reference
+from deepserve.engine.models.common import WeightStore, add_rms_norm, require, swiglu
+from deepserve.kernels import cpu_ops, reference
 from deepserve.kernels.attention_ref import write_kv
 from deepserve.kernels.registry import KernelSet
 from deepserve.kernels.rope import apply_rope, build_rope_tables, rope_at
@@ -131,12 +131,14 @@ class LlamaForCausalLM:
         cos, sin = rope_at(self.rope, positions, self.dtype)
         views = self._cache_views(kv_cache)
         eps = a.rms_norm_eps
-        for layer, cache in zip(self.layers, views, strict=True):
-            h = h + self._attention(
-                layer, k.rms_norm(h, layer.attn_norm, eps), cos, sin, attn, cache
+        x = k.rms_norm(h, self.layers[0].attn_norm, eps)
+        norms = [layer.attn_norm for layer in self.layers[1:]] + [self.norm]
+        for layer, cache, next_norm in zip(self.layers, views, norms, strict=True):
+            h, x = add_rms_norm(
+                k, h, self._attention(layer, x, cos, sin, attn, cache), layer.mlp_norm, eps
             )
-            h = h + swiglu(k, k.rms_norm(h, layer.mlp_norm, eps), layer.gate_up, layer.down)
-        return k.rms_norm(h, self.norm, a.rms_norm_eps)
+            h, x = add_rms_norm(k, h, swiglu(k, x, layer.gate_up, layer.down), next_norm, eps)
+        return x
 
     def _attention(
         self,
@@ -150,12 +152,17 @@ class LlamaForCausalLM:
         a = self.args
         tokens, hq, hkv, d = x.shape[0], a.num_heads, a.num_kv_heads, a.head_dim
         qkv = self.k.linear(x, layer.qkv)
-        qk = apply_rope(qkv[:, : (hq + hkv) * d].view(tokens, hq + hkv, d), cos, sin)
-        q, key = qk[:, :hq], qk[:, hq:]
-        value = qkv[:, (hq + hkv) * d :].view(tokens, hkv, d)
         k_cache, v_cache = cache
-        write_kv(k_cache, attn.slot_mapping, key)
-        write_kv(v_cache, attn.slot_mapping, value)
+        fused = self.k.name == "reference" and cpu_ops.rope_qk_write_kv_(
+            qkv, cos, sin, k_cache, v_cache, attn.slot_mapping, hq
+        )
+        if fused:
+            q = qkv[:, : hq * d].view(tokens, hq, d)
+        else:
+            qk = apply_rope(qkv[:, : (hq + hkv) * d].view(tokens, hq + hkv, d), cos, sin)
+            q = qk[:, :hq]
+            write_kv(k_cache, attn.slot_mapping, qk[:, hq:])
+            write_kv(v_cache, attn.slot_mapping, qkv[:, (hq + hkv) * d :].view(tokens, hkv, d))
         out = self.k.paged_attention(q, k_cache, v_cache, attn, self.scale)
         return self.k.linear(out.reshape(tokens, hq * d), layer.o)
 

@@ -1,0 +1,102 @@
+"""The reference KernelSet's CPU fast path: deepserve's native kernels (kernels/csrc/) where they
+cover the call, torch's reference ops everywhere else (GPU tensors, dtypes or shapes a kernel
+does not take, a machine where the native build is unavailable).
+
+Each op here keeps its reference's contract and numerics (float32 within ~1e-5, accumulation in
+float32), and computes every row from that row's own inputs alone, so a token's result never
+depends on the rest of the batch. What does not live here: the kernels themselves (kernels/csrc/),
+the build (kernels/cpu_native.py), and the torch oracles (kernels/attention_ref.py, reference.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepserve.engine.attention import AttentionMetadata
+from deepserve.kernels import attention_ref, cpu_native
+
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def native(x: torch.Tensor) -> bool:
+    """True when `x` lives on the CPU and the native kernels are loaded."""
+    return x.device.type == "cpu" and x.dtype in _NATIVE_DTYPES and cpu_native.load()
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """kernels/attention_ref.py's `paged_attention`, natively for float32/bfloat16 caches with
+    head sizes a multiple of 8 (decode, prefill and mixed batches alike)."""
+    usable = (
+        native(q)
+        and k_cache.dtype == v_cache.dtype
+        and k_cache.dtype in _NATIVE_DTYPES
+        and k_cache.shape[-1] % 8 == 0
+        and v_cache.shape[-1] % 8 == 0
+        and k_cache.stride(-1) == v_cache.stride(-1) == 1
+        and attn.block_size <= 64
+    )
+    if not usable:
+        return attention_ref.paged_attention(q, k_cache, v_cache, attn, scale)
+    return cpu_native.ops().paged_attention(
+        q, k_cache, v_cache, attn.query_start_loc, attn.seq_lens, attn.block_tables, scale
+    )
+
+
+def _float32_rows(*xs: torch.Tensor) -> bool:
+    return all(x.dtype == torch.float32 and x.is_contiguous() for x in xs) and native(xs[0])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm of float32 rows natively, or None when the caller should use torch's."""
+    if not _float32_rows(x, weight):
+        return None
+    return cpu_native.ops().rms_norm(x, weight, eps)
+
+
+def add_rms_norm_(
+    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor | None:
+    """`h += delta` in place and RMSNorm of the result in one pass, or None (h untouched) when
+    the caller should use torch's ops."""
+    if not (_float32_rows(h, weight) and delta.dtype == torch.float32 and delta.shape == h.shape):
+        return None
+    return cpu_native.ops().add_rms_norm_(h, delta, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up for `gate_up = [gate | up]`, or None for torch's ops."""
+    if not _float32_rows(gate_up):
+        return None
+    return cpu_native.ops().silu_mul(gate_up)
+
+
+def rope_qk_write_kv_(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+) -> bool:
+    """Rotate the q and k heads of `qkv [T, (Hq + 2 Hkv) * D]` in place (cos/sin `[T, 1, D/2]`)
+    and store k and v at `slot_mapping` in the caches `[blocks, block_size, Hkv, D]`; False (and
+    nothing done) when the caller should use torch's ops."""
+    ok = (
+        _float32_rows(qkv, cos, sin)
+        and k_cache.dtype == v_cache.dtype == torch.float32
+        and k_cache.stride(-1) == v_cache.stride(-1) == 1
+    )
+    if ok:
+        tokens, hkv = qkv.shape[0], k_cache.shape[2]
+        cos, sin = cos.view(tokens, -1), sin.view(tokens, -1)
+        cpu_native.ops().rope_qk_write_kv_(
+            qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, hkv
+        )
+    return ok

@@ -1,0 +1,97 @@
+"""The native CPU paged attention (kernels/csrc/attention.cpp, through kernels/cpu_ops.py) against
+the torch reference (kernels/attention_ref.py) on scattered paged caches: decode, prefill and
+mixed batches, GQA and MLA layouts, float32 and bfloat16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_kv import PagedCase
+
+from deepserve.kernels import attention_ref, cpu_native, cpu_ops
+
+pytestmark = pytest.mark.skipif(not cpu_native.load(), reason="native CPU kernels unavailable")
+
+
+class Ref:
+    paged_attention = staticmethod(attention_ref.paged_attention)
+
+
+class VarlenRef:
+    """The reference's general path: it gathers only a sequence's own blocks, where the decode
+    path also reads table padding, which the MLA case's poisoned (NaN) free blocks would spoil."""
+
+    paged_attention = staticmethod(attention_ref._varlen_attention)
+
+
+class Native:
+    paged_attention = staticmethod(cpu_ops.paged_attention)
+
+
+def assert_native_matches_reference(case: PagedCase, seqs, atol=1e-5, ref=Ref):
+    for out, want in zip(case.run(Native, seqs), case.run(ref, seqs), strict=True):
+        torch.testing.assert_close(out, want, atol=atol, rtol=atol)
+
+
+def test_native_decode_attention_matches_reference_for_mixed_lengths():
+    # lengths around block edges (16): one token, a partial block, full blocks, one past a block
+    lengths = [1, 15, 16, 17, 40, 100]
+    case = PagedCase("gqa", lengths)
+    assert_native_matches_reference(case, [(i, n - 1, 1) for i, n in enumerate(lengths)])
+
+
+def test_native_varlen_attention_matches_reference_for_prefill_mixed_with_decode():
+    case = PagedCase("gqa", [20, 31, 17, 1, 60])
+    # a fresh prompt, a decode, a chunk after cached context, a one-token prompt, and a prefill
+    # longer than one work tile (60 tokens x 3 query heads per kv head > 32 rows)
+    seqs = [(0, 0, 20), (1, 30, 1), (2, 10, 7), (3, 0, 1), (4, 0, 60)]
+    assert_native_matches_reference(case, seqs)
+
+
+def test_native_varlen_attention_matches_reference_for_chunk_after_long_context():
+    case = PagedCase("gqa", [90, 50])
+    assert_native_matches_reference(case, [(0, 57, 33), (1, 49, 1)])
+
+
+@pytest.mark.parametrize("seqs", [[(0, 29, 1), (1, 4, 1)], [(0, 20, 10), (1, 0, 5)]])
+def test_native_attention_mla_values_are_a_slice_of_the_keys(seqs):
+    case = PagedCase("mla", [30, 5])
+    assert case.cache.v.data_ptr() == case.cache.k.data_ptr()
+    assert_native_matches_reference(case, seqs, ref=VarlenRef)
+
+
+def test_native_attention_reads_llamas_kv_column_slices_of_one_layer():
+    """The engine's llama cache is one `[blocks, block_size, 2 * Hkv * D]` layer per step with K
+    and V as column slices: strided views the kernel reads without a copy."""
+    case = PagedCase("gqa", [33, 18])
+    layer = torch.cat([case.cache.k.flatten(2), case.cache.v.flatten(2)], dim=-1)
+    width = case.cache.k.shape[2] * case.cache.k.shape[3]
+    case.cache.k = layer[..., :width].unflatten(-1, case.cache.k.shape[2:])
+    case.cache.v = layer[..., width:].unflatten(-1, case.cache.v.shape[2:])
+    assert_native_matches_reference(case, [(0, 32, 1), (1, 10, 8)])
+
+
+def test_native_attention_bfloat16_cache_matches_float64_reference():
+    case = PagedCase("gqa", [40, 9], dtype=torch.bfloat16)
+    seqs = [(0, 39, 1), (1, 0, 9)]
+    wide = PagedCase("gqa", [40, 9])
+    wide.cache.k, wide.cache.v = case.cache.k.double(), case.cache.v.double()
+    wide.queries = [q.double() for q in case.queries]
+    for out, ref in zip(case.run(Native, seqs), wide.run(Ref, seqs), strict=True):
+        assert out.dtype == torch.bfloat16
+        # only the final rounding to bfloat16 differs: half a bfloat16 ulp
+        torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=8e-3)
+
+
+def test_native_attention_row_does_not_depend_on_the_batch():
+    case = PagedCase("gqa", [50, 20, 7])
+    alone = case.run(Native, [(0, 40, 10)])[0]
+    batched = case.run(Native, [(1, 19, 1), (0, 40, 10), (2, 0, 7)])[1]
+    assert torch.equal(alone, batched)
+
+
+def test_unsupported_head_size_falls_back_to_the_reference():
+    case = PagedCase("gqa", [12])
+    case.cache.k, case.cache.v = case.cache.k[..., :60], case.cache.v[..., :60]
+    case.queries = [q[..., :60] for q in case.queries]
+    assert_native_matches_reference(case, [(0, 11, 1)])
