@@ -165,9 +165,12 @@ def measure_roofline(engine: LLMEngine) -> Roofline:
     model = engine.model
     weights = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     weights.append(model.lm_head)
-    plain = [w.one_row if isinstance(w, reference.PackedWeight) else w for w in weights]
+    plain = [w.panels if isinstance(w, reference.PackedWeight) else w for w in weights]
     nbytes = sum(w.numel() * w.element_size() for w in plain)
     params = sum(w.numel() for w in plain)
+    fan_in = [
+        w.in_features if isinstance(w, reference.PackedWeight) else w.shape[1] for w in weights
+    ]
 
     def best(fn) -> float:
         fn()
@@ -179,9 +182,9 @@ def measure_roofline(engine: LLMEngine) -> Roofline:
         return min(times)
 
     stream = best(lambda: [w.sum() for w in plain])
-    rows = {w.shape[0]: torch.randn(256, w.shape[0]) for w in plain}  # one_row is [in, out]
+    rows = {k: torch.randn(256, k) for k in fan_in}
     gemm = best(
-        lambda: [reference.linear(rows[p.shape[0]], w) for p, w in zip(plain, weights, strict=True)]
+        lambda: [reference.linear(rows[k], w) for k, w in zip(fan_in, weights, strict=True)]
     )
     return Roofline(nbytes, nbytes / stream / 1e9, 2 * 256 * params / gemm / 1e9)
 

@@ -12,47 +12,65 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from deepserve.kernels import cpu_ops
+from deepserve.kernels import cpu_native, cpu_ops
 from deepserve.kernels.registry import KernelSet
+
+PANEL = 16  # output columns per panel of the native CPU linear (kernels/csrc/linear.cpp)
 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A CPU linear weight `[out, in]` kept in the two layouts that win on an AVX2 machine (more
-    memory than the plain weight). Measured over SmolLM2's 121 matmuls streamed from DRAM:
-    float32, one row 32 ms through a transposed copy vs 39-40 ms through F.linear or oneDNN's
-    packed layout, 2-3 rows 50 ms packed vs 54-68 ms (transposed) and 73-91 ms (F.linear);
-    bfloat16 (no native bf16 GEMM without AVX-512), one row 36 ms through the bf16 weight itself,
-    16 rows 109 ms through a float32 packed copy vs 489 ms for the bf16 GEMM."""
+    """A CPU linear weight `[out, in]` packed once for the native kernel (kernels/csrc/linear.cpp):
+    panels of 16 output columns, `[ceil(out / 16), in, 16]`, in the weight's own dtype (bfloat16
+    widens to float32 in registers). One copy serves every row count, in the same memory as the
+    plain weight.
 
-    one_row: torch.Tensor  # `[in, out]` (maybe a transposed view) for `x @ one_row`, in x's dtype
-    packed: torch.Tensor  # oneDNN's blocked float32 layout (opaque): two rows and up
+    Measured on this 2-core AVX2 EPYC, weights streamed from DRAM (benchmarks/linear_cpu.py),
+    against the layouts it replaced (a transposed copy for one row, oneDNN's packed copy for two
+    and up): one row streams at 30-40 GB/s vs 13-20; 16 rows run at 90-115 GFLOP/s vs 60-90;
+    up to 256 rows it is as fast or faster, at 512 rows (long prefills) oneDNN is ~10-15% ahead.
+    Each output is one FMA chain over `in` in order whatever the row count, so a row's result is
+    bitwise the same alone, in any batch, in prefill or in decode."""
+
+    panels: torch.Tensor
+    out_features: int
+
+    @property
+    def in_features(self) -> int:
+        return self.panels.shape[1]
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight) -> torch.Tensor:
     """x[..., in] @ w[out, in].T; `w` may come from `pack_linear_weight`."""
     if not isinstance(w, PackedWeight):
         return F.linear(x, w)
-    if x.numel() == x.shape[-1]:
-        return torch.matmul(x, w.one_row)
     # bfloat16 rows widen exactly to float32 and round once at the end, like a bf16 GEMM that
     # accumulates in float32.
-    xf = x.contiguous() if x.dtype == torch.float32 else x.float()
-    y = torch.ops.mkldnn._linear_pointwise(xf, w.packed, None, "none", [], "")
+    rows = x.reshape(-1, x.shape[-1])
+    y = cpu_native.ops().linear(
+        rows if x.dtype == torch.float32 else rows.float(), w.panels, w.out_features
+    )
+    y = y.view(*x.shape[:-1], w.out_features)
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
+def pack_panels(w: torch.Tensor) -> torch.Tensor:
+    """`w[out, in]` as the native linear's panels `[ceil(out / 16), in, 16]`, same dtype; the last
+    panel's missing columns are zeros."""
+    out, inp = w.shape
+    panels = -(-out // PANEL)
+    padded = torch.zeros(panels * PANEL, inp, dtype=w.dtype)
+    padded[:out] = w
+    return padded.view(panels, PANEL, inp).transpose(1, 2).contiguous()
+
+
 def pack_linear_weight(w: torch.Tensor) -> torch.Tensor | PackedWeight:
-    """`w` as a `PackedWeight` where that applies (a CPU with oneDNN; float32, or bfloat16 on a CPU
-    without AVX-512, where oneDNN has no bf16 GEMM to pack for), else `w` itself."""
-    usable = w.device.type == "cpu" and w.dim() == 2 and torch.backends.mkldnn.is_available()
-    if not usable or w.dtype not in (torch.float32, torch.bfloat16):
+    """`w` as a `PackedWeight` where the native kernel applies (a CPU float32 or bfloat16 matrix
+    and the kernels built, see kernels/cpu_native.py), else `w` itself (F.linear then)."""
+    usable = w.device.type == "cpu" and w.dim() == 2 and w.dtype in (torch.float32, torch.bfloat16)
+    if not usable or not cpu_native.load():
         return w
-    if w.dtype == torch.bfloat16 and torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
-        return w
-    packed = torch.ops.mkldnn._reorder_linear_weight(w.float().contiguous(), None)
-    one_row = w.t().contiguous() if w.dtype == torch.float32 else w.t()
-    return PackedWeight(one_row=one_row, packed=packed)
+    return PackedWeight(panels=pack_panels(w), out_features=w.shape[0])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -53,7 +53,14 @@ def loaded_on(model):
 
 @pytest.fixture(scope="module")
 def loaded_off(model):
-    return _loaded(model, False)
+    # The default CPU linear (kernels/csrc/linear.cpp) is batch invariant by itself, so SmolLM2
+    # without the flag can pass the check; torch's F.linear (MKL) is not, which keeps this the
+    # proof that the check can fail.
+    from deepserve.kernels import reference
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(reference, "pack_linear_weight", lambda w: w)
+        return _loaded(model, False)
 
 
 def _llm(loaded, **kw) -> LLM:

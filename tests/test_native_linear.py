@@ -1,0 +1,95 @@
+"""The native CPU linear (kernels/csrc/linear.cpp through kernels/reference.py's PackedWeight):
+F.linear's values for any row count and awkward shapes, and a row's bits independent of its batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deepserve.kernels import cpu_native
+from deepserve.kernels.reference import PackedWeight, linear, pack_linear_weight
+
+pytestmark = pytest.mark.skipif(not cpu_native.supported(), reason="needs an AVX2 CPU")
+
+# (out, in): SmolLM2's qkv and down, and remainders of the 16-column panels and of everything else.
+SHAPES = [(960, 576), (576, 1536), (37, 13), (17, 1), (5, 100), (300, 96), (49, 577)]
+
+
+def _rand(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _packed(w: torch.Tensor) -> PackedWeight:
+    packed = pack_linear_weight(w)
+    assert isinstance(packed, PackedWeight)
+    return packed
+
+
+@pytest.mark.parametrize("out_features,in_features", SHAPES)
+def test_matches_float64_linear_for_row_counts_1_to_70(out_features: int, in_features: int):
+    w = _rand(out_features, in_features, seed=1)
+    packed = _packed(w)
+    x = _rand(70, in_features, seed=2)
+    expect = F.linear(x.double(), w.double())
+    # float32 rounding of a length-K dot product of unit normals: ~K * 2^-24 * sqrt(K) at worst.
+    atol = 1e-6 * in_features
+    for rows in range(1, 71):
+        got = linear(x[:rows], packed)
+        assert got.shape == (rows, out_features) and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), expect[:rows], rtol=1e-5, atol=atol)
+
+
+def test_row_is_bitwise_equal_alone_and_inside_a_batch_of_16():
+    w = _packed(_rand(960, 576, seed=3))
+    x = _rand(16, 576, seed=4)
+    batch = linear(x, w)
+    for i in range(16):
+        assert torch.equal(linear(x[i : i + 1], w)[0], batch[i]), i
+
+
+def test_row_bits_do_not_depend_on_row_count_or_offset():
+    w = _packed(_rand(300, 96, seed=5))
+    x = _rand(200, 96, seed=6)
+    full = linear(x, w)
+    for rows in (1, 2, 3, 5, 7, 8, 13, 16, 33, 64, 97, 150):
+        for off in (0, 3):
+            assert torch.equal(linear(x[off : off + rows], w), full[off : off + rows]), (rows, off)
+
+
+def test_leading_dims_and_non_contiguous_input():
+    w = _rand(40, 64, seed=7)
+    x = _rand(3, 64, 5, seed=8).transpose(1, 2)  # [3, 5, 64], strided
+    torch.testing.assert_close(linear(x, _packed(w)), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16, 33])
+def test_bfloat16_weight_streams_as_bfloat16_and_matches_a_float32_accumulated_gemm(rows: int):
+    w = _rand(333, 576, seed=9).bfloat16()
+    packed = _packed(w)
+    assert packed.panels.dtype == torch.bfloat16
+    x = _rand(rows, 576, seed=10).bfloat16()
+    got = linear(x, packed)
+    assert got.dtype == torch.bfloat16
+    expect = F.linear(x.double(), w.double())
+    # one bf16 rounding of the float32 result
+    torch.testing.assert_close(got.double(), expect, rtol=8e-3, atol=1e-2)
+
+
+def test_bfloat16_row_is_bitwise_equal_alone_and_inside_a_batch():
+    w = _packed(_rand(100, 64, seed=11).bfloat16())
+    x = _rand(16, 64, seed=12).bfloat16()
+    batch = linear(x, w)
+    for i in range(16):
+        assert torch.equal(linear(x[i : i + 1], w)[0], batch[i]), i
+
+
+def test_packing_keeps_one_copy_the_size_of_the_weight():
+    w = _rand(960, 576, seed=13)
+    packed = _packed(w)
+    assert packed.panels.numel() == w.numel() and packed.in_features == 576
+
+
+def test_empty_batch_gives_empty_output():
+    w = _packed(_rand(20, 8, seed=14))
+    assert linear(torch.empty(0, 8), w).shape == (0, 20)
