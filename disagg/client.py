@@ -2,8 +2,9 @@
 disagg/http1.py's keep-alive connections; httpx for the other calls).
 
 Every call carries the shared secret and a bounded timeout: connecting, the wait for the first
-event, and the gap between events. Transport failures and 5xx become `WorkerUnavailableError`; 4xx
-become `WorkerRejectedError`. Not here: which worker to call (router/) or the PD flow (disagg/flow.py).
+event (a worker sends its headers with it), and the gap between events. Transport failures and
+5xx become `WorkerUnavailableError`; 4xx become `WorkerRejectedError`. Not here: which worker to
+call (router/) or the PD flow (disagg/flow.py).
 """
 
 from __future__ import annotations
@@ -52,9 +53,8 @@ class WorkerClient:
         body = json.dumps(req.to_json(), separators=(",", ":")).encode()
         started = False
         try:
-            async with self._streams.post(
-                P.GENERATE_PATH, body, t.connect, t.between_events
-            ) as resp:
+            # A worker sends its headers with the first event (server/worker.py).
+            async with self._streams.post(P.GENERATE_PATH, body, t.connect, t.first_event) as resp:
                 if resp.status >= 400:
                     raise _status_error(resp.status, await resp.read(t.control), self.url)
                 lines = _ndjson_lines(resp.chunks(t.between_events))

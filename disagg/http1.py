@@ -124,15 +124,16 @@ class Http1Pool:
 
     @contextlib.asynccontextmanager
     async def post(
-        self, path: str, body: bytes, connect_timeout: float, read_timeout: float
+        self, path: str, body: bytes, connect_timeout: float, headers_timeout: float
     ) -> AsyncIterator[Response]:
-        """POST `body` (JSON) and yield the response once its headers are in. The connection goes
-        back to the pool only when the response was read to its end; otherwise it is closed."""
+        """POST `body` (JSON) and yield the response once its headers are in; each wait for
+        their bytes is bounded by `headers_timeout`. The connection goes back to the pool only
+        when the response was read to its end; otherwise it is closed."""
         request = (
             f"POST {self.base_path}{path} HTTP/1.1\r\n{self._head}"
             f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
         ).encode() + body
-        resp = await self._send(request, connect_timeout, read_timeout)
+        resp = await self._send(request, connect_timeout, headers_timeout)
         try:
             yield resp
         finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 
 import httpx
@@ -94,6 +95,37 @@ def test_abort_mid_stream_frees_every_kv_block(worker):
 
     assert run(scenario()) == "abort"
     assert rc.wait_for(lambda: rc.load(worker)["kv_usage"] == 0, 5)
+
+
+def test_client_leaving_mid_stream_frees_every_kv_block(worker):
+    body = P.GenerateRequest("left", PROMPT, {"max_tokens": 2000, "ignore_eos": True}).to_json()
+    url, headers = worker.url + P.GENERATE_PATH, worker.headers
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=30) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert rc.load(worker)["kv_usage"] > 0
+    # The connection is closed: the worker alone must notice and abort the request.
+    assert rc.wait_for(lambda: rc.load(worker)["kv_usage"] == 0, 5)
+    after = run(generate(worker, P.GenerateRequest("after", PROMPT, {"max_tokens": 2})))
+    assert len(tokens(after)) == 2
+
+
+def test_finished_event_arrives_with_the_end_of_the_body(worker):
+    # One write for both: the router reads the last token and the body's end with one wake-up.
+    body = json.dumps(P.GenerateRequest("one", PROMPT, {"max_tokens": 1}).to_json()).encode()
+    head = (
+        f"POST {P.GENERATE_PATH} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {rc.TOKEN}\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", worker.port), timeout=30) as sock:
+        sock.sendall(head.encode() + body)
+        received = b""
+        while b'"finished":true' not in received:
+            chunk = sock.recv(65536)
+            assert chunk, "the worker closed the connection"
+            received += chunk
+        assert received.endswith(b"\r\n0\r\n\r\n")
 
 
 def test_prefill_mode_answers_after_its_blocks_are_in_the_shared_tier(worker, redis):
