@@ -14,23 +14,38 @@ same loop and HTTP parser, with and without the hop. frontend - worker is the wh
 + protocol + tokenizer + router). One prompt, repeated, so every run is a prefix-cache hit and
 compute stays small and equal; the paths take turns request by request.
 
-    .venv/bin/python benchmarks/router_overhead.py [--iterations 200]
+    .venv/bin/python benchmarks/router_overhead.py [--iterations 200] [--no-write]
+
+The table goes to benchmarks/RESULTS.md between its router_overhead markers, with the command, the
+commit and the load average before and after the run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
+import textwrap
 import time
 
 import httpx
+from results_md import write_section
 from router_load import pct
 from router_load import router_cluster as rc
 
 from deepserve.disagg import protocol as P
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
+BEGIN, END = "<!-- router_overhead:begin -->", "<!-- router_overhead:end -->"
+PATHS = {
+    "worker": "straight to the worker's internal API (sync httpx)",
+    "frontend": "frontend → router → worker (uvloop + httptools, the default)",
+    "serve_uvloop": "`deepserve serve` on uvloop (same app, engine in-process)",
+    "frontend_asyncio": "frontend → router → worker on asyncio + h11 (`--loop asyncio --http h11`)",
+    "serve": "`deepserve serve` as shipped (asyncio's loop, httptools)",
+}
 
 
 def timed(calls: dict, iterations: int) -> dict[str, list[float]]:
@@ -76,7 +91,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--iterations", type=int, default=200)
+    p.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
     args = p.parse_args()
+    load_before = os.getloadavg()[0]
     slow_io = ("--loop", "asyncio", "--http", "h11")
     w = rc.worker("mixed", args.model, None)
     w_slow = rc.worker("mixed", args.model, None, *slow_io)
@@ -108,8 +125,44 @@ def main() -> None:
         result["frontend_asyncio"]["p50_ms"] - result["serve"]["p50_ms"]
     )
     result["frontend_total_p50_ms"] = result["frontend"]["p50_ms"] - result["worker"]["p50_ms"]
+    result["load_avg_1m"] = [load_before, os.getloadavg()[0]]
     print(json.dumps(result, indent=2))
+    if not args.no_write:
+        command = " ".join([".venv/bin/python", "benchmarks/router_overhead.py", *sys.argv[1:]])
+        write_section(BEGIN, END, render(result, command))
 
 
-if __name__ == "__main__":
-    main()
+def render(result: dict, command: str) -> str:
+    git = ["git", "-C", os.path.dirname(os.path.abspath(__file__))]
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(
+        [*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+    ).stdout.splitlines()
+    tree = commit.stdout.strip() + (f" (+ {len(dirty)} files changed in the tree)" if dirty else "")
+    before, after = result["load_avg_1m"]
+    rows = [
+        f"| {label} | {result[k]['p50_ms']:.1f} ms | {result[k]['p99_ms']:.1f} ms |"
+        for k, label in PATHS.items()
+    ]
+    intro = (
+        f"`{command}` at {tree}, load {before:.1f} before and {after:.1f} after — the same "
+        "`/v1/completions` request (1 output token, prefix-cache hit), five paths taking turns "
+        "request by request:"
+    )
+    hop = (
+        f"Router hop (frontend − serve, each on the same loop) at p50: "
+        f"**{result['router_hop_p50_ms']:.1f} ms** ({result['router_hop_asyncio_p50_ms']:.1f} ms "
+        f"on asyncio + h11); frontend − worker: **{result['frontend_total_p50_ms']:.1f} ms**."
+    )
+    lines = [
+        BEGIN,
+        *textwrap.wrap(intro, 100, break_on_hyphens=False),
+        "",
+        "| path | p50 | p99 |",
+        "|---|---|---|",
+        *rows,
+        "",
+        *textwrap.wrap(hop, 100, break_on_hyphens=False),
+        END,
+    ]
+    return "\n".join(lines) + "\n"
