@@ -122,6 +122,8 @@ inline float softmax_block(float* s, int64_t n, float& m, float* alpha) {
   return hsum(sum);
 }
 
+// One work item: query rows row0..row1 (token-major, `group` rows a token) of one kv head of
+// one sequence.
 struct Work {
   int64_t seq, head, row0, row1;
 };
@@ -133,49 +135,74 @@ struct Layout {
   float scale;
 };
 
+// A row's running softmax state: max, sum, and the unnormalized output (dv floats).
+struct RowState {
+  float m = -std::numeric_limits<float>::infinity(), l = 0.0f;
+  float* acc;
+};
+
+// Fold `visible` keys kp/vp (pointer arrays padded to a multiple of 8) into one row's state.
 template <typename T>
-void attend_tile(const Work& w, const Layout& L, const float* q, const T* kc, const T* vc,
-                 const int32_t* table, int64_t q0, int64_t ctx, float* out, int64_t os0,
-                 int64_t os1, std::vector<float>& acc) {
-  const int64_t rows = w.row1 - w.row0, G = L.group, bs = L.block_size;
-  acc.assign(rows * L.dv, 0.0f);
-  std::vector<float> m(rows, -std::numeric_limits<float>::infinity()), l(rows, 0.0f);
-  const int64_t keys = ctx + (w.row1 - 1) / G + 1;  // the tile's last row sees the most keys
+inline void attend_block(const float* qr, const T* const* kp, const T* const* vp,
+                         int64_t visible, const Layout& L, RowState& st) {
   alignas(32) float s[kMaxBlock + 8];
+  const int64_t padded = (visible + 7) & ~int64_t{7};
+  for (int64_t j = 0; j < padded; j += 8) dot8(qr, kp + j, L.dk, s + j);
+  for (int64_t j = 0; j < visible; ++j) s[j] *= L.scale;
+  for (int64_t j = visible; j < padded; ++j) s[j] = -std::numeric_limits<float>::infinity();
+  float alpha;
+  const float sum = softmax_block(s, padded, st.m, &alpha);
+  st.l = st.l * alpha + sum;
+  scale_accumulate(st.acc, alpha, s, vp, visible, L.dv);
+}
+
+template <typename T>
+inline void prefetch_block(const T* kc, const T* vc, int64_t blk, int64_t n, int64_t h,
+                           const Layout& L) {
+  prefetch_rows(kc + blk * L.kb + h * L.kh, L.kt, n, L.dk * int64_t(sizeof(T)));
+  prefetch_rows(vc + blk * L.vb + h * L.vh, L.vt, n, L.dv * int64_t(sizeof(T)));
+}
+
+// The item's rows over its sequence's keys, block by block, prefetching the next block while
+// this one computes.
+template <typename T>
+void attend_item(const Work& w, const Layout& L, const float* q, const T* kc, const T* vc,
+                 const int32_t* table, int64_t q0, int64_t ctx, std::vector<RowState>& rows,
+                 std::vector<float>& acc) {
+  const int64_t nrows = w.row1 - w.row0, G = L.group, bs = L.block_size, h = w.head;
+  acc.assign(nrows * L.dv, 0.0f);
+  rows.assign(nrows, RowState{});
+  for (int64_t r = 0; r < nrows; ++r) rows[r].acc = acc.data() + r * L.dv;
+  const int64_t keys = ctx + (w.row1 - 1) / G + 1;  // the item's last row sees the most keys
   const T* kp[kMaxBlock + 8];
   const T* vp[kMaxBlock + 8];
+  prefetch_block(kc, vc, table[0], std::min(bs, keys), h, L);
   for (int64_t start = 0; start < keys; start += bs) {
     const int64_t blk = table[start / bs], n = std::min(bs, keys - start);
-    if (start + bs < keys) {  // the next block's rows of this head, while this one computes
-      const int64_t next = table[start / bs + 1], m = std::min(bs, keys - start - bs);
-      prefetch_rows(kc + next * L.kb + w.head * L.kh, L.kt, m, L.dk * int64_t(sizeof(T)));
-      prefetch_rows(vc + next * L.vb + w.head * L.vh, L.vt, m, L.dv * int64_t(sizeof(T)));
-    }
+    if (start + bs < keys)
+      prefetch_block(kc, vc, table[start / bs + 1], std::min(bs, keys - start - bs), h, L);
     for (int64_t j = 0; j < n; ++j) {
-      kp[j] = kc + blk * L.kb + j * L.kt + w.head * L.kh;
-      vp[j] = vc + blk * L.vb + j * L.vt + w.head * L.vh;
+      kp[j] = kc + blk * L.kb + j * L.kt + h * L.kh;
+      vp[j] = vc + blk * L.vb + j * L.vt + h * L.vh;
     }
     for (int64_t j = n; j < ((n + 7) & ~int64_t{7}); ++j) kp[j] = kp[0];  // scored, then masked
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = 0; r < nrows; ++r) {
       const int64_t row = w.row0 + r, t = row / G;
       const int64_t visible = std::min(n, ctx + t + 1 - start);
       if (visible <= 0) continue;
-      const float* qr = q + (q0 + t) * L.qs0 + (w.head * G + row % G) * L.qs1;
-      const int64_t padded = (visible + 7) & ~int64_t{7};
-      for (int64_t j = 0; j < padded; j += 8) dot8(qr, kp + j, L.dk, s + j);
-      for (int64_t j = 0; j < visible; ++j) s[j] *= L.scale;
-      for (int64_t j = visible; j < padded; ++j) s[j] = -std::numeric_limits<float>::infinity();
-      float alpha;
-      const float sum = softmax_block(s, padded, m[r], &alpha);
-      l[r] = l[r] * alpha + sum;
-      scale_accumulate(acc.data() + r * L.dv, alpha, s, vp, visible, L.dv);
+      const float* qr = q + (q0 + t) * L.qs0 + (h * G + row % G) * L.qs1;
+      attend_block(qr, kp, vp, visible, L, rows[r]);
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
+}
+
+void store_item(const Work& w, const Layout& L, const std::vector<RowState>& rows, int64_t q0,
+                float* out, int64_t os0, int64_t os1) {
+  for (int64_t r = 0; r < w.row1 - w.row0; ++r) {
     const int64_t row = w.row0 + r;
-    float* o = out + (q0 + row / G) * os0 + (w.head * G + row % G) * os1;
-    const float inv = 1.0f / l[r];
-    for (int64_t d = 0; d < L.dv; ++d) o[d] = acc[r * L.dv + d] * inv;
+    float* o = out + (q0 + row / L.group) * os0 + (w.head * L.group + row % L.group) * os1;
+    const float inv = 1.0f / rows[r].l;
+    for (int64_t d = 0; d < L.dv; ++d) o[d] = rows[r].acc[d] * inv;
   }
 }
 
@@ -221,11 +248,12 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
     const T* vc = reinterpret_cast<const T*>(v_cache.data_ptr());
     at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t i0, int64_t i1) {
       std::vector<float> acc;
+      std::vector<RowState> rows;
       for (int64_t i = i0; i < i1; ++i) {
         const Work& w = items[i];
         const int64_t q0 = lp[w.seq], ctx = sl[w.seq] - (lp[w.seq + 1] - lp[w.seq]);
-        attend_tile<T>(w, L, q.data_ptr<float>(), kc, vc, tp + w.seq * tstride, q0, ctx,
-                       out.data_ptr<float>(), out.stride(0), out.stride(1), acc);
+        attend_item<T>(w, L, q.data_ptr<float>(), kc, vc, tp + w.seq * tstride, q0, ctx, rows, acc);
+        store_item(w, L, rows, q0, out.data_ptr<float>(), out.stride(0), out.stride(1));
       }
     });
   };
