@@ -166,3 +166,7 @@ def render(result: dict, command: str) -> str:
         END,
     ]
     return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
