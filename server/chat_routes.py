@@ -10,7 +10,6 @@ chat-template models with tools, the Chat Completions output is rewritten into t
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections import deque
 from collections.abc import AsyncIterator
@@ -31,6 +30,7 @@ from deepserve.server.state import (
     AppState,
     ClientDisconnected,
     check_model,
+    prepare_off_loop,
     read_json,
     until_disconnect,
 )
@@ -51,7 +51,7 @@ class Prepared:
 async def handle(request: Request, spec: ProtocolSpec, state: AppState) -> Response:
     body = await read_json(request, state.config.max_body_bytes)
     check_model(body, state.config.served_model_name)
-    prepared = await asyncio.to_thread(prepare, spec, body, state)
+    prepared = await prepare_off_loop(request, prepare, spec, body, state)
     job = prepared.job
     chunks = stream_chunks(state.backend, job, state.family.recipe_tokenizer, state.metrics)
     info = FrameInfo(

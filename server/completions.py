@@ -31,6 +31,7 @@ from deepserve.server.state import (
     AppState,
     ClientDisconnected,
     check_model,
+    prepare_off_loop,
     read_json,
     until_disconnect,
 )
@@ -89,7 +90,7 @@ class _Event:
 async def handle(request: Request, state: AppState) -> Response:
     body = await read_json(request, state.config.max_body_bytes)
     check_model(body, state.config.served_model_name)
-    job = await asyncio.to_thread(_prepare, body, state)
+    job = await prepare_off_loop(request, _prepare, body, state)
     rid = "cmpl-" + uuid.uuid4().hex[:24]
     events = _generate(state, rid, job)
     n_prompt = len(job.prompt_ids)
