@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -61,33 +62,29 @@ __attribute__((noinline)) void store_partial(float* y, __m256 a0, __m256 a1, int
 // Where a tile call prefetches. A lone tile streaming from memory reads `ahead` elements past
 // each panel's position; tiles that share a panel group instead walk `next` (the next group) one
 // prefetch per k-step, so memory keeps streaming while the group's later tiles compute.
-template <typename T>
 struct Prefetch {
-  int64_t ahead = 0;
-  const T* next = nullptr;
-  int64_t step = 0;
+  int64_t ahead = 0;  // elements
+  const char* next = nullptr;
+  int64_t step = 0;  // bytes per k-step
 };
 
 // Prefetches never fault, so the loop issues them unconditionally: "none" is a prefetch of the
 // line being loaded anyway, cheaper than a branch in the inner loop.
-template <typename T>
-inline void prefetch(const T* p) {
-  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-}
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 
 // MR rows x NP consecutive panels. x rows are `ldx` apart; y rows `ldy`; `last_cols` is how
 // many of the last panel's 16 columns exist (N's remainder).
 template <int MR, int NP, bool BF16>
 inline void tile(const float* x, int64_t ldx, const typename Panel<BF16>::T* w, int64_t K,
-                 float* y, int64_t ldy, int64_t last_cols, Prefetch<typename Panel<BF16>::T> pf) {
+                 float* y, int64_t ldy, int64_t last_cols, Prefetch pf) {
   __m256 acc[MR][NP][2];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p) acc[r][p][0] = acc[r][p][1] = _mm256_setzero_ps();
   const int64_t panel_stride = K * kPanel;
-  const auto* pf_next = pf.next ? pf.next : w;
-  const int64_t pf_step = pf.next ? pf.step : kPanel;
+  const char* pf_next = pf.next ? pf.next : reinterpret_cast<const char*>(w);
+  const int64_t pf_step = pf.next ? pf.step : kPanel * sizeof(*w);
   for (int64_t k = 0; k < K; ++k) {
     prefetch(pf_next + k * pf_step);
     __m256 w0[NP], w1[NP];
@@ -130,8 +127,7 @@ inline int panels_per_tile(int rows) { return rows == 1 ? 4 : rows <= 3 ? 2 : 1;
 // `rows` (1..6) rows against `panels` consecutive panels.
 template <bool BF16>
 void run_rows(int rows, const float* x, int64_t ldx, const typename Panel<BF16>::T* w, int64_t K,
-              float* y, int64_t ldy, int64_t panels, int64_t last_cols,
-              Prefetch<typename Panel<BF16>::T> pf) {
+              float* y, int64_t ldy, int64_t panels, int64_t last_cols, Prefetch pf) {
   const int64_t stride = K * kPanel;
   auto cols = [&](int64_t p, int64_t np) { return p + np == panels ? last_cols : kPanel; };
   int64_t p = 0;
@@ -151,22 +147,34 @@ void run_rows(int rows, const float* x, int64_t ldx, const typename Panel<BF16>:
 #undef DS_RUN
 }
 
+// A bf16 panel group widened once to float32, for the tiles that share it: widening in
+// registers costs a shuffle and a shift per 8 weights on the FMA ports, which every tile would
+// pay again (16 rows ran ~30% slower); one widening per group is ~1/16 of that at 16 rows.
+void widen(const uint16_t* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; i += kPanel) {
+    __m256 w0, w1;
+    Panel<true>::load(src + i, w0, w1);
+    _mm256_storeu_ps(dst + i, w0);
+    _mm256_storeu_ps(dst + i + 8, w1);
+  }
+}
+
 // One thread's share: panels [p0, p1) for every row. Rows are cut into near-equal tiles of at
 // most 6 (16 -> 6+5+5, not 6+6+4) so no tile runs short of independent chains.
 template <bool BF16>
 void run_panels(const float* x, int64_t M, int64_t K, const typename Panel<BF16>::T* w,
                 float* y, int64_t N, int64_t p0, int64_t p1) {
-  using T = typename Panel<BF16>::T;
   const int64_t panels_total = (N + kPanel - 1) / kPanel;
   const int64_t tail = N - (panels_total - 1) * kPanel;
   const int64_t stride = K * kPanel;
+  std::vector<float> wide(BF16 && M > kMaxTileRows ? kGroup * stride : 0);
   for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
     const int64_t mc = std::min(kRowChunk, M - m0);
     const int64_t tiles = (mc + kMaxTileRows - 1) / kMaxTileRows;
     if (tiles == 1) {
-      Prefetch<T> pf{kAhead, nullptr, 0};
       run_rows<BF16>(static_cast<int>(mc), x + m0 * K, K, w + p0 * stride, K,
-                     y + m0 * N + p0 * kPanel, N, p1 - p0, p1 == panels_total ? tail : kPanel, pf);
+                     y + m0 * N + p0 * kPanel, N, p1 - p0, p1 == panels_total ? tail : kPanel,
+                     Prefetch{kAhead, nullptr, 0});
       continue;
     }
     // A few panels at a time: the group leaves memory once and serves the other tiles from
@@ -175,19 +183,22 @@ void run_panels(const float* x, int64_t M, int64_t K, const typename Panel<BF16>
       const int64_t g = std::min(kGroup, p1 - p);
       const int64_t last_cols = p + g == panels_total ? tail : kPanel;
       const int64_t next = std::min(kGroup, p1 - p - g);
+      const char* next_bytes = reinterpret_cast<const char*>(w + (p + g) * stride);
+      const int64_t share = (next * stride * sizeof(*w) + tiles - 1) / tiles;
+      const float* wf;
+      if constexpr (BF16) {
+        widen(w + p * stride, g * stride, wide.data());
+        wf = wide.data();
+      } else {
+        wf = w + p * stride;
+      }
       int64_t r = m0;
       for (int64_t t = 0; t < tiles; ++t) {
         const int rows = static_cast<int>(mc / tiles + (t < mc % tiles ? 1 : 0));
-        const int np = panels_per_tile(rows);
-        const int64_t calls = (g + np - 1) / np;
-        const int64_t share = (next * stride + tiles - 1) / tiles;
-        Prefetch<T> pf{0, nullptr, 0};
-        if (next > 0) {
-          pf.next = w + (p + g) * stride + t * share;
-          pf.step = (share + calls * K - 1) / (calls * K);
-        }
-        run_rows<BF16>(rows, x + r * K, K, w + p * stride, K, y + r * N + p * kPanel, N, g,
-                       last_cols, pf);
+        const int64_t calls = (g + panels_per_tile(rows) - 1) / panels_per_tile(rows);
+        Prefetch pf;
+        if (next > 0) pf = {0, next_bytes + t * share, (share + calls * K - 1) / (calls * K)};
+        run_rows<false>(rows, x + r * K, K, wf, K, y + r * N + p * kPanel, N, g, last_cols, pf);
         r += rows;
       }
     }
@@ -209,7 +220,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   if (K == 0) return y.zero_();
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // Keep a thread's share above ~64K multiply-adds: a smaller split costs more to fork than it saves.
+  // Keep a thread's share above ~64K multiply-adds: smaller splits cost more to fork than they save
   const int64_t grain = std::max<int64_t>(1, 65536 / (M * K * kPanel));
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
     if (bf16) {
