@@ -43,9 +43,10 @@ TOPICS = [
 NOTES = [
     "Each deepserve row is measured right before the transformers row of the same dtype and "
     "batch (same load); both use every core (2 torch threads here, the engine's default). float32 "
-    "matmuls use `kernels/reference.py: PackedWeight`: one-row GEMVs read a transposed `[in, out]` "
-    "copy, two rows and up a oneDNN pre-packed copy (both beat F.linear's MKL path on this AMD "
-    "EPYC; the price is a second copy of the weights). Decode attention gathers KV blocks with "
+    "and bfloat16 matmuls use `kernels/reference.py: PackedWeight`: the native kernel "
+    "(kernels/csrc/linear.cpp) over one copy of the weights packed in 16-column panels, for every "
+    "row count (benchmarks/linear_cpu.py compares it with the transposed-GEMV / oneDNN pair it "
+    "replaced). Decode attention gathers KV blocks with "
     "index_select and runs torch's fused SDPA on the strided views.",
     "",
     "Threads, same idle machine (one decode step, 16 rows, 2 interleaved runs): 1 thread 157-161 "
@@ -64,8 +65,8 @@ NOTES = [
     "and ~12 ms a step goes to ~1,000 small ops). At batch 16 the linear layers alone take ~57 ms "
     "of a ~110 ms step (oneDNN at 16 rows runs at ~75 GFLOP/s, 60% of its 256-row rate), "
     "attention and the small ops the rest. The CPU has AVX2 and no AVX-512, so there is no native "
-    "bfloat16 GEMM: a bfloat16 one-row step stays a bf16 GEMV (half the bytes to stream), and two "
-    "rows and up widen to float32 against a packed float32 copy (the bf16 GEMM was 4.5x slower).",
+    "bfloat16 GEMM: the native kernel streams bf16 panels (half the bytes) and widens them to "
+    "float32 in registers, or once per panel group when more than 6 rows share it.",
 ]
 
 
