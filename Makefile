@@ -17,7 +17,7 @@ lint: $(VENV)/.ready
 
 setup: $(VENV)/.ready
 
-$(VENV)/.ready: pyproject.toml setup.py $(wildcard kernels/csrc/*.cpp)
+$(VENV)/.ready: pyproject.toml setup.py $(wildcard kernels/csrc/*.cpp kernels/csrc/*.h)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'

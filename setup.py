@@ -17,5 +17,8 @@ for root in ROOTS:
 setup(
     packages=packages,
     package_dir=package_dir,
-    package_data={"deepserve.server": ["py.typed"], "deepserve.kernels": ["csrc/*.cpp"]},
+    package_data={
+        "deepserve.server": ["py.typed"],
+        "deepserve.kernels": ["csrc/*.cpp", "csrc/*.h"],
+    },
 )

@@ -1,6 +1,6 @@
-"""Builds and loads deepserve's native CPU kernels: the C++ sources in kernels/csrc/, compiled once
-per machine with the system compiler (AVX2 + FMA, OpenMP through torch's own thread pool) into
-`torch.ops.deepserve_cpu.*`.
+"""Builds and loads deepserve's native CPU kernels: the C++ sources in kernels/csrc/ (and the
+headers they share), compiled once per machine with the system compiler (AVX2 + FMA, OpenMP
+through torch's own thread pool) into `torch.ops.deepserve_cpu.*`.
 
 Each source file registers its ops with `TORCH_LIBRARY_FRAGMENT(deepserve_cpu, m)`, so kernels
 live in separate files and this module only compiles and loads them. `make setup` builds them, so
@@ -12,6 +12,7 @@ hash and rebuilds only when they change). What does not live here: when a model 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from pathlib import Path
 
@@ -39,11 +40,15 @@ def load() -> bool:
     from torch.utils import cpp_extension
 
     sources = sorted(str(p) for p in CSRC.glob("*.cpp"))
+    # torch rebuilds when the sources or flags change, not when a header does: the headers'
+    # digest goes into the flags.
+    headers = b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.h")))
+    digest = hashlib.sha256(headers).hexdigest()[:16]
     try:
         cpp_extension.load(
             NAME,
             sources,
-            extra_cflags=FLAGS,
+            extra_cflags=[*FLAGS, f"-DDEEPSERVE_HEADERS_DIGEST={digest}"],
             is_python_module=False,
             verbose=False,
         )

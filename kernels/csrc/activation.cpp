@@ -5,32 +5,13 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "vec_math.h"
+
 #include <cmath>
 
 namespace {
 
-// exp over the whole float range: Cephes' range reduction and degree-5 polynomial (about 1 ulp);
-// arguments are clamped to [-87.3, 88.3], where float32 exp underflows or overflows anyway.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  // 2^n built in two halves so n = 128 (x near 88.3) does not overflow the exponent field
-  const __m256i ni = _mm256_cvtps_epi32(n);
-  const __m256i h1 = _mm256_srai_epi32(ni, 1), h2 = _mm256_sub_epi32(ni, h1);
-  const __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(h1, _mm256_set1_epi32(127)), 23));
-  const __m256 p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(h2, _mm256_set1_epi32(127)), 23));
-  return _mm256_mul_ps(_mm256_mul_ps(y, p1), p2);
-}
+using deepserve_cpu::exp8;
 
 inline void silu_mul_row(const float* g, const float* u, float* out, int64_t n) {
   const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();

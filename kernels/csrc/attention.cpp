@@ -11,11 +11,15 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "vec_math.h"
+
 #include <cmath>
 #include <limits>
 #include <vector>
 
 namespace {
+
+using deepserve_cpu::exp8;
 
 constexpr int64_t kTileRows = 32;  // query rows per work item: acc stays in L1 for Dv <= 64
 constexpr int64_t kMaxBlock = 64;  // largest KV block size the score buffer holds
@@ -33,27 +37,6 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
-}
-
-// exp for x <= 0 (softmax arguments): Cephes' range reduction and degree-5 polynomial, about
-// 1 ulp; inputs below -87 (and -inf) flush to 0.
-inline __m256 exp8(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.3f);
-  __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, lo);
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
 
 // s[0:8] = q . k[j] for eight keys at once: eight independent accumulators, then one transpose
