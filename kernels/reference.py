@@ -107,4 +107,7 @@ KERNELS = KernelSet(
     log_softmax=log_softmax,
     bmm=bmm,
     paged_attention=cpu_ops.paged_attention,
+    add_rms_norm_=cpu_ops.add_rms_norm_,
+    silu_mul=cpu_ops.silu_mul,
+    rope_qk_write_kv_=cpu_ops.rope_qk_write_kv_,
 )

@@ -28,6 +28,11 @@ class KernelSet:
     # MoE routing scores; an op here because torch's CPU elementwise loops send a batch-dependent
     # tail through a scalar path with other rounding (kernels/batch_invariant.py)
     sigmoid: Callable[[Tensor], Tensor] = torch.sigmoid
+    # Fused fast paths (kernels/cpu_ops.py). None: models compose the op from the ones above; a
+    # fused op also returns None (False for the in-place write) when it does not cover the call.
+    add_rms_norm_: Callable[..., Tensor | None] | None = None  # (h, delta, w, eps): h += delta
+    silu_mul: Callable[[Tensor], Tensor | None] | None = None  # [gate | up] -> silu(gate) * up
+    rope_qk_write_kv_: Callable[..., bool] | None = None  # see cpu_ops.rope_qk_write_kv_
 
 
 def get_kernels(device: str, batch_invariant: bool) -> KernelSet:

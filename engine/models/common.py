@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 from deepserve.engine.errors import UnsupportedModelError
-from deepserve.kernels import cpu_ops
 from deepserve.kernels.registry import KernelSet
 
 Weights = dict[str, torch.Tensor]
@@ -51,7 +50,7 @@ def swiglu(
 ) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)) with gate and up fused into one [2*I, H] weight."""
     gu = k.linear(x, gate_up)
-    act = cpu_ops.silu_mul(gu) if k.name == "reference" else None
+    act = k.silu_mul(gu) if k.silu_mul is not None else None
     if act is None:
         gate, up = gu.chunk(2, dim=-1)
         act = F.silu(gate) * up
@@ -61,11 +60,11 @@ def swiglu(
 def add_rms_norm(
     k: KernelSet, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual add and the next norm: `(h + delta, rms_norm(h + delta))`. The reference
-    kernels' CPU path fuses both and updates `h` in place (callers own their residual stream);
-    other KernelSets keep their own rms_norm."""
-    if k.name == "reference":
-        normed = cpu_ops.add_rms_norm_(h, delta, weight, eps)
+    """The residual add and the next norm: `(h + delta, rms_norm(h + delta))`. A KernelSet with
+    a fused op does both in one pass and updates `h` in place (callers own their residual
+    stream); others keep their own rms_norm."""
+    if k.add_rms_norm_ is not None:
+        normed = k.add_rms_norm_(h, delta, weight, eps)
         if normed is not None:
             return h, normed
     h = h + delta

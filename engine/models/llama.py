@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from deepserve.engine.attention import AttentionMetadata
 from deepserve.engine.models.base import KVCacheSpec
 from deepserve.engine.models.common import WeightStore, add_rms_norm, require, swiglu
-from deepserve.kernels import cpu_ops, reference
+from deepserve.kernels import reference
 from deepserve.kernels.attention_ref import write_kv
 from deepserve.kernels.registry import KernelSet
 from deepserve.kernels.rope import apply_rope, build_rope_tables, rope_at
@@ -153,7 +153,7 @@ class LlamaForCausalLM:
         tokens, hq, hkv, d = x.shape[0], a.num_heads, a.num_kv_heads, a.head_dim
         qkv = self.k.linear(x, layer.qkv)
         k_cache, v_cache = cache
-        fused = self.k.name == "reference" and cpu_ops.rope_qk_write_kv_(
+        fused = self.k.rope_qk_write_kv_ is not None and self.k.rope_qk_write_kv_(
             qkv, cos, sin, k_cache, v_cache, attn.slot_mapping, hq
         )
         if fused:
