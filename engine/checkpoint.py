@@ -4,11 +4,13 @@ from it is engine/loader.py's job."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
+
+from deepserve.kernels.quant_panels import QuantizedMatrix
 
 
 @dataclass
@@ -20,3 +22,6 @@ class Checkpoint:
     eos_token_ids: list[int]
     chat_template: str | None
     files: list[Path]  # the weight files, hashed into the model fingerprint
+    # A GGUF's block-quantized matrices as stored (HF names): `weights` holds their exact
+    # dequantization, these let the CPU kernels stream the smaller blocks instead.
+    quantized: dict[str, QuantizedMatrix] = field(default_factory=dict)

@@ -1,5 +1,6 @@
 """Reads a GGUF checkpoint into the engine's common form: an HF-style config dict, HF-named float32
-tensors (dequantized), the embedded tokenizer and chat template.
+tensors (dequantized; Q4_0/Q4_1/Q8_0 matrices also as their raw blocks), the embedded tokenizer and
+chat template.
 
 Supported: the `llama` architecture; tensor types F32, F16, BF16, Q4_0, Q4_1, Q8_0. llama.cpp's
 converter permutes the rows of Q and K (interleaved rotary pairs); we undo that so the weights are
@@ -18,6 +19,7 @@ from deepserve.engine.checkpoint import Checkpoint
 from deepserve.engine.errors import ModelNotFoundError, UnsupportedModelError
 from deepserve.engine.gguf_format import GGUFFile, dequantize, read_gguf_file
 from deepserve.engine.tokenizer import tokenizer_from_gguf
+from deepserve.kernels.quant_panels import FORMATS, QuantizedMatrix
 
 SUPPORTED_TYPES = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0}
 
@@ -46,7 +48,7 @@ def read_gguf(path: Path) -> Checkpoint:
             f"GGUF architecture {arch!r} in {path.name} is not supported (only 'llama')"
         )
     config = _llama_config(meta)
-    weights = _read_tensors(f, config)
+    weights, quantized = _read_tensors(f, config)
     config["tie_word_embeddings"] = "lm_head.weight" not in weights
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return Checkpoint(
@@ -57,6 +59,7 @@ def read_gguf(path: Path) -> Checkpoint:
         eos_token_ids=[] if eos is None else [int(eos)],
         chat_template=meta.get("tokenizer.chat_template"),
         files=[path],
+        quantized=quantized,
     )
 
 
@@ -102,10 +105,14 @@ def unpermute_rotary_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _read_tensors(f: GGUFFile, config: dict) -> dict[str, torch.Tensor]:
+def _read_tensors(
+    f: GGUFFile, config: dict
+) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedMatrix]]:
+    """Every tensor dequantized to float32 by HF name, and the matrices in a block format the
+    native CPU linear reads (kernels/quant_panels.py) as their raw blocks."""
     heads = {"self_attn.q_proj": config["num_attention_heads"]}
     heads["self_attn.k_proj"] = config["num_key_value_heads"]
-    weights = {}
+    weights, quantized = {}, {}
     for t in f.tensors:
         if t.qtype not in SUPPORTED_TYPES:
             raise UnsupportedModelError(
@@ -113,12 +120,17 @@ def _read_tensors(f: GGUFFile, config: dict) -> dict[str, torch.Tensor]:
                 + ", ".join(sorted(q.name for q in SUPPORTED_TYPES))
             )
         name = _hf_name(t.name)
-        w = dequantize(f.raw(t), t.qtype, t.shape)
+        raw = f.raw(t)
+        w = dequantize(raw, t.qtype, t.shape)
+        blocks = raw.view(t.shape[0], -1) if t.qtype.name in FORMATS and len(t.shape) == 2 else None
         for part, n in heads.items():
             if f".{part}." in name:
                 w = unpermute_rotary_rows(w, n).contiguous()
+                blocks = None if blocks is None else unpermute_rotary_rows(blocks, n).contiguous()
         weights[name] = w
-    return weights
+        if blocks is not None:
+            quantized[name] = QuantizedMatrix(t.qtype.name, blocks, t.shape[1])
+    return weights, quantized
 
 
 def _tokenizer(m: dict) -> Tokenizer:

@@ -61,7 +61,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     arch = architecture_of(ckpt.config)
     cls = model_class(arch)
     fingerprint = model_fingerprint(ckpt.config, ckpt.files)
-    store = WeightStore(ckpt.weights, torch.device(config.device), dtype)
+    store = WeightStore(ckpt.weights, torch.device(config.device), dtype, ckpt.quantized)
     with torch.inference_mode():
         model = cls(
             ckpt.config, store, get_kernels(config.device, config.batch_invariant), fingerprint

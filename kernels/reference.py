@@ -7,15 +7,18 @@ in their own modules and implement the same `KernelSet`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from deepserve.kernels import cpu_native, cpu_ops
+from deepserve.kernels.quant_panels import FORMATS, QuantizedMatrix, pack_quant_panels
 from deepserve.kernels.registry import KernelSet
 
 PANEL = 16  # output columns per panel of the native CPU linear (kernels/csrc/linear.cpp)
+# Rows up to which a quantized weight's own blocks beat its float32 panels (benchmarks/linear_cpu.py)
+QUANT_MAX_ROWS = 4
 
 
 @dataclass(frozen=True)
@@ -30,10 +33,18 @@ class PackedWeight:
     and up): one row streams at 30-40 GB/s vs 13-20; 16 rows run at 90-115 GFLOP/s vs 60-90;
     up to 256 rows it is as fast or faster, at 512 rows (long prefills) oneDNN is ~10-15% ahead.
     Each output is one FMA chain over `in` in order whatever the row count, so a row's result is
-    bitwise the same alone, in any batch, in prefill or in decode."""
+    bitwise the same alone, in any batch, in prefill or in decode.
+
+    A GGUF-quantized weight also keeps its blocks regrouped into panels (`quant`,
+    kernels/quant_panels.py) for calls of at most `QUANT_MAX_ROWS` rows: the same values
+    dequantized in registers, 6-8x fewer bytes to stream, which is what a decode step of a few
+    rows waits on. More rows are bound by multiply-adds, where dequantizing again for every
+    call costs more than it saves, so they read the float32 panels."""
 
     panels: torch.Tensor
     out_features: int
+    quant: torch.Tensor | None = None  # uint8 [panels, in / 32, block bytes]
+    quant_format: int = -1  # kernels/quant_panels.py's FORMATS value, with `quant`
 
     @property
     def in_features(self) -> int:
@@ -47,9 +58,11 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight) -> torch.Tensor:
     # bfloat16 rows widen exactly to float32 and round once at the end, like a bf16 GEMM that
     # accumulates in float32.
     rows = x.reshape(-1, x.shape[-1])
-    y = cpu_native.ops().linear(
-        rows if x.dtype == torch.float32 else rows.float(), w.panels, w.out_features
-    )
+    rows = rows if x.dtype == torch.float32 else rows.float()
+    if w.quant is not None and rows.shape[0] <= QUANT_MAX_ROWS:
+        y = cpu_native.ops().linear_quant(rows, w.quant, w.out_features, w.quant_format)
+    else:
+        y = cpu_native.ops().linear(rows, w.panels, w.out_features)
     y = y.view(*x.shape[:-1], w.out_features)
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
@@ -64,13 +77,25 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
     return padded.view(panels, PANEL, inp).transpose(1, 2).contiguous()
 
 
-def pack_linear_weight(w: torch.Tensor) -> torch.Tensor | PackedWeight:
+def pack_linear_weight(
+    w: torch.Tensor, quantized: QuantizedMatrix | None = None
+) -> torch.Tensor | PackedWeight:
     """`w` as a `PackedWeight` where the native kernel applies (a CPU float32 or bfloat16 matrix
-    and the kernels built, see kernels/cpu_native.py), else `w` itself (F.linear then)."""
+    and the kernels built, see kernels/cpu_native.py), else `w` itself (F.linear then).
+    `quantized` is the checkpoint's own blocks for `w` (its exact dequantization): a float32 `w`
+    keeps them too, for few-row calls. Lower precisions round the dequantized values, so they
+    use `w` alone."""
     usable = w.device.type == "cpu" and w.dim() == 2 and w.dtype in (torch.float32, torch.bfloat16)
     if not usable or not cpu_native.load():
         return w
-    return PackedWeight(panels=pack_panels(w), out_features=w.shape[0])
+    packed = PackedWeight(panels=pack_panels(w), out_features=w.shape[0])
+    if quantized is None or w.dtype != torch.float32:
+        return packed
+    if (quantized.out_features, quantized.in_features) != tuple(w.shape):
+        raise ValueError(f"quantized blocks {quantized.rows.shape} for a {tuple(w.shape)} weight")
+    return replace(
+        packed, quant=pack_quant_panels(quantized), quant_format=FORMATS[quantized.format]
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -59,7 +59,7 @@ def loaded_off(model):
     from deepserve.kernels import reference
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(reference, "pack_linear_weight", lambda w: w)
+        patch.setattr(reference, "pack_linear_weight", lambda w, quantized=None: w)
         return _loaded(model, False)
 
 

@@ -219,3 +219,15 @@ def test_truncated_gguf_is_rejected(tmp_path):
     path.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x01" * 10)
     with pytest.raises(UnsupportedModelError, match="truncated"):
         load_model(EngineConfig(model=str(path)))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
+def test_quantized_blocks_are_kept_in_the_loaded_row_order(gguf_files, qtype):
+    """Each matrix's raw blocks, Q/K rows unpermuted like the weights, dequantize to exactly the
+    loaded float32 weight: the CPU kernels may read either."""
+    ckpt = read_gguf(gguf_files[0][qtype])
+    matrices = {n for n, w in ckpt.weights.items() if w.dim() == 2}
+    assert set(ckpt.quantized) == matrices
+    for name, m in ckpt.quantized.items():
+        got = dequantize(m.rows.reshape(-1), qtype, (m.out_features, m.in_features))
+        assert torch.equal(got, ckpt.weights[name]), name

@@ -6,9 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType, quants
 
+from deepserve.engine.gguf_format import dequantize
 from deepserve.kernels import cpu_native
-from deepserve.kernels.reference import PackedWeight, linear, pack_linear_weight
+from deepserve.kernels.quant_panels import QuantizedMatrix
+from deepserve.kernels.reference import QUANT_MAX_ROWS, PackedWeight, linear, pack_linear_weight
 
 pytestmark = pytest.mark.skipif(not cpu_native.supported(), reason="needs an AVX2 CPU")
 
@@ -93,3 +96,43 @@ def test_packing_keeps_one_copy_the_size_of_the_weight():
 def test_empty_batch_gives_empty_output():
     w = _packed(_rand(20, 8, seed=14))
     assert linear(torch.empty(0, 8), w).shape == (0, 20)
+
+
+def _quantized(
+    fmt: str, out_features: int, in_features: int
+) -> tuple[torch.Tensor, QuantizedMatrix]:
+    """A random matrix through gguf's own quantizer: its exact dequantization and its blocks."""
+    qtype = GGMLQuantizationType[fmt]
+    w = _rand(out_features, in_features, seed=out_features) * 0.1
+    rows = torch.from_numpy(quants.quantize(w.numpy(), qtype)).view(torch.uint8)
+    rows = rows.reshape(out_features, -1)
+    deq = dequantize(rows.reshape(-1), qtype, (out_features, in_features))
+    return deq, QuantizedMatrix(fmt, rows, in_features)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (37, 64), (5, 32)])
+def test_quantized_weight_gives_the_bits_of_its_dequantization(fmt, out_features, in_features):
+    deq, blocks = _quantized(fmt, out_features, in_features)
+    plain = _packed(deq)
+    packed = pack_linear_weight(deq, blocks)
+    assert packed.quant is not None
+    x = _rand(QUANT_MAX_ROWS + 3, in_features, seed=7)
+    for rows in range(1, x.shape[0] + 1):
+        assert torch.equal(linear(x[:rows], packed), linear(x[:rows], plain)), rows
+
+
+def test_quantized_weight_row_bits_do_not_depend_on_the_batch():
+    """Few-row calls read the blocks, larger ones the float32 panels: a row comes out the same."""
+    deq, blocks = _quantized("Q4_1", 96, 64)
+    packed = pack_linear_weight(deq, blocks)
+    x = _rand(16, 64, seed=3)
+    batch = linear(x, packed)
+    for i in range(16):
+        assert torch.equal(linear(x[i : i + 1], packed)[0], batch[i]), i
+
+
+def test_quantized_blocks_of_another_shape_are_rejected():
+    deq, blocks = _quantized("Q8_0", 16, 64)
+    with pytest.raises(ValueError, match="quantized blocks"):
+        pack_linear_weight(deq[:8], blocks)

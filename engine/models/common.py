@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from deepserve.engine.errors import UnsupportedModelError
+from deepserve.kernels.quant_panels import QuantizedMatrix, concat
 from deepserve.kernels.registry import KernelSet
 
 Weights = dict[str, torch.Tensor]
@@ -16,8 +17,15 @@ class WeightStore:
     """Hands out checkpoint tensors (HF names) on the target device/dtype, and reports what is missing
     or left over so a mismatched checkpoint fails loudly instead of running with garbage."""
 
-    def __init__(self, weights: Weights, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        weights: Weights,
+        device: torch.device,
+        dtype: torch.dtype,
+        quantized: dict[str, QuantizedMatrix] | None = None,
+    ) -> None:
         self._weights = weights
+        self._quantized = quantized or {}
         self._used: set[str] = set()
         self.device = device
         self.dtype = dtype
@@ -34,6 +42,12 @@ class WeightStore:
     def cat(self, names: list[str], dim: int = 0) -> torch.Tensor:
         """Several tensors fused along `dim` (e.g. q/k/v into one projection: one matmul, not three)."""
         return torch.cat([self.get(n) for n in names], dim=dim).contiguous()
+
+    def quantized(self, names: list[str]) -> QuantizedMatrix | None:
+        """The checkpoint's own quantized blocks for these tensors stacked along `out` (as `cat`
+        stacks them), or None unless every one has blocks in one format."""
+        parts = [self._quantized.get(n) for n in names]
+        return None if None in parts else concat(parts)
 
     def unused(self) -> list[str]:
         return sorted(set(self._weights) - self._used)

@@ -89,35 +89,45 @@ class LlamaForCausalLM:
         self.layers = [self._load_layer(weights, i) for i in range(a.num_layers)]
         self.norm = weights.get("model.norm.weight")
         tied = a.tie_word_embeddings or not weights.has("lm_head.weight")
-        self.lm_head = self.embed if tied else weights.get("lm_head.weight")
+        head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        self.lm_head = self.embed if tied else weights.get(head)
         if kernels.name == "reference":
-            self._pack_weights()
+            self._pack_weights(weights, head)
         self._views_key: tuple | None = None
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.rope = build_rope_tables(
             a.head_dim, a.rope_theta, a.rope_scaling, a.max_position_embeddings, self.device
         )
 
+    @staticmethod
+    def _matmul_names(i: int) -> dict[str, list[str]]:
+        """A layer's matmul weights (fused ones list their parts in order)."""
+        p = f"model.layers.{i}."
+        return {
+            "qkv": [p + f"self_attn.{n}_proj.weight" for n in ("q", "k", "v")],
+            "o": [p + "self_attn.o_proj.weight"],
+            "gate_up": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+            "down": [p + "mlp.down_proj.weight"],
+        }
+
     def _load_layer(self, w: WeightStore, i: int) -> _Layer:
         p = f"model.layers.{i}."
-        attn = [p + f"self_attn.{n}_proj.weight" for n in ("q", "k", "v")]
+        matmuls = {field: w.cat(names) for field, names in self._matmul_names(i).items()}
         return _Layer(
             attn_norm=w.get(p + "input_layernorm.weight"),
-            qkv=w.cat(attn),
-            o=w.get(p + "self_attn.o_proj.weight"),
             mlp_norm=w.get(p + "post_attention_layernorm.weight"),
-            gate_up=w.cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-            down=w.get(p + "mlp.down_proj.weight"),
+            **matmuls,
         )
 
-    def _pack_weights(self) -> None:
-        """Matmul weights in the reference kernels' pre-packed CPU layout (a no-op elsewhere). A tied
-        lm_head gets its own packed copy: the embedding lookup needs the plain table."""
+    def _pack_weights(self, w: WeightStore, head: str) -> None:
+        """Matmul weights in the reference kernels' pre-packed CPU layout (a no-op elsewhere), with
+        the checkpoint's quantized blocks where it has them. A tied lm_head gets its own packed
+        copy: the embedding lookup needs the plain table."""
         pack = reference.pack_linear_weight
-        for layer in self.layers:
-            layer.qkv, layer.o = pack(layer.qkv), pack(layer.o)
-            layer.gate_up, layer.down = pack(layer.gate_up), pack(layer.down)
-        self.lm_head = pack(self.lm_head)
+        for i, layer in enumerate(self.layers):
+            for field, names in self._matmul_names(i).items():
+                setattr(layer, field, pack(getattr(layer, field), w.quantized(names)))
+        self.lm_head = pack(self.lm_head, w.quantized([head]))
 
     def forward(
         self,

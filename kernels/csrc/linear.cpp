@@ -1,6 +1,12 @@
 // A float32 linear y[M, N] = x[M, K] @ W[N, K]^T for AVX2 + FMA, against a weight packed once at
 // load time into panels of 16 output columns: packed[P, K, 16] (P = ceil(N / 16), the last panel
-// zero-padded), float32 or bfloat16 (widened to float32 in registers, half the bytes to stream).
+// zero-padded), float32 or bfloat16 (widened to float32 in registers, half the bytes to stream),
+// or a GGUF quantization (Q4_0, Q4_1, Q8_0) regrouped into the same panels, 32 k-steps a block:
+// packed[P, K / 32, B] bytes, each block the 16 columns' float32 scales (and Q4_1's minimums)
+// then their 32 x 16 quants. Dequantizing is exact (scale * quant fits a float32; Q4_1's
+// fma(quant, scale, min) rounds once, like the reference's (scale * quant) + min), so a quantized
+// weight gives bitwise the result of its float32 dequantization packed as f32 panels; it streams
+// 6-8x fewer bytes, which is the whole cost of a decode step's matmuls.
 //
 // Why panels: one k-step of a panel is one 64-byte cache line (32 bytes in bf16) that feeds 16
 // outputs, so a one-row GEMV is a single sequential stream per thread (the weight read is the
@@ -15,6 +21,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstring>
 #include <vector>
 
@@ -27,29 +34,133 @@ constexpr int kMaxTileRows = 6;
 // Rows kept hot in L2 while the thread's panels stream past them (prefill-sized inputs); below
 // this every panel is read from memory exactly once.
 constexpr int64_t kRowChunk = 96;
-// A lone tile's prefetch distance (elements): 1 KB of f32 ahead helped 2-6 row tiles by 5-15%.
-constexpr int64_t kAhead = 256;
+// A lone tile's prefetch distance (bytes): 1 KB ahead helped 2-6 row f32 tiles by 5-15%.
+constexpr int64_t kAhead = 1024;
 // Panels a multi-tile pass shares: 2 (72 KB at K = 576) stays in L2 with the next group in
 // flight; 1 or 4 were as fast or up to 20% slower at 8-32 rows.
 constexpr int64_t kGroup = 2;
 
-template <bool BF16>
-struct Panel {
-  using T = std::conditional_t<BF16, uint16_t, float>;
-  // The 16 weights of step k, as two float32 vectors.
-  static inline void load(const T* p, __m256& w0, __m256& w1) {
-    if constexpr (BF16) {
-      __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+// Where a tile's weights come from: `load(p, k, ...)` gives the 16 float32 weights of panel p at
+// step k as two vectors, `at(p, k)` their address (for prefetches), `from(p)` the same source
+// starting at panel p. `kDirect` sources are float32 panels a multi-row pass reads in place; the
+// others are widened once per panel group (see `group_f32`).
+// Where a tile's weights come from. `cursor(p, k0)` walks panel p from step k0 for at most
+// `kChunk` steps: `load(kk, ...)` gives the 16 float32 weights of step k0 + kk as two vectors,
+// `at(kk)` their address (for prefetches, issued every `kPrefetchEvery` steps: about one per
+// cache line). `from(p)` is the same source starting at panel p. `kDirect` sources are float32
+// panels a multi-row pass reads in place; the others are widened once per panel group (see
+// `group_f32`). `kMaxPanels` caps the panels a tile walks side by side.
+template <class T>
+struct PlainCursor {
+  const T* w;
+  const char* at(int64_t kk) const { return reinterpret_cast<const char*>(w + kk * kPanel); }
+};
+
+struct F32Source {
+  static constexpr bool kDirect = true;
+  static constexpr int64_t kStepBytes = kPanel * sizeof(float);
+  static constexpr int64_t kChunk = INT64_MAX;
+  static constexpr int64_t kPrefetchEvery = 1;
+  static constexpr int kMaxPanels = 4;
+  struct Cursor : PlainCursor<float> {
+    void load(int64_t kk, __m256& w0, __m256& w1) const {
+      w0 = _mm256_loadu_ps(w + kk * kPanel);
+      w1 = _mm256_loadu_ps(w + kk * kPanel + 8);
+    }
+  };
+  const float* w;
+  int64_t K;
+  Cursor cursor(int64_t p, int64_t k0) const { return {{w + (p * K + k0) * kPanel}}; }
+  const char* at(int64_t p, int64_t k) const { return cursor(p, k).at(0); }
+  F32Source from(int64_t p) const { return {w + p * K * kPanel, K}; }
+};
+
+struct BF16Source {
+  static constexpr bool kDirect = false;
+  static constexpr int64_t kStepBytes = kPanel * sizeof(uint16_t);
+  static constexpr int64_t kChunk = INT64_MAX;
+  static constexpr int64_t kPrefetchEvery = 1;
+  static constexpr int kMaxPanels = 4;
+  struct Cursor : PlainCursor<uint16_t> {
+    void load(int64_t kk, __m256& w0, __m256& w1) const {
+      __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kk * kPanel));
       // bf16 -> f32 is exact: the bf16 bits are the float's top half.
       w0 = _mm256_castsi256_ps(
           _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw)), 16));
       w1 = _mm256_castsi256_ps(
           _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1)), 16));
-    } else {
-      w0 = _mm256_loadu_ps(p);
-      w1 = _mm256_loadu_ps(p + 8);
     }
+  };
+  const uint16_t* w;
+  int64_t K;
+  Cursor cursor(int64_t p, int64_t k0) const { return {{w + (p * K + k0) * kPanel}}; }
+  const char* at(int64_t p, int64_t k) const { return cursor(p, k).at(0); }
+  BF16Source from(int64_t p) const { return {w + p * K * kPanel, K}; }
+};
+
+// GGUF block quantizations, regrouped per panel: a block is 32 k-steps of 16 columns, headed by
+// the columns' float32 scales (then Q4_1's float32 minimums), then the quants in k order. A
+// 4-bit step is 8 bytes (byte j: column j in the low nibble, column j + 8 in the high one); an
+// 8-bit step is 16 signed bytes.
+enum QuantFormat : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
+constexpr int64_t kQuantBlock = 32;
+
+template <QuantFormat F>
+struct QuantSource {
+  static constexpr bool kDirect = false;
+  static constexpr int64_t kHeader = (F == kQ4_1 ? 2 : 1) * kPanel * sizeof(float);
+  static constexpr int64_t kStepQuants = F == kQ8_0 ? kPanel : kPanel / 2;
+  static constexpr int64_t kBlockBytes = kHeader + kQuantBlock * kStepQuants;
+  static constexpr int64_t kStepBytes = kBlockBytes / kQuantBlock;
+  static constexpr int64_t kChunk = kQuantBlock;
+  static constexpr int64_t kPrefetchEvery = 64 / kStepQuants;
+  // Dequantizing, not the FMA latency, bounds a tile here: one panel at a time was fastest.
+  static constexpr int kMaxPanels = 1;
+  struct Cursor {
+    const float* scale;  // the block's 16 scales (Q4_1: then 16 minimums)
+    const uint8_t* quants;
+    const char* at(int64_t kk) const {
+      return reinterpret_cast<const char*>(quants + kk * kStepQuants);
+    }
+    void load(int64_t kk, __m256& w0, __m256& w1) const {
+      const auto* q = reinterpret_cast<const __m128i*>(quants + kk * kStepQuants);
+      // A 4-bit step is 8 bytes: a 16-byte load could read past the tensor's end.
+      const __m128i raw = F == kQ8_0 ? _mm_loadu_si128(q) : _mm_loadl_epi64(q);
+      __m256 q0, q1;
+      if constexpr (F == kQ8_0) {
+        q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+        q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8)));
+      } else {
+        const __m128i low = _mm_set1_epi8(0x0F);
+        __m256i i0 = _mm256_cvtepu8_epi32(_mm_and_si128(raw, low));
+        __m256i i1 = _mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low));
+        if constexpr (F == kQ4_0) {
+          i0 = _mm256_sub_epi32(i0, _mm256_set1_epi32(8));
+          i1 = _mm256_sub_epi32(i1, _mm256_set1_epi32(8));
+        }
+        q0 = _mm256_cvtepi32_ps(i0);
+        q1 = _mm256_cvtepi32_ps(i1);
+      }
+      if constexpr (F == kQ4_1) {
+        const float* min = scale + kPanel;
+        w0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(scale), _mm256_loadu_ps(min));
+        w1 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(scale + 8), _mm256_loadu_ps(min + 8));
+      } else {
+        w0 = _mm256_mul_ps(q0, _mm256_loadu_ps(scale));
+        w1 = _mm256_mul_ps(q1, _mm256_loadu_ps(scale + 8));
+      }
+    }
+  };
+  const uint8_t* w;
+  int64_t K;
+  int64_t panel_bytes() const { return K / kQuantBlock * kBlockBytes; }
+  // k0 is a multiple of 32 (tiles walk whole blocks).
+  Cursor cursor(int64_t p, int64_t k0) const {
+    const uint8_t* b = w + p * panel_bytes() + k0 / kQuantBlock * kBlockBytes;
+    return {reinterpret_cast<const float*>(b), b + kHeader};
   }
+  const char* at(int64_t p, int64_t k) const { return cursor(p, k).at(0); }
+  QuantSource from(int64_t p) const { return {w + p * panel_bytes(), K}; }
 };
 
 __attribute__((noinline)) void store_partial(float* y, __m256 a0, __m256 a1, int64_t cols) {
@@ -59,11 +170,11 @@ __attribute__((noinline)) void store_partial(float* y, __m256 a0, __m256 a1, int
   std::memcpy(y, tmp, cols * sizeof(float));
 }
 
-// Where a tile call prefetches. A lone tile streaming from memory reads `ahead` elements past
+// Where a tile call prefetches. A lone tile streaming from memory reads `ahead` bytes past
 // each panel's position; tiles that share a panel group instead walk `next` (the next group) one
 // prefetch per k-step, so memory keeps streaming while the group's later tiles compute.
 struct Prefetch {
-  int64_t ahead = 0;  // elements
+  int64_t ahead = 0;  // bytes
   const char* next = nullptr;
   int64_t step = 0;  // bytes per k-step
 };
@@ -72,35 +183,41 @@ struct Prefetch {
 // line being loaded anyway, cheaper than a branch in the inner loop.
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 
-// MR rows x NP consecutive panels. x rows are `ldx` apart; y rows `ldy`; `last_cols` is how
-// many of the last panel's 16 columns exist (N's remainder).
-template <int MR, int NP, bool BF16>
-inline void tile(const float* x, int64_t ldx, const typename Panel<BF16>::T* w, int64_t K,
-                 float* y, int64_t ldy, int64_t last_cols, Prefetch pf) {
+// MR rows x NP consecutive panels of `w`. x rows are `ldx` apart; y rows `ldy`; `last_cols` is
+// how many of the last panel's 16 columns exist (N's remainder).
+template <int MR, int NP, class Src>
+inline void tile(const float* x, int64_t ldx, Src w, int64_t K, float* y, int64_t ldy,
+                 int64_t last_cols, Prefetch pf) {
   __m256 acc[MR][NP][2];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p) acc[r][p][0] = acc[r][p][1] = _mm256_setzero_ps();
-  const int64_t panel_stride = K * kPanel;
-  const char* pf_next = pf.next ? pf.next : reinterpret_cast<const char*>(w);
-  const int64_t pf_step = pf.next ? pf.step : kPanel * sizeof(*w);
-  for (int64_t k = 0; k < K; ++k) {
-    prefetch(pf_next + k * pf_step);
-    __m256 w0[NP], w1[NP];
+  const char* pf_next = pf.next ? pf.next : w.at(0, 0);
+  const int64_t pf_step = pf.next ? pf.step : Src::kStepBytes;
+  for (int64_t k0 = 0; k0 < K; k0 += Src::kChunk) {
+    const int64_t kn = std::min(Src::kChunk, K - k0);
+    typename Src::Cursor c[NP];
 #pragma GCC unroll 8
-    for (int p = 0; p < NP; ++p) {
-      const auto* wk = w + p * panel_stride + k * kPanel;
-      prefetch(wk + pf.ahead);
-      Panel<BF16>::load(wk, w0[p], w1[p]);
-    }
+    for (int p = 0; p < NP; ++p) c[p] = w.cursor(p, k0);
+    for (int64_t kk = 0; kk < kn; ++kk) {
+      const int64_t k = k0 + kk;
+      __m256 w0[NP], w1[NP];
+      if (kk % Src::kPrefetchEvery == 0) {
+        prefetch(pf_next + k * pf_step);
 #pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-      const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
+        for (int p = 0; p < NP; ++p) prefetch(c[p].at(kk) + pf.ahead);
+      }
 #pragma GCC unroll 8
-      for (int p = 0; p < NP; ++p) {
-        acc[r][p][0] = _mm256_fmadd_ps(xb, w0[p], acc[r][p][0]);
-        acc[r][p][1] = _mm256_fmadd_ps(xb, w1[p], acc[r][p][1]);
+      for (int p = 0; p < NP; ++p) c[p].load(kk, w0[p], w1[p]);
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p) {
+          acc[r][p][0] = _mm256_fmadd_ps(xb, w0[p], acc[r][p][0]);
+          acc[r][p][1] = _mm256_fmadd_ps(xb, w1[p], acc[r][p][1]);
+        }
       }
     }
   }
@@ -120,21 +237,21 @@ inline void tile(const float* x, int64_t ldx, const typename Panel<BF16>::T* w, 
   }
 }
 
-// Panels side by side for a tile of `rows`: enough independent FMA chains (>= 8) to hide the
-// FMA latency on both pipes, without spilling the 16 registers.
+// Panels side by side for a tile of `rows` (at most the source's kMaxPanels): enough
+// independent FMA chains (>= 8) to hide the FMA latency on both pipes, without spilling the 16
+// registers.
 inline int panels_per_tile(int rows) { return rows == 1 ? 4 : rows <= 3 ? 2 : 1; }
 
 // `rows` (1..6) rows against `panels` consecutive panels.
-template <bool BF16>
-void run_rows(int rows, const float* x, int64_t ldx, const typename Panel<BF16>::T* w, int64_t K,
-              float* y, int64_t ldy, int64_t panels, int64_t last_cols, Prefetch pf) {
-  const int64_t stride = K * kPanel;
+template <class Src>
+void run_rows(int rows, const float* x, int64_t ldx, Src w, int64_t K, float* y, int64_t ldy,
+              int64_t panels, int64_t last_cols, Prefetch pf) {
   auto cols = [&](int64_t p, int64_t np) { return p + np == panels ? last_cols : kPanel; };
   int64_t p = 0;
-#define DS_RUN(MR, NP)                                                                        \
-  for (; p + NP <= panels; p += NP, pf.next = pf.next ? pf.next + K * pf.step : nullptr)     \
-    tile<MR, NP, BF16>(x, ldx, w + p * stride, K, y + p * kPanel, ldy, cols(p, NP), pf);
-#define DS_GROUPED(MR, NP) DS_RUN(MR, NP) DS_RUN(MR, 1)
+#define DS_RUN(MR, NP)                                                                    \
+  for (; p + NP <= panels; p += NP, pf.next = pf.next ? pf.next + K * pf.step : nullptr) \
+    tile<MR, NP, Src>(x, ldx, w.from(p), K, y + p * kPanel, ldy, cols(p, NP), pf);
+#define DS_GROUPED(MR, NP) DS_RUN(MR, std::min(NP, Src::kMaxPanels)) DS_RUN(MR, 1)
   switch (rows) {
     case 1: DS_GROUPED(1, 4) break;
     case 2: DS_GROUPED(2, 2) break;
@@ -147,34 +264,46 @@ void run_rows(int rows, const float* x, int64_t ldx, const typename Panel<BF16>:
 #undef DS_RUN
 }
 
-// A bf16 panel group widened once to float32, for the tiles that share it: widening in
-// registers costs a shuffle and a shift per 8 weights on the FMA ports, which every tile would
-// pay again (16 rows ran ~30% slower); one widening per group is ~1/16 of that at 16 rows.
-void widen(const uint16_t* src, int64_t n, float* dst) {
-  for (int64_t i = 0; i < n; i += kPanel) {
-    __m256 w0, w1;
-    Panel<true>::load(src + i, w0, w1);
-    _mm256_storeu_ps(dst + i, w0);
-    _mm256_storeu_ps(dst + i + 8, w1);
+// A panel group as float32 panels for the tiles that share it: float32 panels in place, others
+// widened once into `scratch`. Widening in registers costs the FMA ports a few instructions per
+// 8 weights, which every tile would pay again (bf16 at 16 rows ran ~30% slower); once per
+// group it is ~1/16 of that at 16 rows.
+template <class Src>
+const float* group_f32(Src w, int64_t g, int64_t K, float* scratch) {
+  if constexpr (Src::kDirect) {
+    return w.w;
+  } else {
+    for (int64_t p = 0; p < g; ++p) {
+      for (int64_t k0 = 0; k0 < K; k0 += Src::kChunk) {
+        const typename Src::Cursor c = w.cursor(p, k0);
+        float* dst = scratch + (p * K + k0) * kPanel;
+        for (int64_t kk = 0; kk < std::min(Src::kChunk, K - k0); ++kk) {
+          __m256 w0, w1;
+          c.load(kk, w0, w1);
+          _mm256_storeu_ps(dst + kk * kPanel, w0);
+          _mm256_storeu_ps(dst + kk * kPanel + 8, w1);
+        }
+      }
+    }
+    return scratch;
   }
 }
 
 // One thread's share: panels [p0, p1) for every row. Rows are cut into near-equal tiles of at
 // most 6 (16 -> 6+5+5, not 6+6+4) so no tile runs short of independent chains.
-template <bool BF16>
-void run_panels(const float* x, int64_t M, int64_t K, const typename Panel<BF16>::T* w,
-                float* y, int64_t N, int64_t p0, int64_t p1) {
+template <class Src>
+void run_panels(const float* x, int64_t M, int64_t K, Src w, float* y, int64_t N, int64_t p0,
+                int64_t p1) {
   const int64_t panels_total = (N + kPanel - 1) / kPanel;
   const int64_t tail = N - (panels_total - 1) * kPanel;
-  const int64_t stride = K * kPanel;
-  std::vector<float> wide(BF16 && M > kMaxTileRows ? kGroup * stride : 0);
+  const int64_t stride = K * kPanel;  // float32 elements of a panel
+  std::vector<float> scratch(!Src::kDirect && M > kMaxTileRows ? kGroup * stride : 0);
   for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
     const int64_t mc = std::min(kRowChunk, M - m0);
     const int64_t tiles = (mc + kMaxTileRows - 1) / kMaxTileRows;
     if (tiles == 1) {
-      run_rows<BF16>(static_cast<int>(mc), x + m0 * K, K, w + p0 * stride, K,
-                     y + m0 * N + p0 * kPanel, N, p1 - p0, p1 == panels_total ? tail : kPanel,
-                     Prefetch{kAhead, nullptr, 0});
+      run_rows(static_cast<int>(mc), x + m0 * K, K, w.from(p0), K, y + m0 * N + p0 * kPanel, N,
+               p1 - p0, p1 == panels_total ? tail : kPanel, Prefetch{kAhead, nullptr, 0});
       continue;
     }
     // A few panels at a time: the group leaves memory once and serves the other tiles from
@@ -183,59 +312,90 @@ void run_panels(const float* x, int64_t M, int64_t K, const typename Panel<BF16>
       const int64_t g = std::min(kGroup, p1 - p);
       const int64_t last_cols = p + g == panels_total ? tail : kPanel;
       const int64_t next = std::min(kGroup, p1 - p - g);
-      const char* next_bytes = reinterpret_cast<const char*>(w + (p + g) * stride);
-      const int64_t share = (next * stride * sizeof(*w) + tiles - 1) / tiles;
-      const float* wf;
-      if constexpr (BF16) {
-        widen(w + p * stride, g * stride, wide.data());
-        wf = wide.data();
-      } else {
-        wf = w + p * stride;
-      }
+      const char* next_bytes = w.at(p + g, 0);
+      const int64_t share = (next * K * Src::kStepBytes + tiles - 1) / tiles;
+      const F32Source wf{group_f32(w.from(p), g, K, scratch.data()), K};
       int64_t r = m0;
       for (int64_t t = 0; t < tiles; ++t) {
         const int rows = static_cast<int>(mc / tiles + (t < mc % tiles ? 1 : 0));
         const int64_t calls = (g + panels_per_tile(rows) - 1) / panels_per_tile(rows);
         Prefetch pf;
         if (next > 0) pf = {0, next_bytes + t * share, (share + calls * K - 1) / (calls * K)};
-        run_rows<false>(rows, x + r * K, K, wf, K, y + r * N + p * kPanel, N, g, last_cols, pf);
+        run_rows(rows, x + r * K, K, wf, K, y + r * N + p * kPanel, N, g, last_cols, pf);
         r += rows;
       }
     }
   }
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+struct Rows {
+  at::Tensor x, y;
+  int64_t M, K;
+};
+
+// Checks x and allocates y; `y` is empty when there is nothing to compute.
+Rows prepare(const at::Tensor& x, int64_t K, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
+  TORCH_CHECK(x.size(1) == K, "x and the packed weight disagree on K");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({xc.size(0), n}, xc.options());
+  if (K == 0) y.zero_();
+  return {xc, y, xc.size(0), K};
+}
+
+// Runs `w` over every panel, split across threads.
+template <class Src>
+void run(const Rows& r, Src w, int64_t n, int64_t P) {
+  if (r.M == 0 || n == 0 || r.K == 0) return;
+  // Keep a thread's share above ~64K multiply-adds: smaller splits cost more to fork than they save
+  const int64_t grain = std::max<int64_t>(1, 65536 / (r.M * r.K * kPanel));
+  const float* xp = r.x.data_ptr<float>();
+  float* yp = r.y.data_ptr<float>();
+  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+    run_panels(xp, r.M, r.K, w, yp, n, p0, p1);
+  });
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel, "packed must be [P, K, 16]");
-  TORCH_CHECK(packed.size(1) == x.size(1), "x and packed disagree on K");
   TORCH_CHECK(packed.size(0) == (n + kPanel - 1) / kPanel, "packed has the wrong panel count");
   const bool bf16 = packed.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || packed.scalar_type() == at::kFloat, "packed must be float32 or bfloat16");
   TORCH_CHECK(packed.is_contiguous(), "packed must be contiguous");
-  const at::Tensor xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), P = packed.size(0);
-  at::Tensor y = at::empty({M, n}, xc.options());
-  if (M == 0 || n == 0) return y;
-  if (K == 0) return y.zero_();
-  const float* xp = xc.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  // Keep a thread's share above ~64K multiply-adds: smaller splits cost more to fork than they save
-  const int64_t grain = std::max<int64_t>(1, 65536 / (M * K * kPanel));
-  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
-    if (bf16) {
-      const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-      run_panels<true>(xp, M, K, w, yp, n, p0, p1);
-    } else {
-      const float* w = packed.data_ptr<float>();
-      run_panels<false>(xp, M, K, w, yp, n, p0, p1);
-    }
-  });
-  return y;
+  const int64_t K = packed.size(1), P = packed.size(0);
+  Rows r = prepare(x, K, n);
+  if (bf16) {
+    run(r, BF16Source{reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), K}, n, P);
+  } else {
+    run(r, F32Source{packed.data_ptr<float>(), K}, n, P);
+  }
+  return r.y;
+}
+
+template <QuantFormat F>
+void run_quant(const Rows& r, const at::Tensor& packed, int64_t n) {
+  TORCH_CHECK(packed.size(2) == QuantSource<F>::kBlockBytes, "packed has the wrong block size");
+  run(r, QuantSource<F>{packed.data_ptr<uint8_t>(), r.K}, n, packed.size(0));
+}
+
+// `packed` is [P, K / 32, block bytes] uint8 in `format` (a QuantFormat).
+at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t format) {
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte, "packed must be 3-D uint8");
+  TORCH_CHECK(packed.size(0) == (n + kPanel - 1) / kPanel, "packed has the wrong panel count");
+  TORCH_CHECK(packed.is_contiguous(), "packed must be contiguous");
+  Rows r = prepare(x, packed.size(1) * kQuantBlock, n);
+  switch (format) {
+    case kQ4_0: run_quant<kQ4_0>(r, packed, n); break;
+    case kQ4_1: run_quant<kQ4_1>(r, packed, n); break;
+    case kQ8_0: run_quant<kQ8_0>(r, packed, n); break;
+    default: TORCH_CHECK(false, "unknown quantized panel format ", format);
+  }
+  return r.y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(deepserve_cpu, m) {
   m.def("linear(Tensor x, Tensor packed, int n) -> Tensor", &linear);
+  m.def("linear_quant(Tensor x, Tensor packed, int n, int format) -> Tensor", &linear_quant);
 }
