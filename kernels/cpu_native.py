@@ -63,6 +63,13 @@ def ops():
     return getattr(torch.ops, NAME)
 
 
+@functools.cache
+def op(name: str) -> torch._ops.OpOverload:
+    """One op's overload, looked up once: a decode step makes hundreds of calls, and resolving
+    `torch.ops.deepserve_cpu.<name>(...)` anew costs a few microseconds each. Call `load()` first."""
+    return getattr(ops(), name).default
+
+
 if __name__ == "__main__":  # `python -m deepserve.kernels.cpu_native`: build now (make setup)
     logging.basicConfig(level=logging.INFO)
     raise SystemExit(0 if load() or not supported() else 1)

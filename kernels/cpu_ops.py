@@ -43,20 +43,23 @@ def paged_attention(
     )
     if not usable:
         return attention_ref.paged_attention(q, k_cache, v_cache, attn, scale)
-    return cpu_native.ops().paged_attention(
+    return cpu_native.op("paged_attention")(
         q, k_cache, v_cache, attn.query_start_loc, attn.seq_lens, attn.block_tables, scale
     )
 
 
 def _float32_rows(*xs: torch.Tensor) -> bool:
-    return all(x.dtype == torch.float32 and x.is_contiguous() for x in xs) and native(xs[0])
+    for x in xs:  # a plain loop: this runs several hundred times per decode step
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            return False
+    return native(xs[0])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """RMSNorm of float32 rows natively, or None when the caller should use torch's."""
     if not _float32_rows(x, weight):
         return None
-    return cpu_native.ops().rms_norm(x, weight, eps)
+    return cpu_native.op("rms_norm")(x, weight, eps)
 
 
 def add_rms_norm_(
@@ -66,14 +69,14 @@ def add_rms_norm_(
     the caller should use torch's ops."""
     if not (_float32_rows(h, weight) and delta.dtype == torch.float32 and delta.shape == h.shape):
         return None
-    return cpu_native.ops().add_rms_norm_(h, delta, weight, eps)
+    return cpu_native.op("add_rms_norm_")(h, delta, weight, eps)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up for `gate_up = [gate | up]`, or None for torch's ops."""
     if not _float32_rows(gate_up):
         return None
-    return cpu_native.ops().silu_mul(gate_up)
+    return cpu_native.op("silu_mul")(gate_up)
 
 
 def rope_qk_write_kv_(
@@ -96,7 +99,7 @@ def rope_qk_write_kv_(
     if ok:
         tokens, hkv = qkv.shape[0], k_cache.shape[2]
         cos, sin = cos.view(tokens, -1), sin.view(tokens, -1)
-        cpu_native.ops().rope_qk_write_kv_(
+        cpu_native.op("rope_qk_write_kv_")(
             qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, hkv
         )
     return ok

@@ -55,16 +55,20 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight) -> torch.Tensor:
     """x[..., in] @ w[out, in].T; `w` may come from `pack_linear_weight`."""
     if not isinstance(w, PackedWeight):
         return F.linear(x, w)
+    if x.dim() == 2 and x.dtype == torch.float32:  # the models' flattened rows, as they are
+        return _packed_linear(x, w)
     # bfloat16 rows widen exactly to float32 and round once at the end, like a bf16 GEMM that
     # accumulates in float32.
     rows = x.reshape(-1, x.shape[-1])
-    rows = rows if x.dtype == torch.float32 else rows.float()
-    if w.quant is not None and rows.shape[0] <= QUANT_MAX_ROWS:
-        y = cpu_native.ops().linear_quant(rows, w.quant, w.out_features, w.quant_format)
-    else:
-        y = cpu_native.ops().linear(rows, w.panels, w.out_features)
+    y = _packed_linear(rows if x.dtype == torch.float32 else rows.float(), w)
     y = y.view(*x.shape[:-1], w.out_features)
     return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def _packed_linear(rows: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    if w.quant is not None and rows.shape[0] <= QUANT_MAX_ROWS:
+        return cpu_native.op("linear_quant")(rows, w.quant, w.out_features, w.quant_format)
+    return cpu_native.op("linear")(rows, w.panels, w.out_features)
 
 
 def pack_panels(w: torch.Tensor) -> torch.Tensor:
