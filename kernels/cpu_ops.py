@@ -103,3 +103,53 @@ def rope_qk_write_kv_(
             qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, hkv
         )
     return ok
+
+
+def pack_llama_layer(matmuls: list) -> tuple[list[torch.Tensor], list[int], list[int]] | None:
+    """A llama layer's qkv, o, gate_up and down `PackedWeight`s as `llama_layer_`'s flat
+    arguments, or None when one of them is not packed (the layer then runs op by op)."""
+    from deepserve.kernels.reference import PackedWeight
+
+    if not all(isinstance(w, PackedWeight) and w.panels.dtype == torch.float32 for w in matmuls):
+        return None
+    none = torch.empty(0, dtype=torch.uint8)
+    weights = [t for w in matmuls for t in (w.panels, none if w.quant is None else w.quant)]
+    return weights, [w.quant_format for w in matmuls], [w.out_features for w in matmuls]
+
+
+def llama_layer_(
+    packed: tuple[list[torch.Tensor], list[int], list[int]],
+    h: torch.Tensor,
+    x: torch.Tensor,
+    norms: tuple[torch.Tensor, torch.Tensor],
+    rope: tuple[torch.Tensor, torch.Tensor],
+    caches: tuple[torch.Tensor, torch.Tensor],
+    attn: AttentionMetadata,
+    num_heads: int,
+    eps: float,
+    scale: float,
+) -> torch.Tensor | None:
+    """A whole llama decoder layer in one native call (kernels/csrc/llama_layer.cpp): the same
+    ops in the same order as engine/models/llama.py runs them one by one, so the same bits. `h`
+    is updated in place; returns the next layer's normed input, or None (nothing done) when
+    one of the ops would not run natively."""
+    from deepserve.kernels.reference import QUANT_MAX_ROWS
+
+    k_cache, v_cache = caches
+    usable = (
+        _float32_rows(h, x, norms[0], norms[1])
+        and k_cache.dtype == v_cache.dtype == torch.float32
+        and k_cache.shape[-1] % 8 == 0
+        and k_cache.stride(-1) == v_cache.stride(-1) == 1
+        and attn.block_size <= 64
+    )
+    if not usable:
+        return None
+    tokens = x.shape[0]
+    cos, sin = rope[0].view(tokens, -1), rope[1].view(tokens, -1)
+    weights, formats, outs = packed
+    return cpu_native.op("llama_layer_")(
+        h, x, weights, formats, outs, norms[0], norms[1], cos, sin, k_cache, v_cache,
+        attn.slot_mapping, attn.query_start_loc, attn.seq_lens, attn.block_tables,
+        num_heads, k_cache.shape[2], eps, scale, QUANT_MAX_ROWS,
+    )  # fmt: skip

@@ -86,3 +86,66 @@ def test_rope_qk_write_kv_equals_apply_rope_and_write_kv_bitwise():
     assert cpu_ops.rope_qk_write_kv_(fused, cos, sin, gk, gv, slots, hq)
     assert torch.equal(fused[:, : hq * d].view(tokens, hq, d), qk[:, :hq])
     assert torch.equal(got, want)
+
+
+def _tiny_llama(seed: int):
+    """A 2-layer llama with random weights; the matmuls also carry Q4_1 blocks, as a GGUF's do."""
+    from gguf import GGMLQuantizationType, quants
+
+    from deepserve.engine.gguf_format import dequantize
+    from deepserve.engine.models.common import WeightStore
+    from deepserve.engine.models.llama import LlamaForCausalLM
+    from deepserve.kernels.quant_panels import QuantizedMatrix
+
+    config = {
+        "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True,
+    }  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"model.embed_tokens.weight": (96, 64), "model.norm.weight": (64,)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (64,),
+            p + "post_attention_layernorm.weight": (64,),
+        }
+        for n, rows in [("q", 64), ("k", 32), ("v", 32), ("o", 64)]:
+            shapes[p + f"self_attn.{n}_proj.weight"] = (rows, 64)
+        shapes |= {p + "mlp.gate_proj.weight": (128, 64), p + "mlp.up_proj.weight": (128, 64)}
+        shapes[p + "mlp.down_proj.weight"] = (64, 128)
+    weights, blocks = {}, {}
+    for name, shape in shapes.items():
+        w = torch.randn(*shape, generator=g) * 0.2 + (1.0 if len(shape) == 1 else 0.0)
+        if len(shape) == 2 and "embed" not in name:
+            q = quants.quantize(w.numpy(), GGMLQuantizationType.Q4_1)
+            raw = torch.from_numpy(q).view(torch.uint8).reshape(shape[0], -1)
+            blocks[name] = QuantizedMatrix("Q4_1", raw, shape[1])
+            w = dequantize(raw.reshape(-1), GGMLQuantizationType.Q4_1, shape)
+        weights[name] = w
+    store = WeightStore(weights, torch.device("cpu"), torch.float32, blocks)
+    return LlamaForCausalLM(config, store, reference.KERNELS, "test")
+
+
+def test_fused_llama_layer_gives_the_bits_of_the_op_by_op_layer(monkeypatch):
+    """Prefill chunks and decode steps (few rows: the quantized blocks; more: float32 panels)."""
+    from model_loop import SequenceLoop
+
+    native_runs = []
+
+    def counted(*args, **kwargs):
+        out = llama_layer_(*args, **kwargs)
+        native_runs.append(out is not None)
+        return out
+
+    llama_layer_ = cpu_ops.llama_layer_
+    monkeypatch.setattr(cpu_ops, "llama_layer_", counted)
+    fused, plain = _tiny_llama(0), _tiny_llama(0)
+    assert all(layer.native is not None for layer in fused.layers)
+    for layer in plain.layers:
+        layer.native = None
+    runs = [SequenceLoop(m, 64) for m in (fused, plain)]
+    for chunk in ([5, 17, 3, 90, 41, 8, 8, 2, 60, 33, 12], [7], [70, 1, 2], [9]):
+        got, want = (run.hidden(chunk) for run in runs)
+        assert torch.equal(got, want), chunk
+    assert torch.equal(runs[0].cache, runs[1].cache)
+    assert native_runs == [True] * 8  # 2 layers x 4 calls, all native

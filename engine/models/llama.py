@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from deepserve.engine.attention import AttentionMetadata
 from deepserve.engine.models.base import KVCacheSpec
 from deepserve.engine.models.common import WeightStore, add_rms_norm, require, swiglu
-from deepserve.kernels import reference
+from deepserve.kernels import cpu_ops, reference
 from deepserve.kernels.attention_ref import write_kv
 from deepserve.kernels.registry import KernelSet
 from deepserve.kernels.rope import apply_rope, build_rope_tables, rope_at
@@ -69,6 +69,8 @@ class _Layer:
     mlp_norm: torch.Tensor
     gate_up: Weight  # [2 * I, hidden]
     down: Weight
+    # The four matmuls as kernels/cpu_ops.py's `llama_layer_` takes them, when all are packed.
+    native: tuple | None = None
 
 
 class LlamaForCausalLM:
@@ -127,6 +129,7 @@ class LlamaForCausalLM:
         for i, layer in enumerate(self.layers):
             for field, names in self._matmul_names(i).items():
                 setattr(layer, field, pack(getattr(layer, field), w.quantized(names)))
+            layer.native = cpu_ops.pack_llama_layer([layer.qkv, layer.o, layer.gate_up, layer.down])
         self.lm_head = pack(self.lm_head, w.quantized([head]))
 
     def forward(
@@ -144,6 +147,14 @@ class LlamaForCausalLM:
         x = k.rms_norm(h, self.layers[0].attn_norm, eps)
         norms = [layer.attn_norm for layer in self.layers[1:]] + [self.norm]
         for layer, cache, next_norm in zip(self.layers, views, norms, strict=True):
+            if layer.native is not None:
+                fused = cpu_ops.llama_layer_(
+                    layer.native, h, x, (layer.mlp_norm, next_norm), (cos, sin), cache, attn,
+                    a.num_heads, eps, self.scale,
+                )  # fmt: skip
+                if fused is not None:
+                    x = fused
+                    continue
             h, x = add_rms_norm(
                 k, h, self._attention(layer, x, cos, sin, attn, cache), layer.mlp_norm, eps
             )
