@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ import httpx
 
 from deepserve.disagg import protocol as P
 from deepserve.disagg.errors import WorkerRejectedError, WorkerUnavailableError
-from deepserve.disagg.http1 import Http1Error, Http1Pool
+from deepserve.disagg.http1 import Http1Error, Http1Pool, Response
 
 
 @dataclass(frozen=True)
@@ -57,22 +58,20 @@ class WorkerClient:
             async with self._streams.post(P.GENERATE_PATH, body, t.connect, t.first_event) as resp:
                 if resp.status >= 400:
                     raise _status_error(resp.status, await resp.read(t.control), self.url)
-                lines = _ndjson_lines(resp.chunks(t.between_events))
+                events = _Events(resp, t.between_events)
                 async with asyncio.timeout(t.first_event):
-                    first = await _next_event(lines)
-                event = first
+                    event = await events.next()
                 while event is not None:
                     _raise_for_event_error(event, started)
                     started = started or any(o["token_ids"] for o in event.outputs)
                     if event.finished:
                         # Read the body's end before handing over the last event: a consumer
                         # that stops there would otherwise close the connection, not reuse it.
-                        async for _ in lines:
-                            pass
+                        await events.skip_rest()
                         yield event
                         return
                     yield event
-                    event = await _next_event(lines)
+                    event = await events.next()
                 raise WorkerUnavailableError(f"{self.url}: stream ended early", started)
         except (OSError, TimeoutError, Http1Error) as e:
             raise WorkerUnavailableError(f"{self.url}: {type(e).__name__}: {e}", started) from e
@@ -108,22 +107,36 @@ class WorkerClient:
         return resp
 
 
-async def _ndjson_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """The body's non-empty lines, as bytes (JSON parses bytes; no text decoding on the hot path)."""
-    pending = b""
-    async for chunk in chunks:
-        *lines, pending = (pending + chunk).split(b"\n")
-        for line in lines:
-            if line.strip():
-                yield line
-    if pending.strip():
-        yield pending
+class _Events:
+    """The `StreamEvent`s of one NDJSON body. Plain methods, not async generators: every event
+    of every routed request passes here. Lines stay bytes (JSON parses bytes)."""
 
+    def __init__(self, resp: Response, between_events: float) -> None:
+        self._resp = resp
+        self._timeout = between_events
+        self._lines: deque[bytes] = deque()
+        self._pending = b""
+        self._ended = False
 
-async def _next_event(lines: AsyncIterator[bytes]) -> P.StreamEvent | None:
-    async for line in lines:
-        return P.StreamEvent.from_json(json.loads(line))
-    return None
+    async def next(self) -> P.StreamEvent | None:
+        line = await self._next_line()
+        return None if line is None else P.StreamEvent.from_json(json.loads(line))
+
+    async def skip_rest(self) -> None:
+        while await self._next_line() is not None:
+            pass
+
+    async def _next_line(self) -> bytes | None:
+        while not self._lines:
+            if self._ended:
+                return None
+            chunk = await self._resp.next_chunk(self._timeout)
+            if chunk is None:
+                self._ended = True
+                chunk = b"\n"  # the last line may lack its newline
+            *lines, self._pending = (self._pending + chunk).split(b"\n")
+            self._lines.extend(line for line in lines if line.strip())
+        return self._lines.popleft()
 
 
 def _raise_for_event_error(event: P.StreamEvent, started: bool) -> None:

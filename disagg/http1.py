@@ -13,8 +13,6 @@ Not here: timeouts policy and error classification (disagg/client.py decides; th
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -60,19 +58,22 @@ class Response:
     def status(self) -> int:
         return self._parsed.status
 
-    async def chunks(self, read_timeout: float) -> AsyncIterator[bytes]:
-        """The body as it arrives; each wait for bytes is bounded by `read_timeout`."""
-        while True:
-            if self._parsed.body:
-                body, self._parsed.body = self._parsed.body, []
-                for chunk in body:
-                    yield chunk
-            if self._parsed.complete:
-                return
+    async def next_chunk(self, read_timeout: float) -> bytes | None:
+        """The body's next bytes as they arrive (None at its end); each wait for bytes is bounded
+        by `read_timeout`. A method, not an async generator: one per hop of every event."""
+        parsed = self._parsed
+        while not parsed.body:
+            if parsed.complete:
+                return None
             await self.conn.feed(self._parser, read_timeout)
+        body, parsed.body = parsed.body, []
+        return body[0] if len(body) == 1 else b"".join(body)
 
     async def read(self, read_timeout: float) -> bytes:
-        return b"".join([c async for c in self.chunks(read_timeout)])
+        chunks = []
+        while (chunk := await self.next_chunk(read_timeout)) is not None:
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     @property
     def complete(self) -> bool:
@@ -122,26 +123,22 @@ class Http1Pool:
         for conn in idle:
             conn.close()
 
-    @contextlib.asynccontextmanager
-    async def post(
-        self, path: str, body: bytes, connect_timeout: float, headers_timeout: float
-    ) -> AsyncIterator[Response]:
-        """POST `body` (JSON) and yield the response once its headers are in; each wait for
-        their bytes is bounded by `headers_timeout`. The connection goes back to the pool only
-        when the response was read to its end; otherwise it is closed."""
+    def post(self, path: str, body: bytes, connect_timeout: float, headers_timeout: float) -> _Post:
+        """POST `body` (JSON); `async with` it for the response once its headers are in; each wait
+        for their bytes is bounded by `headers_timeout`. The connection goes back to the pool
+        only when the response was read to its end; otherwise it is closed."""
         request = (
             f"POST {self.base_path}{path} HTTP/1.1\r\n{self._head}"
             f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
         ).encode() + body
-        resp = await self._send(request, connect_timeout, headers_timeout)
-        try:
-            yield resp
-        finally:
-            if resp.reusable() and len(self._idle) < self.max_idle:
-                resp.conn.reused = True
-                self._idle.append(resp.conn)
-            else:
-                resp.conn.close()
+        return _Post(self, request, connect_timeout, headers_timeout)
+
+    def release(self, resp: Response) -> None:
+        if resp.reusable() and len(self._idle) < self.max_idle:
+            resp.conn.reused = True
+            self._idle.append(resp.conn)
+        else:
+            resp.conn.close()
 
     async def _send(self, request: bytes, connect_timeout: float, read_timeout: float) -> Response:
         while True:
@@ -160,8 +157,11 @@ class Http1Pool:
 
     async def _exchange(self, conn: _Conn, request: bytes, read_timeout: float) -> Response:
         conn.writer.write(request)
-        async with asyncio.timeout(read_timeout):
-            await conn.writer.drain()
+        # The write went straight to the socket unless it was full: wait only then (a lost
+        # connection shows at the read below all the same).
+        if conn.writer.transport.get_write_buffer_size():
+            async with asyncio.timeout(read_timeout):
+                await conn.writer.drain()
         parsed = _Parsed()
         parser = parsed.parser = httptools.HttpResponseParser(parsed)
         while not parsed.headers_done:
@@ -179,3 +179,22 @@ class Http1Pool:
         async with asyncio.timeout(connect_timeout):
             reader, writer = await asyncio.open_connection(self.host, self.port, ssl=self.ssl)
         return _Conn(reader, writer)
+
+
+class _Post:
+    """`Http1Pool.post`'s context: a class, not `asynccontextmanager`, as it runs every request."""
+
+    def __init__(
+        self, pool: Http1Pool, request: bytes, connect_timeout: float, headers_timeout: float
+    ) -> None:
+        self._pool = pool
+        self._request = request
+        self._timeouts = (connect_timeout, headers_timeout)
+        self._resp: Response | None = None
+
+    async def __aenter__(self) -> Response:
+        self._resp = await self._pool._send(self._request, *self._timeouts)
+        return self._resp
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._pool.release(self._resp)

@@ -14,7 +14,7 @@ from typing import Protocol
 
 from deepserve.router.pool import Worker
 from deepserve.router.prefix_index import PrefixIndex
-from deepserve.router.recent_routes import RecentRoutes
+from deepserve.router.recent_routes import RecentRoutes, prefix_hashes
 
 POLICIES = ("round_robin", "least_load", "power_of_two", "cache_aware")
 
@@ -82,15 +82,18 @@ class CacheAware:
     def choose(self, candidates: list[Worker], token_ids: list[int]) -> Worker:
         block_size = next((w.block_size for w in candidates if w.block_size), None)
         block_size = block_size or self.config.block_size
-        chosen = self._choose(candidates, token_ids, block_size)
+        hashes = prefix_hashes(token_ids, block_size)  # once, for the match and the record
+        chosen = self._choose(candidates, token_ids, block_size, hashes)
         if chosen.worker_id is not None:
-            self.recent.record(token_ids, block_size, chosen.worker_id)
+            self.recent.record_hashes(hashes, chosen.worker_id)
         return chosen
 
-    def _choose(self, candidates: list[Worker], token_ids: list[int], block_size: int) -> Worker:
+    def _choose(
+        self, candidates: list[Worker], token_ids: list[int], block_size: int, hashes: list[int]
+    ) -> Worker:
         by_id = {w.worker_id: w for w in candidates if w.worker_id is not None}
         matched = self.index.match(token_ids, block_size)
-        for wid, n in self.recent.match(token_ids, block_size).items():
+        for wid, n in self.recent.match_hashes(hashes, block_size).items():
             matched[wid] = max(n, matched.get(wid, 0))
         scored = [(n, w) for wid, n in matched.items() if (w := by_id.get(wid)) is not None]
         if not scored:

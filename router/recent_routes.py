@@ -27,17 +27,25 @@ class RecentRoutes:
         self._routes: OrderedDict[int, tuple[str, float]] = OrderedDict()  # prefix -> worker, until
 
     def record(self, token_ids: list[int], block_size: int, worker_id: str) -> None:
+        self.record_hashes(prefix_hashes(token_ids, block_size), worker_id)
+
+    def match(self, token_ids: list[int], block_size: int) -> dict[str, int]:
+        """Tokens of the longest prefix recently routed to each worker (unexpired entries only)."""
+        return self.match_hashes(prefix_hashes(token_ids, block_size), block_size)
+
+    # The policy hashes a request's prefixes once for both calls (`prefix_hashes`).
+
+    def record_hashes(self, hashes: list[int], worker_id: str) -> None:
         until = self._clock() + self.ttl_s
-        for h in _prefix_hashes(token_ids, block_size):
+        for h in hashes:
             self._routes[h] = (worker_id, until)
             self._routes.move_to_end(h)
         while len(self._routes) > self.max_entries:
             self._routes.popitem(last=False)
 
-    def match(self, token_ids: list[int], block_size: int) -> dict[str, int]:
-        """Tokens of the longest prefix recently routed to each worker (unexpired entries only)."""
+    def match_hashes(self, hashes: list[int], block_size: int) -> dict[str, int]:
         now, matched = self._clock(), {}
-        for i, h in enumerate(_prefix_hashes(token_ids, block_size)):
+        for i, h in enumerate(hashes):
             entry = self._routes.get(h)
             if entry is None or entry[1] < now:
                 break
@@ -45,7 +53,8 @@ class RecentRoutes:
         return matched
 
 
-def _prefix_hashes(token_ids: list[int], block_size: int) -> list[int]:
+def prefix_hashes(token_ids: list[int], block_size: int) -> list[int]:
+    """Chained hashes of the block-aligned prefixes of `token_ids`."""
     out, h = [], 0
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         h = hash((h, tuple(token_ids[start : start + block_size])))

@@ -211,22 +211,25 @@ async def _generate(state: AppState, rid: str, job: _Job) -> AsyncIterator[_Even
     timing = Timing(time.perf_counter())
     finished, reason = False, "abort"
     try:
-        async for out in state.backend.generate(rid, job.prompt_ids, params):
-            if not timing.ready:
-                timing.ready = True
-                record_prompt(state.metrics, out)
-            record_tokens(state.metrics, timing, out)
-            for c in out.outputs:
-                choice = choices[c.index]
-                if choice.done:
-                    continue
-                event = _advance(choice, c, tok, job.stops, params.logprobs)
-                choice.done = event.finish is not None
-                reason = event.finish or reason
-                yield event
-            finished = out.finished
-            if finished or all(c.done for c in choices):
-                break
+        # Closed here, not by the loop's async-generator finalizer: that one wakes the loop from
+        # another thread's path and closes in a task of its own, before the response goes out.
+        async with aclosing(state.backend.generate(rid, job.prompt_ids, params)) as outputs:
+            async for out in outputs:
+                if not timing.ready:
+                    timing.ready = True
+                    record_prompt(state.metrics, out)
+                record_tokens(state.metrics, timing, out)
+                for c in out.outputs:
+                    choice = choices[c.index]
+                    if choice.done:
+                        continue
+                    event = _advance(choice, c, tok, job.stops, params.logprobs)
+                    choice.done = event.finish is not None
+                    reason = event.finish or reason
+                    yield event
+                finished = out.finished
+                if finished or all(c.done for c in choices):
+                    break
     finally:
         if not finished:
             await asyncio.shield(state.backend.abort(rid))

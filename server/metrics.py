@@ -126,6 +126,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.labels = {"model_name": model_name, "role": role}
         self.batch_invariant = batch_invariant  # also shown by /health and /v1/models
+        self._children: dict[tuple, Counter] = {}  # see _child
         names = list(self.labels)
         r = self.registry
 
@@ -187,16 +188,25 @@ class ServerMetrics:
     def cached_prompt_tokens(self, by_tier: dict[str, int]) -> None:
         for tier, tokens in by_tier.items():
             if tokens:
-                self._cached_by_tier.labels(**self.labels, tier=tier).inc(tokens)
+                self._child(self._cached_by_tier, tier=tier).inc(tokens)
 
     def request_finished(self, reason: str) -> None:
-        self._success.labels(**self.labels, finished_reason=reason).inc()
+        self._child(self._success, finished_reason=reason).inc()
 
     def structured_request(self, kind: str) -> None:
-        self._structured.labels(**self.labels, kind=kind).inc()
+        self._child(self._structured, kind=kind).inc()
 
     def http_request(self, endpoint: str, status: int) -> None:
-        self._http.labels(**self.labels, endpoint=endpoint, status=str(status)).inc()
+        self._child(self._http, endpoint=endpoint, status=str(status)).inc()
+
+    def _child(self, metric: Counter, **extra: str) -> Counter:
+        """`metric.labels(...)` with our labels plus `extra`, memoized: `labels` validates and
+        looks up under a lock on every call, twice per request (the values are a bounded set)."""
+        key = (metric, *extra.values())
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(**self.labels, **extra)
+        return child
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -79,19 +79,47 @@ def check_model(body: dict, served_name: str) -> None:
         )
 
 
-async def until_disconnect(request: Request, work: Awaitable):
-    """Await `work`; cancel it and raise ClientDisconnected if the client leaves first."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
+# A disconnect is looked for only once a request has run this long: most short requests end
+# first and never start the watcher's task (two task steps a request). A client that leaves
+# sooner is noticed at this point, so the engine stops at most this much later.
+DISCONNECT_WATCH_AFTER_S = 0.05
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`; cancel it and raise ClientDisconnected if the client leaves first.
+
+    `work` runs in this task and a watcher's done-callback cancels it: a second task for the work
+    and the wake-up through `asyncio.wait` when it ends cost ~0.1 ms a request on a 2-core box."""
+    task = asyncio.current_task()
+    ended = gone = False
+    watcher: asyncio.Future | None = None
+
+    def on_disconnect(watched: asyncio.Future) -> None:
+        nonlocal gone
+        # `ended`: the work may finish in the same loop turn; never cancel what follows it.
+        if ended or watched.cancelled() or watched.exception() is not None:
+            return
+        gone = True
+        task.cancel()
+
+    def watch() -> None:
+        nonlocal watcher
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        watcher.add_done_callback(on_disconnect)
+
+    timer = asyncio.get_running_loop().call_later(DISCONNECT_WATCH_AFTER_S, watch)
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        task.uncancel()
+        raise ClientDisconnected() from None
     finally:
-        watcher.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    raise ClientDisconnected()
+        ended = True
+        timer.cancel()
+        if watcher is not None:
+            watcher.cancel()
 
 
 async def _wait_disconnect(request: Request) -> None:

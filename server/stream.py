@@ -14,6 +14,7 @@ import json
 import time
 from collections import deque
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import deepseek_recipe as dr
@@ -70,25 +71,28 @@ async def stream_chunks(
     engine_done = False
     reason = "abort"
     try:
+        # Closed here, not by the loop's async-generator finalizer (a cross-thread wake-up and a
+        # task of its own, before the response goes out).
         outputs = backend.generate(job.request_id, job.prompt_ids, job.params)
-        async for out in outputs:
-            if not timing.ready:
-                timing.ready = True
-                job.prompt_tokens, job.cached_tokens = out.prompt_tokens, out.cached_tokens
-                record_prompt(metrics, out)
-                ready = _ready(out)
-                for i, p in enumerate(processors):
-                    yield i, p.feed(i, p.sp.push(ready))
-            record_tokens(metrics, timing, out)
-            for c in out.outputs:
-                p = processors[c.index]
-                if not p.finished:
-                    yield c.index, p.feed(c.index, p.push(c))
-                reason = c.finish_reason or reason
-            engine_done = out.finished
-            if engine_done or all(p.finished for p in processors):
-                reason = reason if engine_done else "stop"
-                break
+        async with aclosing(outputs):
+            async for out in outputs:
+                if not timing.ready:
+                    timing.ready = True
+                    job.prompt_tokens, job.cached_tokens = out.prompt_tokens, out.cached_tokens
+                    record_prompt(metrics, out)
+                    ready = _ready(out)
+                    for i, p in enumerate(processors):
+                        yield i, p.feed(i, p.sp.push(ready))
+                record_tokens(metrics, timing, out)
+                for c in out.outputs:
+                    p = processors[c.index]
+                    if not p.finished:
+                        yield c.index, p.feed(c.index, p.push(c))
+                    reason = c.finish_reason or reason
+                engine_done = out.finished
+                if engine_done or all(p.finished for p in processors):
+                    reason = reason if engine_done else "stop"
+                    break
     finally:
         if not engine_done:
             await asyncio.shield(backend.abort(job.request_id))
