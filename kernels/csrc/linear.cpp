@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -50,53 +51,39 @@ constexpr int64_t kGroup = 2;
 // cache line). `from(p)` is the same source starting at panel p. `kDirect` sources are float32
 // panels a multi-row pass reads in place; the others are widened once per panel group (see
 // `group_f32`). `kMaxPanels` caps the panels a tile walks side by side.
+// float32 panels, or bfloat16 ones widened in registers.
 template <class T>
-struct PlainCursor {
+struct PlainSource {
+  static constexpr bool kDirect = std::is_same_v<T, float>;
+  static constexpr int64_t kStepBytes = kPanel * sizeof(T);
+  static constexpr int64_t kChunk = INT64_MAX;
+  static constexpr int64_t kPrefetchEvery = 1;
+  static constexpr int kMaxPanels = 4;
+  struct Cursor {
+    const T* w;
+    const char* at(int64_t kk) const { return reinterpret_cast<const char*>(w + kk * kPanel); }
+    void load(int64_t kk, __m256& w0, __m256& w1) const {
+      if constexpr (kDirect) {
+        w0 = _mm256_loadu_ps(w + kk * kPanel);
+        w1 = _mm256_loadu_ps(w + kk * kPanel + 8);
+      } else {
+        __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kk * kPanel));
+        // bf16 -> f32 is exact: the bf16 bits are the float's top half.
+        w0 = _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw)), 16));
+        w1 = _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1)), 16));
+      }
+    }
+  };
   const T* w;
-  const char* at(int64_t kk) const { return reinterpret_cast<const char*>(w + kk * kPanel); }
-};
-
-struct F32Source {
-  static constexpr bool kDirect = true;
-  static constexpr int64_t kStepBytes = kPanel * sizeof(float);
-  static constexpr int64_t kChunk = INT64_MAX;
-  static constexpr int64_t kPrefetchEvery = 1;
-  static constexpr int kMaxPanels = 4;
-  struct Cursor : PlainCursor<float> {
-    void load(int64_t kk, __m256& w0, __m256& w1) const {
-      w0 = _mm256_loadu_ps(w + kk * kPanel);
-      w1 = _mm256_loadu_ps(w + kk * kPanel + 8);
-    }
-  };
-  const float* w;
   int64_t K;
-  Cursor cursor(int64_t p, int64_t k0) const { return {{w + (p * K + k0) * kPanel}}; }
+  Cursor cursor(int64_t p, int64_t k0) const { return {w + (p * K + k0) * kPanel}; }
   const char* at(int64_t p, int64_t k) const { return cursor(p, k).at(0); }
-  F32Source from(int64_t p) const { return {w + p * K * kPanel, K}; }
+  PlainSource from(int64_t p) const { return {w + p * K * kPanel, K}; }
 };
-
-struct BF16Source {
-  static constexpr bool kDirect = false;
-  static constexpr int64_t kStepBytes = kPanel * sizeof(uint16_t);
-  static constexpr int64_t kChunk = INT64_MAX;
-  static constexpr int64_t kPrefetchEvery = 1;
-  static constexpr int kMaxPanels = 4;
-  struct Cursor : PlainCursor<uint16_t> {
-    void load(int64_t kk, __m256& w0, __m256& w1) const {
-      __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kk * kPanel));
-      // bf16 -> f32 is exact: the bf16 bits are the float's top half.
-      w0 = _mm256_castsi256_ps(
-          _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw)), 16));
-      w1 = _mm256_castsi256_ps(
-          _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1)), 16));
-    }
-  };
-  const uint16_t* w;
-  int64_t K;
-  Cursor cursor(int64_t p, int64_t k0) const { return {{w + (p * K + k0) * kPanel}}; }
-  const char* at(int64_t p, int64_t k) const { return cursor(p, k).at(0); }
-  BF16Source from(int64_t p) const { return {w + p * K * kPanel, K}; }
-};
+using F32Source = PlainSource<float>;
+using BF16Source = PlainSource<uint16_t>;
 
 // GGUF block quantizations, regrouped per panel: a block is 32 k-steps of 16 columns, headed by
 // the columns' float32 scales (then Q4_1's float32 minimums), then the quants in k order. A
