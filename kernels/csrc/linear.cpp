@@ -41,16 +41,13 @@ constexpr int64_t kAhead = 1024;
 // flight; 1 or 4 were as fast or up to 20% slower at 8-32 rows.
 constexpr int64_t kGroup = 2;
 
-// Where a tile's weights come from: `load(p, k, ...)` gives the 16 float32 weights of panel p at
-// step k as two vectors, `at(p, k)` their address (for prefetches), `from(p)` the same source
-// starting at panel p. `kDirect` sources are float32 panels a multi-row pass reads in place; the
-// others are widened once per panel group (see `group_f32`).
 // Where a tile's weights come from. `cursor(p, k0)` walks panel p from step k0 for at most
 // `kChunk` steps: `load(kk, ...)` gives the 16 float32 weights of step k0 + kk as two vectors,
 // `at(kk)` their address (for prefetches, issued every `kPrefetchEvery` steps: about one per
 // cache line). `from(p)` is the same source starting at panel p. `kDirect` sources are float32
 // panels a multi-row pass reads in place; the others are widened once per panel group (see
 // `group_f32`). `kMaxPanels` caps the panels a tile walks side by side.
+
 // float32 panels, or bfloat16 ones widened in registers.
 template <class T>
 struct PlainSource {
