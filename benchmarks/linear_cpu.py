@@ -8,6 +8,11 @@ call reads its weight from DRAM, as a decode step does. Reported: ms per matmul 
 
     flock /tmp/deepserve-bench.lock .venv/bin/python benchmarks/linear_cpu.py
     .venv/bin/python benchmarks/linear_cpu.py --shapes down lm_head --rows 1 16 --dtype bfloat16
+    .venv/bin/python benchmarks/linear_cpu.py --quant Q4_1 --rows 1 2 4 8 16
+
+`--quant FMT` times the native kernel on a GGUF-quantized weight's own blocks (kernels/quant_panels.py,
+gguf's quantizer on the same random matrix) instead of its float32 panels, for every row count; the
+GB/s columns then count the quantized bytes.
 """
 
 from __future__ import annotations
@@ -52,6 +57,20 @@ def native_fn(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: op(x, panels, n)
 
 
+def quant_fn(w: torch.Tensor, fmt: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
+    """The kernel on `w` quantized to `fmt` by gguf, reading the blocks at any row count; and the
+    blocks' size in bytes."""
+    from gguf import GGMLQuantizationType, quants
+
+    from deepserve.kernels.quant_panels import FORMATS, QuantizedMatrix, pack_quant_panels
+
+    raw = quants.quantize(w.float().numpy(), GGMLQuantizationType[fmt])
+    rows = torch.from_numpy(raw).view(torch.uint8).reshape(w.shape[0], -1)
+    blocks, n = pack_quant_panels(QuantizedMatrix(fmt, rows, w.shape[1])), w.shape[0]
+    op = cpu_native.ops().linear_quant
+    return (lambda x: op(x, blocks, n, FORMATS[fmt])), blocks.numel()
+
+
 def time_per_call(fns: list[Callable], x: torch.Tensor, rounds: int) -> float:
     """Seconds per call, best round; one round calls every copy once (each from DRAM)."""
     for f in fns[:2]:
@@ -71,7 +90,11 @@ def bench_shape(name: str, args, dtype: torch.dtype) -> list[str]:
     copies = max(1, -(-args.stream_mb * 2**20 // nbytes))
     g = torch.Generator().manual_seed(0)
     weights = [(torch.randn(out, inp, generator=g) * 0.05).to(dtype) for _ in range(copies)]
-    natives = [native_fn(w) for w in weights]
+    if args.quant:
+        natives, sizes = zip(*(quant_fn(w, args.quant) for w in weights), strict=True)
+        native_bytes = sizes[0]
+    else:
+        natives, native_bytes = [native_fn(w) for w in weights], nbytes
     lines, baselines = [], {}
     for rows in args.rows:
         x = torch.randn(rows, inp, generator=g)
@@ -84,7 +107,7 @@ def bench_shape(name: str, args, dtype: torch.dtype) -> list[str]:
         flops = 2 * rows * out * inp
         lines.append(
             f"| {name} {out}x{inp} | {rows} | {t_base * 1e3:.3f} | {t_nat * 1e3:.3f} | "
-            f"{t_base / t_nat:.2f}x | {nbytes / t_base / 1e9:.1f} | {nbytes / t_nat / 1e9:.1f} | "
+            f"{t_base / t_nat:.2f}x | {nbytes / t_base / 1e9:.1f} | {native_bytes / t_nat / 1e9:.1f} | "
             f"{flops / t_base / 1e9:.0f} | {flops / t_nat / 1e9:.0f} |"
         )
         print(lines[-1], flush=True)
@@ -99,6 +122,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--stream-mb", type=int, default=160, help="weight bytes cycled per shape")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--quant", choices=["Q4_0", "Q4_1", "Q8_0"], help="native reads these blocks")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if not cpu_native.load():
@@ -106,7 +130,8 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     print(
         f"{args.dtype} weights, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}; "
-        "today = transposed GEMV at 1 row, oneDNN packed float32 at >= 2"
+        "today = transposed GEMV at 1 row, oneDNN packed float32 at >= 2; native = "
+        + (f"{args.quant} blocks" if args.quant else "panels")
     )
     print(
         "| shape | rows | today ms | native ms | speed-up | today GB/s | native GB/s "

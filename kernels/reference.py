@@ -17,7 +17,8 @@ from deepserve.kernels.quant_panels import FORMATS, QuantizedMatrix, pack_quant_
 from deepserve.kernels.registry import KernelSet
 
 PANEL = 16  # output columns per panel of the native CPU linear (kernels/csrc/linear.cpp)
-# Rows up to which a quantized weight's own blocks beat its float32 panels (benchmarks/linear_cpu.py)
+# Rows up to which a quantized weight's own blocks beat its float32 panels (benchmarks/linear_cpu.py
+# --quant: faster at 1-4 rows, even around 5-8, slower beyond)
 QUANT_MAX_ROWS = 4
 
 
