@@ -3,6 +3,10 @@
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
+# The native CPU kernels build into this checkout's venv, not the shared ~/.cache: two checkouts
+# on one machine (a CI clone beside a working tree) would otherwise rebuild and relink the same
+# .so over each other, under processes that have it loaded.
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 
 .PHONY: serve test lint setup services
 
