@@ -21,7 +21,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <climits>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -317,7 +317,7 @@ struct Rows {
   int64_t M, K;
 };
 
-// Checks x and allocates y; `y` is empty when there is nothing to compute.
+// Checks x and allocates y (zeros when K is 0; `run` then has nothing to add).
 Rows prepare(const at::Tensor& x, int64_t K, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
   TORCH_CHECK(x.size(1) == K, "x and the packed weight disagree on K");
