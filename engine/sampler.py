@@ -16,6 +16,7 @@ import torch
 
 from deepserve.engine.outputs import TokenLogprob
 from deepserve.engine.request import Sequence
+from deepserve.kernels.cpu_ops import argmax
 from deepserve.kernels.random import as_int64, gumbel_noise, token_keys
 
 Tensor = torch.Tensor
@@ -182,7 +183,7 @@ class Sampler:
         logits = logits[:, : self.vocab_size].float()
         raw = logits
         logits = self._process(logits, batch)
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax(logits)
         if not batch.all_greedy:
             sampled = self._sample_random(logits, batch)
             tokens = torch.where(batch.greedy, tokens, sampled)
@@ -211,7 +212,7 @@ class Sampler:
         scaled = logits / batch.temperature
         scaled = apply_filters(scaled, batch.top_k, batch.top_p, batch.min_p)
         noise = gumbel_noise(batch.seeds, batch.positions, self._token_keys)
-        return (scaled + noise).argmax(dim=-1)
+        return argmax(scaled + noise)
 
     def _logprobs(
         self, raw: Tensor, tokens: Tensor, token_list: list[int], batch: SamplingBatch

@@ -55,6 +55,14 @@ def _float32_rows(*xs: torch.Tensor) -> bool:
     return native(xs[0])
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)` of 2-D logits (the first maximum, NaN counting as the maximum),
+    natively for float32 CPU rows: torch's CPU argmax is scalar, ~9x slower on a vocabulary."""
+    if x.dim() == 2 and x.dtype == torch.float32 and x.stride(-1) == 1 and x.shape[1] and native(x):
+        return cpu_native.op("argmax_rows")(x)
+    return x.argmax(dim=-1)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """RMSNorm of float32 rows natively, or None when the caller should use torch's."""
     if not _float32_rows(x, weight):

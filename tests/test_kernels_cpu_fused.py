@@ -149,3 +149,30 @@ def test_fused_llama_layer_gives_the_bits_of_the_op_by_op_layer(monkeypatch):
         assert torch.equal(got, want), chunk
     assert torch.equal(runs[0].cache, runs[1].cache)
     assert native_runs == [True] * 8  # 2 layers x 4 calls, all native
+
+
+def test_native_argmax_matches_torch_on_logit_rows():
+    x = torch.randn(16, 49152)
+    assert torch.equal(cpu_ops.argmax(x), x.argmax(dim=-1))
+
+
+def test_native_argmax_picks_the_first_of_tied_maxima_like_torch():
+    x = torch.full((3, 37), -1.0)
+    x[0, [5, 30]] = 2.0  # vector part
+    x[1, [33, 35]] = 2.0  # scalar tail
+    x[2, 4], x[2, 9] = -0.0, 0.0  # equal values: the lower index wins
+    assert cpu_ops.argmax(x).tolist() == x.argmax(dim=-1).tolist() == [5, 33, 4]
+
+
+def test_native_argmax_treats_nan_as_the_maximum_and_takes_all_minus_inf_rows():
+    x = torch.randn(3, 50)
+    x[0, [12, 40]] = float("nan")
+    x[1, 47] = float("nan")  # in the tail
+    x[2] = float("-inf")
+    assert cpu_ops.argmax(x).tolist() == x.argmax(dim=-1).tolist() == [12, 47, 0]
+
+
+def test_native_argmax_reads_a_column_slice_of_wider_rows():
+    wide = torch.randn(4, 100)
+    x = wide[:, :90]
+    assert torch.equal(cpu_ops.argmax(x), x.argmax(dim=-1))
