@@ -35,7 +35,9 @@ async def offline(engine, prompts: list[list[int]], concurrency: int, output_len
     async def one(i: int, ids: list[int]) -> int:
         async with gate:
             start, n = time.perf_counter(), 0
-            async for out in engine.generate(f"offline-{i}-{time.time_ns()}", ids, params):
+            async for out in engine.generate(
+                f"offline-{i}-{time.time_ns()}", engine.admit(ids, params)
+            ):
                 if n == 0 and out.outputs[0].token_ids:
                     ttfts.append(time.perf_counter() - start)
                 n += len(out.outputs[0].token_ids)

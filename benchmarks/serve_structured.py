@@ -37,7 +37,7 @@ SCHEMA = {
 async def tokens_per_second(engine, prompts, params: SamplingParams, tag: str) -> dict:
     async def one(i: int, ids: list[int]) -> int:
         n = 0
-        async for out in engine.generate(f"{tag}-{i}-{time.time_ns()}", ids, params):
+        async for out in engine.generate(f"{tag}-{i}-{time.time_ns()}", engine.admit(ids, params)):
             n += len(out.outputs[0].token_ids)
         return n
 

@@ -1,7 +1,7 @@
 """`RemoteEngine`: the frontend's generation backend when the engines run in worker processes.
 
 It offers the face of `engine.AsyncEngine` that server/ uses (`tokenizer`, `model_info`,
-`check_request`, `generate`, `abort`, `load`, `shutdown`), so the same FastAPI app serves from an
+`admit`, `generate`, `abort`, `load`, `shutdown`), so the same FastAPI app serves from an
 in-process engine or from remote workers. Requests go through `GenerationFlow` over a `Router`.
 The model card (ModelInfo fields and the tokenizer) comes from the workers themselves, so frontend
 and workers can never disagree on the vocabulary, and the frontend never loads weights.
@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 
 from deepserve.disagg.errors import NoWorkerError, WorkerRejectedError, WorkerUnavailableError
 from deepserve.disagg.flow import GenerationFlow
-from deepserve.engine.errors import InvalidRequestError
+from deepserve.engine.admission import AdmittedRequest, EngineLimits, check_request
 from deepserve.engine.outputs import EngineLoad, RequestOutput
 from deepserve.engine.sampling_params import SamplingParams
 from deepserve.router.router import Router
@@ -42,40 +42,27 @@ async def fetch_model_card(router: Router, timeout: float) -> dict[str, Any]:
 
 
 class RemoteEngine:
-    def __init__(self, router: Router, model_info: Any, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self, router: Router, model_info: Any, tokenizer: Tokenizer, limits: EngineLimits
+    ) -> None:
         self.router = router
         self.model_info = model_info
         self.tokenizer = tokenizer
+        self.limits = limits
         self.flow = GenerationFlow(router, model_info.max_model_len)
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """The checks that need no engine; the worker repeats them all and answers 400."""
-        vocab, limit = self.model_info.vocab_size, self.model_info.max_model_len
-        if not prompt_token_ids:
-            raise InvalidRequestError("the prompt is empty")
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt token id {bad[0]} is outside the vocabulary ({vocab})"
-            )
-        params.validate(vocab)
-        n = len(prompt_token_ids)
-        if n >= limit:
-            raise InvalidRequestError(
-                f"the prompt has {n} tokens; the context limit is {limit} "
-                "and at least one token must be generated"
-            )
-        if params.max_tokens is not None and n + params.max_tokens > limit:
-            raise InvalidRequestError(
-                f"max_tokens {params.max_tokens} plus the prompt's {n} tokens exceeds the "
-                f"context limit {limit}"
-            )
+    def admit(
+        self, prompt_token_ids: list[int], params: SamplingParams, resume_token_ids=()
+    ) -> AdmittedRequest:
+        """The engine's own admission against the workers' limits; a worker compiles the
+        output constraint (a bad one is its 400)."""
+        max_tokens = check_request(self.limits, prompt_token_ids, params, resume_token_ids)
+        return AdmittedRequest(list(prompt_token_ids), params, max_tokens, list(resume_token_ids))
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, admitted: AdmittedRequest
     ) -> AsyncIterator[RequestOutput]:
-        self.check_request(prompt_token_ids, params)
-        events = self.flow.stream(request_id, list(prompt_token_ids), params)
+        events = self.flow.stream(request_id, admitted.prompt_token_ids, admitted.params)
         async with contextlib.aclosing(events) as stream:
             async for ev in stream:
                 yield ev.to_output()

@@ -3,9 +3,9 @@
 The synchronous `LLMEngine` lives entirely on a dedicated engine thread; callers on any event loop
 talk to it through a locked inbox (adds and aborts) and receive `RequestOutput` deltas on
 per-request asyncio queues, fed with `loop.call_soon_threadsafe`. The thread sleeps on a condition
-variable when there is nothing to run. Validation (`check_request`, grammar compilation) happens on
-the caller's side before anything is queued, so a bad request raises at once and never reaches the
-engine thread. Protocol conversion is server/'s job.
+variable when there is nothing to run. Admission (`admit`: validation, max_tokens, grammar
+compilation) happens on the caller's side before anything is queued, so a bad request raises at
+once and never reaches the engine thread. Protocol conversion is server/'s job.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from deepserve.engine.admission import AdmittedRequest, EngineLimits
 from deepserve.engine.config import EngineConfig
 from deepserve.engine.errors import EngineError, InvalidRequestError
 from deepserve.engine.llm_engine import LLMEngine
@@ -28,10 +29,7 @@ from deepserve.engine.sampling_params import SamplingParams
 @dataclass
 class _Add:
     request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    grammar: object
-    resume_token_ids: list[int]
+    admitted: AdmittedRequest
 
 
 @dataclass
@@ -71,38 +69,28 @@ class AsyncEngine:
 
     # ---- caller side ----------------------------------------------------------------------
 
-    def check_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, resume_token_ids=()
-    ) -> None:
-        """Raise InvalidRequestError for a request the engine would refuse."""
-        self.engine.check_request(prompt_token_ids, params, resume_token_ids)
+    @property
+    def limits(self) -> EngineLimits:
+        return self.engine.limits
 
-    def compile_grammar(self, params: SamplingParams):
-        """Compile (and cache) a request's output constraint, e.g. on a worker thread before
-        `generate`, which then finds it cached. InvalidRequestError when it is bad."""
-        return self.engine.compile_grammar(params)
+    def admit(
+        self, prompt_token_ids: list[int], params: SamplingParams, resume_token_ids=()
+    ) -> AdmittedRequest:
+        """Validate, resolve max_tokens and compile the output constraint (which can take 100+
+        ms: call it off the event loop for such requests). Raises InvalidRequestError."""
+        return self.engine.admit(prompt_token_ids, params, resume_token_ids)
 
     async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        resume_token_ids=(),
+        self, request_id: str, admitted: AdmittedRequest
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's deltas; leaving the iteration early aborts the request.
-        `resume_token_ids`: see `LLMEngine.add_request`."""
+        """Stream an admitted request's deltas; leaving the iteration early aborts it."""
         self._raise_if_dead()
-        self.check_request(prompt_token_ids, params, resume_token_ids)
-        grammar = None
-        if params.structured is not None:  # compiling can take 100+ ms: keep it off the loop
-            grammar = await asyncio.to_thread(self.engine.compile_grammar, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._cond:
             if request_id in self._streams:
                 raise InvalidRequestError(f"request id {request_id!r} is already running")
             self._streams[request_id] = stream
-            add = _Add(request_id, list(prompt_token_ids), params, grammar, list(resume_token_ids))
-            self._adds.append(add)
+            self._adds.append(_Add(request_id, admitted))
             self._cond.notify()
         finished = False
         try:
@@ -198,9 +186,7 @@ class AsyncEngine:
 
     def _admit(self, add: _Add) -> None:
         try:
-            self.engine.add_request(
-                add.request_id, add.prompt_token_ids, add.params, add.grammar, add.resume_token_ids
-            )
+            self.engine.add_admitted(add.request_id, add.admitted)
         except InvalidRequestError as e:  # e.g. a duplicate id racing another caller
             self._deliver_error(add.request_id, e)
 

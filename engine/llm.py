@@ -72,14 +72,15 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         params_list = _as_params_list(params, len(prompts))
         token_lists = [p if isinstance(p, list) else self.encode(p) for p in prompts]
-        for ids, sp in zip(token_lists, params_list, strict=True):
-            self.engine.check_request(ids, sp)
+        admitted = [
+            self.engine.admit(ids, sp) for ids, sp in zip(token_lists, params_list, strict=True)
+        ]
         results: dict[str, GenerationResult] = {}
-        for ids, sp in zip(token_lists, params_list, strict=True):
+        for ids, req in zip(token_lists, admitted, strict=True):
             rid = f"llm-{next(self._ids)}"
-            samples = [GeneratedSample(i) for i in range(sp.n)]
+            samples = [GeneratedSample(i) for i in range(req.params.n)]
             results[rid] = GenerationResult(rid, ids, samples)
-            self.engine.add_request(rid, ids, sp)
+            self.engine.add_admitted(rid, req)
         try:
             while self.engine.has_unfinished():
                 for out in self.engine.step():

@@ -3,8 +3,7 @@
 `LLMEngine` wires the parts together (model, block manager, scheduler, model runner) and applies
 each step's results: progress of every scheduled chunk, sampled tokens, stop conditions, and the
 per-request output deltas. It is single-threaded by design; `AsyncEngine` runs it on its own thread
-and `LLM` drives it in a loop. Request validation happens here, in `check_request`, before anything
-is queued.
+and `LLM` drives it in a loop. Requests are admitted (engine/admission.py) before anything is queued.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ import time
 
 import torch
 
+from deepserve.engine.admission import AdmittedRequest, EngineLimits, check_request
 from deepserve.engine.block_manager import BlockManager
 from deepserve.engine.config import EngineConfig
 from deepserve.engine.errors import InvalidRequestError
@@ -87,66 +87,30 @@ class LLMEngine:
 
     # ---- admission ------------------------------------------------------------------------
 
+    @property
+    def limits(self) -> EngineLimits:
+        return EngineLimits(
+            self.vocab_size,
+            self.max_model_len,
+            self.block_manager.num_blocks * self.block_manager.block_size,
+            self.config.max_num_seqs,
+        )
+
     def check_request(
         self, prompt_token_ids: list[int], params: SamplingParams, resume_token_ids=()
     ) -> int:
         """Validate a request; return its resolved max_tokens. Raises InvalidRequestError."""
-        n_prompt = len(prompt_token_ids)
-        if n_prompt == 0:
-            raise InvalidRequestError("the prompt is empty")
-        bad = [t for t in [*prompt_token_ids, *resume_token_ids] if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})"
-            )
-        params.validate(self.vocab_size)
-        if resume_token_ids:
-            self._check_resume(n_prompt, params, len(resume_token_ids))
-        if n_prompt >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {n_prompt} tokens; the context limit is {self.max_model_len} "
-                "and at least one token must be generated"
-            )
-        max_tokens = self._resolve_max_tokens(n_prompt, params.max_tokens)
-        if params.min_tokens > max_tokens:
-            raise InvalidRequestError(
-                f"min_tokens {params.min_tokens} exceeds max_tokens {max_tokens}"
-            )
-        if params.n > self.config.max_num_seqs:
-            raise InvalidRequestError(
-                f"n={params.n} exceeds max_num_seqs {self.config.max_num_seqs}"
-            )
-        return max_tokens
+        return check_request(self.limits, prompt_token_ids, params, resume_token_ids)
 
-    def _check_resume(self, n_prompt: int, params: SamplingParams, n_resume: int) -> None:
-        if params.n != 1:
-            raise InvalidRequestError("only a single-sample request (n=1) can be resumed")
-        if params.max_tokens is not None and n_resume >= params.max_tokens:
-            raise InvalidRequestError(
-                f"{n_resume} resumed tokens leave nothing of max_tokens {params.max_tokens}"
-            )
-        if n_prompt + n_resume >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt and resumed tokens ({n_prompt + n_resume}) leave no room in the "
-                f"context limit {self.max_model_len}"
-            )
-
-    def _resolve_max_tokens(self, n_prompt: int, requested: int | None) -> int:
-        room = self.max_model_len - n_prompt
-        pool_tokens = self.block_manager.num_blocks * self.block_manager.block_size
-        if requested is None:
-            requested = min(room, pool_tokens - n_prompt)
-        elif requested > room:
-            raise InvalidRequestError(
-                f"max_tokens {requested} plus the prompt's {n_prompt} tokens exceeds the "
-                f"context limit {self.max_model_len}"
-            )
-        if n_prompt + requested > pool_tokens:
-            raise InvalidRequestError(
-                f"the prompt ({n_prompt}) plus max_tokens ({requested}) does not fit the KV pool "
-                f"of {pool_tokens} tokens"
-            )
-        return requested
+    def admit(
+        self, prompt_token_ids: list[int], params: SamplingParams, resume_token_ids=()
+    ) -> AdmittedRequest:
+        """Validate, resolve max_tokens and compile the output constraint, once."""
+        max_tokens = self.check_request(prompt_token_ids, params, resume_token_ids)
+        grammar = self.compile_grammar(params)
+        return AdmittedRequest(
+            list(prompt_token_ids), params, max_tokens, list(resume_token_ids), grammar
+        )
 
     def compile_grammar(self, params: SamplingParams):
         """Compile a structured-output constraint (InvalidRequestError when it is bad)."""
@@ -166,28 +130,34 @@ class LLMEngine:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        compiled_grammar=None,
         resume_token_ids=(),
     ) -> Request:
-        """Validate and queue. `compiled_grammar` may be passed when compiled off-thread.
+        """Admit and queue (offline use; `AsyncEngine` admits on the caller's side)."""
+        return self.add_admitted(request_id, self.admit(prompt_token_ids, params, resume_token_ids))
 
-        `resume_token_ids`: output tokens this request already produced elsewhere (a prefill
-        worker's first token), never emitted again. They count as outputs everywhere colocated
-        decoding counts them (max/min_tokens, penalties, the seeded noise's output position, the
-        grammar), so with the same seed the continuation equals a colocated run's."""
+    def add_admitted(self, request_id: str, admitted: AdmittedRequest) -> Request:
+        """Queue a request that passed `admit`.
+
+        `admitted.resume_token_ids`: output tokens this request already produced elsewhere (a
+        prefill worker's first token), never emitted again. They count as outputs everywhere
+        colocated decoding counts them (max/min_tokens, penalties, the seeded noise's output
+        position, the grammar), so with the same seed the continuation equals a colocated run's."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
-        max_tokens = self.check_request(prompt_token_ids, params, resume_token_ids)
-        if compiled_grammar is None:
-            compiled_grammar = self.compile_grammar(params)
+        params = admitted.params
         seed = params.seed if params.seed is not None else secrets.randbits(64)
         request = Request(
-            request_id, list(prompt_token_ids), params, seed, max_tokens, time.monotonic()
+            request_id,
+            list(admitted.prompt_token_ids),
+            params,
+            seed,
+            admitted.max_tokens,
+            time.monotonic(),
         )
-        request.compiled_grammar = compiled_grammar
+        request.compiled_grammar = admitted.grammar
         request.sequences = [self._new_sequence(request, i) for i in range(params.n)]
-        if resume_token_ids:
-            _resume(request.sequences[0], list(resume_token_ids))
+        if admitted.resume_token_ids:
+            _resume(request.sequences[0], list(admitted.resume_token_ids))
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request

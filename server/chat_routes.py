@@ -1,9 +1,9 @@
 """POST /v1/chat/completions, /v1/responses and /v1/messages: one request path for all three.
 
-Read the body, check the model name, then off the event loop: convert with the recipe, render and
-encode the prompt (model family), resolve max_tokens against the context, build SamplingParams,
-validate with the engine and compile any grammar, so every bad request fails with 4xx before work
-is queued. Then stream or collect the protocol chunks (server/stream.py, server/framing.py); for
+Read the body, check the model name, then off the event loop: check the shared sampling fields,
+convert with the recipe, render and encode the prompt (model family), and admit the request
+(server/admission.py: SamplingParams, the engine's validation, max_tokens and grammar), so every
+bad request fails with 4xx before work is queued. Then stream or collect the protocol chunks (server/stream.py, server/framing.py); for
 chat-template models with tools, the Chat Completions output is rewritten into tool calls
 (server/tool_calls.py).
 """
@@ -16,16 +16,20 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
-import deepseek_recipe as dr
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from deepserve.engine.errors import InvalidRequestError
-from deepserve.engine.sampling_params import SamplingParams
-from deepserve.server.errors import HTTPError, message_of_conversion_error
+from deepserve.server.admission import (
+    BodyExtras,
+    admit,
+    check_fields,
+    pop_extras,
+    recipe_options,
+    sampling_params,
+)
+from deepserve.server.errors import HTTPError
 from deepserve.server.framing import FrameInfo, collect, sse_body
 from deepserve.server.protocols import CHAT, ProtocolSpec, parse_request
-from deepserve.server.sampling import BodyExtras, build_sampling_params, pop_extras
 from deepserve.server.state import (
     AppState,
     ClientDisconnected,
@@ -83,7 +87,8 @@ async def handle(request: Request, spec: ProtocolSpec, state: AppState) -> Respo
 def prepare(spec: ProtocolSpec, body: dict, state: AppState) -> Prepared:
     """Everything before queueing; runs on a worker thread. Raises HTTPError/InvalidRequestError."""
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-    extras = pop_extras(body, spec.allows_n)
+    check_fields(body)
+    extras = pop_extras(body, spec.allows_n, spec.max_tokens_fields)
     parsed = parse_request(
         spec, body, state.family.conversion_options, state.config.served_model_name
     )
@@ -98,14 +103,10 @@ def prepare(spec: ProtocolSpec, body: dict, state: AppState) -> Prepared:
             'endpoint; send tool_choice "none" to answer without them',
         )
     _check_tool_constraint(prompt.tools, extras)
-    max_tokens = _resolve_max_tokens(conv, len(prompt.token_ids), state.max_model_len)
-    params = build_sampling_params(
-        body, conv.inference_options, max_tokens, extras, prompt.structured
-    )
-    validate(state, prompt.token_ids, params)
-    job = GenerationJob(
-        parsed.request_id, prompt.token_ids, params, prompt.parsing, parsed.make_generator
-    )
+    options = recipe_options(conv.inference_options, extras)
+    params = sampling_params(body, options, extras, prompt.structured)
+    admitted = admit(state, prompt.token_ids, params)
+    job = GenerationJob(parsed.request_id, admitted, prompt.parsing, parsed.make_generator)
     if params.structured is not None and params.structured.kind == "structural_tag":
         job.text_tokenizer = state.backend.tokenizer
         if params.logprobs is not None:
@@ -168,26 +169,3 @@ def _set_logprobs(result: dict, feed: deque[tuple[int, list[dict]]]) -> None:
         content.setdefault(index, []).extend(entries)
     for i, choice in enumerate(result.get("choices") or []):
         choice["logprobs"] = {"content": content.get(i, []), "refusal": None}
-
-
-def _resolve_max_tokens(conv: dr.ConversationRequest, n_prompt: int, context: int) -> int:
-    try:
-        return conv.resolve_max_tokens(n_prompt, context)
-    except dr.ConversionError as e:
-        raise HTTPError(e.status_code, message_of_conversion_error(e.body)) from e
-
-
-def validate(state: AppState, prompt_ids: list[int], params: SamplingParams) -> None:
-    """Engine-side checks and grammar compilation, recorded in the metrics."""
-    state.backend.check_request(prompt_ids, params)
-    if params.structured is None:
-        return
-    compile_grammar = getattr(state.backend, "compile_grammar", None)
-    if compile_grammar is None:  # a remote backend validates (and times compiles) on its side
-        state.metrics.structured_request(params.structured.kind)
-        return
-    compiled = compile_grammar(params)
-    if compiled is None:
-        raise InvalidRequestError("the output constraint did not compile")
-    state.metrics.structured_request(params.structured.kind)
-    state.metrics.grammar_compile.observe(compiled.compile_seconds)

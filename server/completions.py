@@ -21,12 +21,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from deepserve.engine.errors import InvalidRequestError
+from deepserve.engine.admission import AdmittedRequest
 from deepserve.engine.outputs import CompletionOutput, TokenLogprob
 from deepserve.engine.sampling_params import SamplingParams
+from deepserve.server.admission import (
+    admit,
+    check_fields,
+    completion_options,
+    pop_extras,
+    sampling_params,
+)
 from deepserve.server.errors import HTTPError
 from deepserve.server.framing import sse
-from deepserve.server.sampling import parse_int_list, parse_logit_bias
 from deepserve.server.state import (
     AppState,
     ClientDisconnected,
@@ -70,8 +76,7 @@ _LOGPROB_FLOOR = -9999.0
 
 @dataclass(frozen=True)
 class _Job:
-    prompt_ids: list[int]
-    params: SamplingParams
+    admitted: AdmittedRequest
     stops: list[str]
     echo: str  # the prompt text returned before the completion ("" without echo)
 
@@ -93,13 +98,13 @@ async def handle(request: Request, state: AppState) -> Response:
     job = await prepare_off_loop(request, _prepare, body, state)
     rid = "cmpl-" + uuid.uuid4().hex[:24]
     events = _generate(state, rid, job)
-    n_prompt = len(job.prompt_ids)
+    n_prompt = len(job.admitted.prompt_token_ids)
     if body.get("stream"):
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
         sse_events = _sse(events, rid, state, usage, n_prompt)
         return StreamingResponse(sse_events, media_type="text/event-stream")
     try:
-        collected = _collect(events, rid, state, job.params, n_prompt)
+        collected = _collect(events, rid, state, job.admitted.params, n_prompt)
         result = await until_disconnect(request, collected)
     except ClientDisconnected:
         return Response(status_code=499)
@@ -110,14 +115,16 @@ def _prepare(body: dict, state: AppState) -> _Job:
     unknown = sorted(set(body) - _ALLOWED)
     if unknown:
         raise HTTPError(400, f"unknown field {unknown[0]!r}", param=unknown[0])
+    check_fields(body)
     prompt, prompt_ids = _encode_prompt(body.get("prompt"), state)
     stops = body.get("stop") or []
     stops = [stops] if isinstance(stops, str) else stops
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise HTTPError(400, "stop must be a string or a list of strings", param="stop")
-    params = _params(body)
+    extras = pop_extras(body, True, ("max_tokens",))
+    params = sampling_params(body, completion_options(body, extras), extras)
     _check_unsupported(body, params)
-    state.backend.check_request(prompt_ids, params)
+    admitted = admit(state, prompt_ids, params)
     echo = ""
     if body.get("echo"):
         echo = (
@@ -125,7 +132,7 @@ def _prepare(body: dict, state: AppState) -> _Job:
             if prompt is not None
             else state.backend.tokenizer.decode(prompt_ids, skip_special_tokens=False)
         )
-    return _Job(prompt_ids, params, stops, echo)
+    return _Job(admitted, stops, echo)
 
 
 def _check_unsupported(body: dict, params: SamplingParams) -> None:
@@ -156,42 +163,6 @@ def _encode_prompt(prompt, state: AppState) -> tuple[str | None, list[int]]:
     raise HTTPError(400, "prompt must be a non-empty string or a list of token ids", param="prompt")
 
 
-def _params(body: dict) -> SamplingParams:
-    def num(name: str, default):
-        value = body.get(name, default)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise InvalidRequestError(f"{name} must be a number")
-        return value
-
-    def integer(name: str, default: int | None = None) -> int | None:
-        value = body.get(name)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise HTTPError(400, f"{name} must be an integer", param=name)
-        return value
-
-    return SamplingParams(
-        n=integer("n", 1),
-        temperature=float(num("temperature", 1.0)),
-        top_p=float(num("top_p", 1.0)),
-        top_k=max(int(num("top_k", 0)), 0),
-        min_p=float(num("min_p", 0.0)),
-        presence_penalty=float(num("presence_penalty", 0.0)),
-        frequency_penalty=float(num("frequency_penalty", 0.0)),
-        repetition_penalty=float(num("repetition_penalty", 1.0)),
-        seed=integer("seed"),
-        max_tokens=integer("max_tokens", 16),
-        min_tokens=integer("min_tokens", 0),
-        stop_token_ids=tuple(parse_int_list(body.get("stop_token_ids"), "stop_token_ids")),
-        ignore_eos=bool(body.get("ignore_eos", False)),
-        logprobs=integer("logprobs"),
-        logit_bias=parse_logit_bias(body.get("logit_bias")),
-    )
-
-
 @dataclass
 class _Choice:
     """One choice's decoding state: its output text so far and whether it has ended."""
@@ -206,14 +177,14 @@ class _Choice:
 async def _generate(state: AppState, rid: str, job: _Job) -> AsyncIterator[_Event]:
     """Yield each choice's new output as it comes; aborts the engine request when left early."""
     tok = state.backend.tokenizer
-    params = job.params
+    params = job.admitted.params
     choices = [_Choice(DecodeStream(skip_special_tokens=True), job.echo) for _ in range(params.n)]
     timing = Timing(time.perf_counter())
     finished, reason = False, "abort"
     try:
         # Closed here, not by the loop's async-generator finalizer: that one wakes the loop from
         # another thread's path and closes in a task of its own, before the response goes out.
-        async with aclosing(state.backend.generate(rid, job.prompt_ids, params)) as outputs:
+        async with aclosing(state.backend.generate(rid, job.admitted)) as outputs:
             async for out in outputs:
                 if not timing.ready:
                     timing.ready = True

@@ -14,9 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import uvicorn
+from fastapi import FastAPI
 from tokenizers import Tokenizer
 
 from deepserve.disagg.remote_engine import RemoteEngine, fetch_model_card
+from deepserve.engine.admission import EngineLimits
 from deepserve.engine.loader import ModelInfo
 from deepserve.router.router import Router, RouterConfig
 from deepserve.server.app import create_app
@@ -49,16 +51,22 @@ async def connect(config: FrontendConfig) -> RemoteEngine:
     info = ModelInfo(**card["info"])
     if info.name != config.model:
         log.warning("workers serve %r, the frontend was told --model %r", info.name, config.model)
-    return RemoteEngine(router, info, Tokenizer.from_str(card["tokenizer"]))
+    limits = EngineLimits(**card["limits"])
+    return RemoteEngine(router, info, Tokenizer.from_str(card["tokenizer"]), limits)
+
+
+def build_frontend_app(engine: RemoteEngine, server: ServerConfig) -> FastAPI:
+    """The app over a connected RemoteEngine (tests build it on their own loop)."""
+    info, name = engine.model_info, server.served_model_name
+    family = make_family(info.family, engine.tokenizer, name, info.chat_template)
+    metrics = ServerMetrics(name, server.role, engine.load)
+    metrics.registry.register(RouterCollector(engine.router, metrics.labels))
+    return create_app(engine, family, server, metrics)
 
 
 async def serve_frontend(config: FrontendConfig) -> None:
     engine = await connect(config)
-    info, name = engine.model_info, config.server.served_model_name
-    family = make_family(info.family, engine.tokenizer, name, info.chat_template)
-    metrics = ServerMetrics(name, config.server.role, engine.load)
-    metrics.registry.register(RouterCollector(engine.router, metrics.labels))
-    app = create_app(engine, family, config.server, metrics)
+    app = build_frontend_app(engine, config.server)
     uv = uvicorn.Config(
         app,
         host=config.server.host,

@@ -2,7 +2,7 @@
 
 A `ProtocolSpec` says which recipe request and response classes an endpoint uses and how to build
 its chunk generator; `parse_request` runs the recipe's validation and conversion. Everything a
-protocol differs in lives in this table, so the request path (server/requests.py) is shared.
+protocol differs in lives in this table, so the request path (server/chat_routes.py) is shared.
 """
 
 from __future__ import annotations
@@ -25,11 +25,25 @@ class ProtocolSpec:
     response_cls: type
     id_prefix: str
     allows_n: bool
+    max_tokens_fields: tuple[
+        str, ...
+    ]  # the protocol's names for the output budget, preferred first
 
 
-CHAT = ProtocolSpec("chat", dr.ChatCompletionRequest, dr.ChatCompletionResponse, "chatcmpl-", True)
-RESPONSES = ProtocolSpec("responses", dr.ResponsesRequest, dr.ResponsesResponse, "resp_", False)
-MESSAGES = ProtocolSpec("messages", dr.MessagesRequest, dr.MessagesResponse, "msg_", False)
+CHAT = ProtocolSpec(
+    "chat",
+    dr.ChatCompletionRequest,
+    dr.ChatCompletionResponse,
+    "chatcmpl-",
+    True,
+    ("max_completion_tokens", "max_tokens"),
+)
+RESPONSES = ProtocolSpec(
+    "responses", dr.ResponsesRequest, dr.ResponsesResponse, "resp_", False, ("max_output_tokens",)
+)
+MESSAGES = ProtocolSpec(
+    "messages", dr.MessagesRequest, dr.MessagesResponse, "msg_", False, ("max_tokens",)
+)
 
 
 @dataclass

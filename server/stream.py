@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import deepseek_recipe as dr
 from tokenizers import Tokenizer
 
+from deepserve.engine.admission import AdmittedRequest
 from deepserve.engine.outputs import CompletionOutput, RequestOutput
 from deepserve.engine.sampling_params import SamplingParams
 from deepserve.server.backend import Backend
@@ -32,8 +33,7 @@ _FINISH = {"stop": dr.InferenceFinishReason.Stop, "length": dr.InferenceFinishRe
 @dataclass
 class GenerationJob:
     request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
+    admitted: AdmittedRequest
     parsing: dr.ParsingOptions
     make_generator: GeneratorFactory
     # Set for DeepSeek tool-call grammars: xgrammar may spell a DSML marker from plain tokens,
@@ -45,6 +45,10 @@ class GenerationJob:
     arrival: float = field(default_factory=time.perf_counter)
     prompt_tokens: int = 0  # set when the engine's first output arrives
     cached_tokens: int = 0
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.admitted.params
 
 
 @dataclass
@@ -73,7 +77,7 @@ async def stream_chunks(
     try:
         # Closed here, not by the loop's async-generator finalizer (a cross-thread wake-up and a
         # task of its own, before the response goes out).
-        outputs = backend.generate(job.request_id, job.prompt_ids, job.params)
+        outputs = backend.generate(job.request_id, job.admitted)
         async with aclosing(outputs):
             async for out in outputs:
                 if not timing.ready:

@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from deepserve.disagg import protocol as P
 from deepserve.disagg.metrics import TransferMetrics
+from deepserve.engine.admission import AdmittedRequest
 from deepserve.engine.async_engine import AsyncEngine
 from deepserve.engine.block_manager import block_key
 from deepserve.engine.errors import InvalidRequestError
@@ -69,29 +70,26 @@ class Worker:
 
     # ---- generate -----------------------------------------------------------------------------
 
-    def admit(self, req: P.GenerateRequest):
-        """Validate before streaming, so a bad request is a 400 and never a broken stream."""
+    def admit(self, req: P.GenerateRequest) -> AdmittedRequest:
+        """Admit before streaming, so a bad request is a 400 and never a broken stream."""
         try:
             params = P.sampling_from_dict(req.sampling)
         except (TypeError, ValueError) as e:
             raise InvalidRequestError(f"bad sampling parameters: {e}") from e
-        self.engine.check_request(req.prompt_token_ids, params, req.resume_token_ids)
-        if params.structured is not None:  # compiled (and cached) now, so a bad one is a 400
-            compiled = self.engine.compile_grammar(params)
-            if compiled is None:
-                raise InvalidRequestError("the output constraint did not compile")
+        admitted = self.engine.admit(req.prompt_token_ids, params, req.resume_token_ids)
+        if admitted.grammar is not None:
             self.metrics.structured_request(params.structured.kind)
-            self.metrics.grammar_compile.observe(compiled.compile_seconds)
-        return params
+            self.metrics.grammar_compile.observe(admitted.grammar.compile_seconds)
+        return admitted
 
-    async def stream(self, req: P.GenerateRequest, params) -> AsyncIterator[dict]:
+    async def stream(
+        self, req: P.GenerateRequest, admitted: AdmittedRequest
+    ) -> AsyncIterator[dict]:
         """The request's events as JSON objects; the last one is `finished` (an error too).
         Read it to its end: each event is counted in the metrics after it was handed over."""
         first = True
         try:
-            outputs = self.engine.generate(
-                req.request_id, req.prompt_token_ids, params, req.resume_token_ids
-            )
+            outputs = self.engine.generate(req.request_id, admitted)
             async for out in outputs:
                 keys: list[str] = []
                 if out.finished and req.mode == "prefill":
@@ -180,6 +178,7 @@ class Worker:
         return {
             "info": asdict(self.engine.model_info),
             "tokenizer": self.engine.tokenizer.to_str(),
+            "limits": asdict(self.engine.limits),
         }
 
     # ---- KV block events ------------------------------------------------------------------------
@@ -312,11 +311,11 @@ class GenerateRoute:
             return
         try:
             req = P.GenerateRequest.from_json(_json_object(await _read_body(receive)))
-            params = self.worker.admit(req)
+            admitted = self.worker.admit(req)
         except (InvalidRequestError, TypeError, ValueError) as e:
             await _error(400, str(e))(scope, receive, send)
             return
-        await _stream(self.worker.stream(req, params), receive, send)
+        await _stream(self.worker.stream(req, admitted), receive, send)
 
 
 _NDJSON_START = {

@@ -94,3 +94,83 @@ def server(smollm_engine) -> Iterator[RunningServer]:
 @pytest.fixture(scope="module")
 def client(server: RunningServer) -> OpenAI:
     return OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _serve_in_thread(make_server) -> tuple[uvicorn.Server, threading.Thread]:
+    """Run `await make_server()` (which builds its app on the thread's own loop) and serve it."""
+    holder: list[uvicorn.Server] = []
+
+    async def main() -> None:
+        server, cleanup = await make_server()
+        holder.append(server)
+        try:
+            await server.serve()
+        finally:
+            await cleanup()
+
+    thread = threading.Thread(target=asyncio.run, args=(main(),), name="test-uvicorn", daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not (holder and holder[0].started):
+        if time.time() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    return holder[0], thread
+
+
+def _uvicorn(app, port: int) -> uvicorn.Server:
+    return uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    )
+
+
+@contextlib.contextmanager
+def running_worker(engine: AsyncEngine, role: str, token: str) -> Iterator[str]:
+    """A `deepserve worker` app over `engine` (shared, not shut down here); yields its URL."""
+    from deepserve.server.worker import WorkerConfig, build_worker_app
+
+    port = free_port()
+    app = build_worker_app(engine, WorkerConfig(role, token, f"127.0.0.1:{port}"))
+
+    async def make():
+        async def nothing() -> None:
+            return None
+
+        return _uvicorn(app, port), nothing
+
+    server, thread = _serve_in_thread(make)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@contextlib.contextmanager
+def running_frontend(
+    workers: dict[str, tuple[str, ...]], served_name: str, token: str
+) -> Iterator[RunningServer]:
+    """A `deepserve frontend` over the given workers (role -> URLs), in-process."""
+    from deepserve.router.router import RouterConfig
+    from deepserve.server.frontend import FrontendConfig, build_frontend_app, connect
+
+    port = free_port()
+    config = FrontendConfig(
+        RouterConfig(workers=workers, internal_token=token),
+        ServerConfig(served_model_name=served_name, port=port),
+        served_name,
+        startup_timeout_s=30,
+    )
+    apps = []
+
+    async def make():
+        engine = await connect(config)
+        apps.append(build_frontend_app(engine, config.server))
+        return _uvicorn(apps[0], port), engine.shutdown
+
+    server, thread = _serve_in_thread(make)
+    try:
+        yield RunningServer(f"http://127.0.0.1:{port}", None, apps[0], served_name)
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -35,7 +35,7 @@ async def engine(loaded):
 
 async def collect(engine: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams):
     tokens, outs = [], []
-    async for out in engine.generate(rid, prompt, params):
+    async for out in engine.generate(rid, engine.admit(prompt, params)):
         outs.append(out)
         for delta in out.outputs:
             tokens += delta.token_ids
@@ -60,7 +60,7 @@ async def test_concurrent_streams_on_one_loop(engine):
 
 async def test_bad_request_raises_before_queueing(engine):
     with pytest.raises(InvalidRequestError, match="context limit"):
-        engine.check_request([1] * 10, SamplingParams(max_tokens=10**6))
+        engine.admit([1] * 10, SamplingParams(max_tokens=10**6))
     with pytest.raises(InvalidRequestError, match="empty"):
         await collect(engine, "bad", [], GREEDY)
     assert engine.load().waiting == 0 and engine.load().running == 0
@@ -69,7 +69,7 @@ async def test_bad_request_raises_before_queueing(engine):
 async def test_leaving_the_stream_aborts_and_frees_blocks(engine):
     prompt = engine.tokenizer.encode(PROMPT).ids
     params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
-    async for _ in engine.generate("long", prompt, params):
+    async for _ in engine.generate("long", engine.admit(prompt, params)):
         break
     await asyncio.sleep(0)
     deadline = time.monotonic() + 5

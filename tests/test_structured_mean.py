@@ -74,7 +74,7 @@ def test_constrained_generation_ends_with_eos(server):
 
     async def run() -> tuple[list[int], str]:
         ids, reason = [], None
-        async for out in engine.generate("mean-eos", prompt, params):
+        async for out in engine.generate("mean-eos", engine.admit(prompt, params)):
             ids += out.outputs[0].token_ids
             reason = out.outputs[0].finish_reason or reason
         return ids, reason

@@ -1,0 +1,298 @@
+"""Admission of an HTTP request: from a protocol body to an `AdmittedRequest`, in one place.
+
+Every generation endpoint (chat completions, responses, messages, completions) and both topologies
+(in-process engine, remote workers) pass through here, so one bad field gets one error wherever it
+is sent:
+
+1. `check_fields(body)` checks the sampling fields the endpoints share, by one table of rules,
+   before any protocol conversion sees them.
+2. `pop_extras(body, allow_n)` takes out what the recipe would refuse but the server serves (n,
+   json_object, vLLM-style constraint fields, tool schemas).
+3. `sampling_params(body, options, extras, structured)` builds `SamplingParams` from the checked
+   body and the protocol's `RequestOptions` (the recipe's conversion for the chat protocols,
+   `completion_options` for /v1/completions).
+4. `admit(state, prompt_ids, params)` hands it to the engine's `admit` (engine/admission.py: token
+   ids against the vocabulary and the context, max_tokens resolved, the grammar compiled once) and
+   records the structured-output metrics. `generate` then trusts the result.
+
+Not here: prompt rendering (server/family.py) and stop strings (the recipe's StreamProcessor,
+server/completions.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import deepseek_recipe as dr
+
+from deepserve.engine.admission import AdmittedRequest
+from deepserve.engine.sampling_params import SamplingParams, StructuredOutput
+from deepserve.server.errors import HTTPError
+from deepserve.server.tool_calls import ToolRequest
+
+MAX_N = 16
+LEGACY_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's legacy API
+
+
+@dataclass(frozen=True)
+class _Rule:
+    kind: str  # "number" | "integer" | "boolean"
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False  # (lo, hi] rather than [lo, hi]
+    off: int | None = None  # a value accepted as "off" outside the range (top_k = -1)
+
+    def check(self, name: str, value) -> None:
+        if value is None:
+            return
+        if self.kind == "boolean":
+            if not isinstance(value, bool):
+                raise bad_field(name, f"{name} must be a boolean")
+            return
+        if not _is_kind(value, self.kind):
+            article = "an" if self.kind == "integer" else "a"
+            raise bad_field(name, f"{name} must be {article} {self.kind}")
+        if value == self.off:
+            return
+        low_ok = self.lo is None or (value > self.lo if self.lo_open else value >= self.lo)
+        if not low_ok or (self.hi is not None and value > self.hi):
+            raise bad_field(name, f"{name} must be in {self._range()}")
+
+    def _range(self) -> str:
+        lo = "-inf" if self.lo is None else _num(self.lo)
+        hi = "inf" if self.hi is None else _num(self.hi)
+        return f"{'(' if self.lo_open else '['}{lo}, {hi}]"
+
+
+# The sampling fields every endpoint shares, by the name the body uses. A field an endpoint does
+# not accept is refused by that endpoint's own schema, never by a different rule.
+FIELD_RULES: dict[str, _Rule] = {
+    "temperature": _Rule("number", 0, 2),
+    "top_p": _Rule("number", 0, 1, lo_open=True),
+    "top_k": _Rule("integer", 0, off=-1),  # -1: the OpenAI-compatible servers' "off"
+    "min_p": _Rule("number", 0, 1),
+    "presence_penalty": _Rule("number", -2, 2),
+    "frequency_penalty": _Rule("number", -2, 2),
+    "repetition_penalty": _Rule("number", 0, lo_open=True),
+    "seed": _Rule("integer", 0, 2**64 - 1),
+    "max_tokens": _Rule("integer", 1),
+    "max_completion_tokens": _Rule("integer", 1),
+    "max_output_tokens": _Rule("integer", 1),
+    "min_tokens": _Rule("integer", 0),
+    "top_logprobs": _Rule("integer", 0, 20),
+    "ignore_eos": _Rule("boolean"),
+}
+
+
+def bad_field(name: str, message: str) -> HTTPError:
+    return HTTPError(400, message, param=name)
+
+
+def check_fields(body: dict) -> None:
+    """Check the shared sampling fields present in `body` (HTTPError 400 naming the field)."""
+    for name, rule in FIELD_RULES.items():
+        rule.check(name, body.get(name))
+    parse_logit_bias(body.get("logit_bias"))
+    parse_int_list(body.get("stop_token_ids"), "stop_token_ids")
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """The sampling fields a protocol defines itself (the recipe converts them for chat)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None  # None: up to the context
+    logprobs: int | None = None  # None: none; k: the chosen token's and the top k
+
+
+def recipe_options(options: dr.InferenceOptions, extras: BodyExtras) -> RequestOptions:
+    """The chat protocols: what the recipe converted, and the max_tokens taken out before."""
+    logprobs = (options.top_logprobs or 0) if options.logprobs else None
+    return RequestOptions(
+        options.temperature, options.top_p, options.seed, extras.max_tokens, logprobs
+    )
+
+
+def completion_options(body: dict, extras: BodyExtras) -> RequestOptions:
+    """/v1/completions: the legacy API's own fields (max_tokens defaults to 16 there)."""
+    logprobs = body.get("logprobs")
+    _Rule("integer", 0, 20).check("logprobs", logprobs)
+    return RequestOptions(
+        body.get("temperature"),
+        body.get("top_p"),
+        body.get("seed"),
+        LEGACY_MAX_TOKENS if extras.max_tokens is None else extras.max_tokens,
+        logprobs,
+    )
+
+
+@dataclass(frozen=True)
+class BodyExtras:
+    """What the server takes out of a body before the recipe converts it."""
+
+    n: int = 1
+    max_tokens: int | None = None  # None: up to the context (the engine resolves it)
+    json_object: bool = False  # response_format json_object, enforced here (see pop_extras)
+    structured: StructuredOutput | None = None  # from an extension field
+    schema: str | None = None  # the client's own json_schema, before the recipe normalizes it
+    parallel_tool_calls: bool = True
+    tools: ToolRequest = field(default_factory=ToolRequest)
+
+
+def pop_extras(body: dict, allow_n: bool, max_tokens_fields: tuple[str, ...]) -> BodyExtras:
+    """Remove the fields the recipe would refuse or resolve differently, and return them.
+
+    The recipe rejects n != 1 and a json_object response_format whose prompt lacks the word
+    "json"; the engine samples n choices itself and the grammar enforces JSON regardless of the
+    prompt, so both are taken out before conversion. The output budget (`max_tokens_fields`, the
+    protocol's names for it, preferred first) is resolved by the engine's admission alone: the
+    recipe would clamp it on one protocol and refuse it on another.
+    """
+    n = body.pop("n", None) if allow_n else None
+    _Rule("integer", 1, MAX_N).check("n", n)
+    budgets = [body.pop(name, None) for name in max_tokens_fields]
+    max_tokens = next((b for b in budgets if b is not None), None)
+    fmt = body.get("response_format")
+    json_object = isinstance(fmt, dict) and fmt.get("type") == "json_object"
+    if json_object:
+        body.pop("response_format")
+    parallel = body.get("parallel_tool_calls", True) is not False
+    return BodyExtras(
+        1 if n is None else n,
+        max_tokens,
+        json_object,
+        _extension_constraint(body),
+        _client_schema(body),
+        parallel,
+        ToolRequest.from_body(body),
+    )
+
+
+def _client_schema(body: dict) -> str | None:
+    """The json_schema as sent (Chat: response_format, Responses: text.format).
+
+    With strict: true the recipe rewrites the schema to OpenAI's strict subset, dropping bounds
+    such as maxLength and maxItems; xgrammar enforces those, and the client asked for them.
+    """
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        schema = (fmt.get("json_schema") or {}).get("schema")
+    else:
+        text = body.get("text")
+        fmt = text.get("format") if isinstance(text, dict) else None
+        ok = isinstance(fmt, dict) and fmt.get("type") == "json_schema"
+        schema = fmt.get("schema") if ok else None
+    return json.dumps(schema) if isinstance(schema, dict) else None
+
+
+def _extension_constraint(body: dict) -> StructuredOutput | None:
+    """EBNF / regex / JSON schema through vLLM's extension fields."""
+    so = body.pop("structured_outputs", None) or {}
+    if not isinstance(so, dict):
+        raise bad_field("structured_outputs", "structured_outputs must be an object")
+    found = {
+        "ebnf": so.get("grammar", body.pop("guided_grammar", None)),
+        "regex": so.get("regex", body.pop("guided_regex", None)),
+        "json_schema": so.get("json", body.pop("guided_json", None)),
+    }
+    given = [(k, v) for k, v in found.items() if v is not None]
+    if len(given) > 1:
+        raise bad_field(
+            "structured_outputs", "give at most one of grammar, regex and json constraints"
+        )
+    if not given:
+        return None
+    kind, spec = given[0]
+    if kind == "json_schema" and not isinstance(spec, str):
+        spec = json.dumps(spec)
+    if not isinstance(spec, str):
+        raise bad_field("structured_outputs", f"the {kind} constraint must be a string")
+    return StructuredOutput(kind, spec)
+
+
+def sampling_params(
+    body: dict,
+    options: RequestOptions,
+    extras: BodyExtras,
+    structured: StructuredOutput | None = None,
+) -> SamplingParams:
+    """The request's `SamplingParams`; `body` has passed `check_fields`."""
+    if extras.structured is not None and structured is not None:
+        raise bad_field(
+            "structured_outputs", "response_format and a structured_outputs field both given"
+        )
+    structured = extras.structured or structured
+    if structured is not None and structured.kind == "json_schema" and extras.schema:
+        structured = StructuredOutput("json_schema", extras.schema)
+    if extras.json_object and structured is None:
+        structured = StructuredOutput("json_object")
+    top_k = body.get("top_k")
+    return SamplingParams(
+        n=extras.n,
+        temperature=_or(options.temperature, 1.0),
+        top_p=_or(options.top_p, 1.0),
+        top_k=0 if top_k is None or top_k == -1 else top_k,
+        min_p=float(_or(body.get("min_p"), 0.0)),
+        presence_penalty=float(_or(body.get("presence_penalty"), 0.0)),
+        frequency_penalty=float(_or(body.get("frequency_penalty"), 0.0)),
+        repetition_penalty=float(_or(body.get("repetition_penalty"), 1.0)),
+        logit_bias=parse_logit_bias(body.get("logit_bias")),
+        seed=options.seed,
+        max_tokens=options.max_tokens,
+        min_tokens=_or(body.get("min_tokens"), 0),
+        stop_token_ids=tuple(parse_int_list(body.get("stop_token_ids"), "stop_token_ids")),
+        ignore_eos=bool(body.get("ignore_eos", False)),
+        logprobs=options.logprobs,
+        structured=structured,
+    )
+
+
+def admit(state, prompt_ids: list[int], params: SamplingParams) -> AdmittedRequest:
+    """The engine's admission (InvalidRequestError when it refuses), recorded in the metrics.
+    A remote engine compiles the grammar on the worker, which times it there."""
+    admitted = state.backend.admit(prompt_ids, params)
+    if params.structured is not None:
+        state.metrics.structured_request(params.structured.kind)
+        if admitted.grammar is not None:
+            state.metrics.grammar_compile.observe(admitted.grammar.compile_seconds)
+    return admitted
+
+
+def parse_int_list(value, name: str) -> list[int]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(_is_kind(v, "integer") for v in value):
+        raise bad_field(name, f"{name} must be a list of integers")
+    return value
+
+
+def parse_logit_bias(value) -> dict[int, float] | None:
+    if value is None:
+        return None
+    message = "logit_bias must map token ids to numbers in [-100, 100]"
+    if not isinstance(value, dict):
+        raise bad_field("logit_bias", message)
+    try:
+        bias = {int(k): v for k, v in value.items()}
+    except ValueError as e:
+        raise bad_field("logit_bias", message) from e
+    if not all(_is_kind(b, "number") and -100 <= b <= 100 for b in bias.values()):
+        raise bad_field("logit_bias", message)
+    return {k: float(v) for k, v in bias.items()}
+
+
+def _is_kind(value, kind: str) -> bool:
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) if kind == "integer" else isinstance(value, int | float)
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
