@@ -32,6 +32,7 @@ from deepserve.kvcache.disk_store import DiskStore
 from deepserve.kvcache.host_cache import HostCache
 from deepserve.kvcache.metrics import KVCacheMetrics
 from deepserve.kvcache.redis_store import RedisStore, RedisStoreConfig
+from deepserve.kvcache.redis_url import REDIS_SCHEMES
 from deepserve.kvcache.store import BlockStore
 from deepserve.kvcache.tiered import HOST, STORE, TieredKVCache
 
@@ -45,19 +46,22 @@ def block_spec(kv: KVCacheSpec, block_size: int, fingerprint: str) -> BlockSpec:
 
 
 def open_store(config: KVTierConfig, metrics: KVCacheMetrics) -> BlockStore | None:
-    """The L2 store named by `config.store_url` (redis://, rediss://, file://), or None."""
+    """The L2 store named by `config.store_url` (redis[s]://, redis[s]+cluster://, file://),
+    or None."""
     url = config.store_url
     if not url:
         return None
     scheme = urlparse(url).scheme
-    if scheme in ("redis", "rediss"):
+    if scheme in REDIS_SCHEMES:
         redis_config = RedisStoreConfig(
             url=url, ttl_s=config.store_ttl_s, timeout_s=config.store_timeout_s
         )
         return RedisStore(redis_config, metrics)
     if scheme == "file":
         return DiskStore(urlparse(url).path, config.store_max_bytes, metrics)
-    raise ValueError(f"unsupported KV store URL scheme {scheme!r} (redis, rediss, file)")
+    raise ValueError(
+        f"unsupported KV store URL scheme {scheme!r} (redis, rediss, redis+cluster, rediss+cluster, file)"
+    )
 
 
 class KVTiering:

@@ -1,7 +1,10 @@
 """The Redis-backed `BlockStore` (redis-py): the default shared L2 tier.
 
-URL forms: `redis://[[user]:password@]host:port/db`, `rediss://...` for TLS. Reads are one
-pipelined round trip of MGETs however many blocks are asked for; writes are SET NX with a TTL, so a
+URL forms: `redis://[[user]:password@]host:port/db`, `rediss://...` for TLS, and
+`redis+cluster://` / `rediss+cluster://` for a Redis Cluster (kvcache/redis_url.py). Keys carry no
+hash tag, so blocks spread over every slot and so every master. Reads are one pipelined round
+trip however many blocks are asked for (MGETs on one server; GETs grouped per node on a cluster,
+where a multi-key command must stay within one slot); writes are SET NX with a TTL, so a
 block is written once per key and then left to Redis's own eviction (run the server with
 `maxmemory-policy allkeys-lru`, see docs/kvcache.md).
 
@@ -23,6 +26,7 @@ from redis.retry import Retry
 
 from deepserve.kvcache.circuit_breaker import CircuitBreaker
 from deepserve.kvcache.metrics import KVCacheMetrics
+from deepserve.kvcache.redis_url import is_cluster_url, sync_client
 from deepserve.kvcache.store import BlockStore
 
 
@@ -38,7 +42,9 @@ class RedisStoreConfig:
     breaker_max_cooldown_s: float = 5.0
 
 
-_FAULTS = (redis.RedisError, OSError)
+# RedisClusterException is not a RedisError: it is what a cluster client raises when it cannot
+# reach any node or a slot has no master (mid-failover).
+_FAULTS = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
 
 
 class RedisStore(BlockStore):
@@ -55,14 +61,22 @@ class RedisStore(BlockStore):
         self._breaker = breaker or CircuitBreaker(
             config.breaker_threshold, config.breaker_cooldown_s, config.breaker_max_cooldown_s
         )
-        self._client = redis.Redis.from_url(
-            config.url,
-            socket_timeout=config.timeout_s,
-            socket_connect_timeout=config.timeout_s,
-            retry=Retry(NoBackoff(), 0),
-            retry_on_timeout=False,
-            health_check_interval=0,
-        )
+        self._cluster = is_cluster_url(config.url)
+        self._client: redis.Redis | redis.RedisCluster | None = None
+
+    def _connect(self) -> redis.Redis | redis.RedisCluster:
+        """The client, built on first use: a cluster client connects as it is built."""
+        if self._client is None:
+            cfg = self._config
+            self._client = sync_client(
+                cfg.url,
+                socket_timeout=cfg.timeout_s,
+                socket_connect_timeout=cfg.timeout_s,
+                retry=Retry(NoBackoff(), 0),
+                retry_on_timeout=False,
+                health_check_interval=0,
+            )
+        return self._client
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         if not keys:
@@ -71,13 +85,17 @@ class RedisStore(BlockStore):
         step = self._config.keys_per_mget
 
         def run(pipe: redis.client.Pipeline) -> None:
+            if self._cluster:
+                for name in names:
+                    pipe.get(name)
+                return
             for i in range(0, len(names), step):
                 pipe.mget(names[i : i + step])
 
         replies = self._pipeline("get", run)
         if replies is None:
             return [None] * len(keys)
-        values = [v for chunk in replies for v in chunk]
+        values = replies if self._cluster else [v for chunk in replies for v in chunk]
         self._count_bytes("in", sum(len(v) for v in values if v is not None))
         return values
 
@@ -117,10 +135,12 @@ class RedisStore(BlockStore):
     def delete(self, keys: Sequence[str]) -> None:
         if keys:
             names = [self._config.key_prefix + k for k in keys]
-            self._pipeline("delete", lambda pipe: pipe.delete(*names))
+            # One DEL per key: on a cluster a DEL of several keys must stay within one slot.
+            self._pipeline("delete", lambda pipe: [pipe.delete(name) for name in names])
 
     def close(self) -> None:
-        self._client.close()
+        if self._client is not None:
+            self._client.close()
 
     def _pipeline(self, op: str, build: Callable[[redis.client.Pipeline], object]) -> list | None:
         """Run one pipelined round trip; None (counted as an error) on any store fault."""
@@ -128,7 +148,7 @@ class RedisStore(BlockStore):
             return None
         start = time.perf_counter()
         try:
-            pipe = self._client.pipeline(transaction=False)
+            pipe = self._connect().pipeline(transaction=False)
             build(pipe)
             replies = pipe.execute()
         except _FAULTS:

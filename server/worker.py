@@ -196,10 +196,14 @@ class Worker:
 
     async def _publish_events(self) -> None:
         import redis.asyncio as aioredis
+        from redis.exceptions import RedisClusterException
 
-        client = aioredis.from_url(
-            self.config.kv_events_url, socket_timeout=1, socket_connect_timeout=1
-        )
+        from deepserve.kvcache.redis_url import async_client, is_cluster_url
+
+        url = self.config.kv_events_url
+        client = async_client(url, socket_timeout=1, socket_connect_timeout=1)
+        # On a cluster, SPUBLISH reaches only the channel's shard, not every node over the bus.
+        publish = client.spublish if is_cluster_url(url) else client.publish
         # A (re)started worker holds nothing: routers must forget what they knew of it.
         pending = [P.BlockEvent("cleared")]
         try:
@@ -208,8 +212,8 @@ class Worker:
                 if pending:
                     batch = P.EventBatch(self.config.worker_id, pending)
                     try:
-                        await client.publish(P.KV_EVENTS_CHANNEL, json.dumps(batch.to_json()))
-                    except (OSError, aioredis.RedisError) as e:
+                        await publish(P.KV_EVENTS_CHANNEL, json.dumps(batch.to_json()))
+                    except (OSError, aioredis.RedisError, RedisClusterException) as e:
                         # Dropped events only make routing less sticky, never wrong.
                         log.warning("could not publish %d KV events: %s", len(pending), e)
                     pending = []
