@@ -8,7 +8,8 @@ list of URLs:
     decode: [http://127.0.0.1:9002]
     mixed: []
 
-Health bookkeeping lives here (ejection after consecutive failures, re-admission after consecutive
+Workers found by DNS (router/discovery.py) are handed in with `set_discovered` and merged the same
+way. Health bookkeeping lives here (ejection after consecutive failures, re-admission after consecutive
 successes); the probing loop that feeds it is router/health.py. No I/O other than reading the file.
 """
 
@@ -49,6 +50,7 @@ class Worker:
     load: WorkerLoad | None = None
     worker_id: str | None = None  # the name it uses in its KV events (from /internal/health)
     block_size: int | None = None
+    retired_idle: bool = False  # removed from the pool and idle at the last clean-up
 
     def load_score(self) -> float:
         """Queue depth (the larger of our view and the worker's) plus KV usage as the tie-breaker."""
@@ -64,6 +66,8 @@ class WorkerPool:
     file: Path | None = None
     on_eject: Callable[[Worker], None] = lambda w: None
     _static: dict[str, list[str]] = field(default_factory=dict)
+    _from_file: dict[str, list[str]] = field(default_factory=dict)  # last good read
+    _discovered: dict[str, list[str]] = field(default_factory=dict)
     _workers: dict[str, Worker] = field(default_factory=dict)  # by URL
     _file_mtime: float | None = None
     _retired: list[Worker] = field(default_factory=list)  # removed; clients closed in close()
@@ -92,10 +96,23 @@ class WorkerPool:
 
     def reload(self) -> bool:
         """Re-read the pool file if it changed; returns True when the worker set changed."""
-        wanted = {role: list(urls) for role, urls in self._static.items()}
-        for role, urls in self._read_file().items():
-            wanted.setdefault(role, []).extend(urls)
-        return self._apply(wanted)
+        self._from_file = self._read_file()
+        return self._apply(self._wanted())
+
+    def set_discovered(self, urls_by_role: dict[str, list[str]]) -> bool:
+        """Replace the DNS-discovered workers; returns True when the worker set changed."""
+        self._discovered = {role: list(urls) for role, urls in urls_by_role.items()}
+        return self._apply(self._wanted())
+
+    async def close_idle_retired(self) -> None:
+        """Close the clients of removed workers that were idle at the previous call too: a probe
+        or an abort started just before the removal may still hold the client for a moment."""
+        idle = [w for w in self._retired if w.inflight == 0 and w.retired_idle]
+        self._retired = [w for w in self._retired if w not in idle]
+        for w in self._retired:
+            w.retired_idle = w.inflight == 0
+        for w in idle:
+            await w.client.close()
 
     async def close(self) -> None:
         for w in [*self._workers.values(), *self._retired]:
@@ -122,6 +139,13 @@ class WorkerPool:
             w.healthy = True
 
     # ---- internals --------------------------------------------------------------------------
+
+    def _wanted(self) -> dict[str, list[str]]:
+        wanted: dict[str, list[str]] = {}
+        for source in (self._static, self._from_file, self._discovered):
+            for role, urls in source.items():
+                wanted.setdefault(role, []).extend(urls)
+        return wanted
 
     def _read_file(self) -> dict[str, list[str]]:
         if self.file is None:

@@ -21,6 +21,12 @@ from pathlib import Path
 from deepserve.disagg import protocol as P
 from deepserve.disagg.client import ClientTimeouts, WorkerClient
 from deepserve.disagg.errors import NoWorkerError, WorkerRejectedError, WorkerUnavailableError
+from deepserve.router.discovery import (
+    DiscoveryTarget,
+    DnsDiscovery,
+    server_resolver,
+    system_resolve,
+)
 from deepserve.router.health import HealthChecker
 from deepserve.router.kv_events import KVEventSubscriber
 from deepserve.router.policies import CacheAwareConfig, make_policy
@@ -35,6 +41,9 @@ log = logging.getLogger(__name__)
 class RouterConfig:
     workers: dict[str, tuple[str, ...]] = field(default_factory=dict)  # role -> URLs
     pool_file: str | None = None
+    discover: tuple[str, ...] = ()  # ROLE=http://NAME:PORT, resolved by DNS (router/discovery.py)
+    discover_interval: float = 5.0
+    dns_server: str | None = None  # HOST[:PORT] to ask instead of the system resolver
     policy: str = "round_robin"
     internal_token: str = ""
     kv_events_url: str | None = None  # redis://...; cache_aware learns from it
@@ -65,6 +74,7 @@ class Router:
             for role in ROLES
         }
         self.health = HealthChecker(self.pool, config.health_interval)
+        self.discovery = make_discovery(config, self.pool)
         self.events = (
             KVEventSubscriber(config.kv_events_url, self.index) if config.kv_events_url else None
         )
@@ -72,12 +82,17 @@ class Router:
         self._serving: dict[str, set[Worker]] = {}  # request id -> workers streaming it now
 
     async def start(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.refresh()
+            self.discovery.start()
         await self.health.probe_all()
         self.health.start()
         if self.events is not None:
             self.events.start()
 
     async def close(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
         await self.health.stop()
         if self.events is not None:
             await self.events.stop()
@@ -170,3 +185,11 @@ class Router:
         self.stats.ejected(w.url, w.role)
         if w.worker_id is not None:
             self.index.drop_worker(w.worker_id)
+
+
+def make_discovery(config: RouterConfig, pool: WorkerPool) -> DnsDiscovery | None:
+    if not config.discover:
+        return None
+    targets = [DiscoveryTarget.parse(spec) for spec in config.discover]
+    resolve = server_resolver(config.dns_server) if config.dns_server else system_resolve
+    return DnsDiscovery(pool, targets, resolve, config.discover_interval)

@@ -38,10 +38,11 @@ class Proc:
     headers: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
     log: Path | None = None
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def start(self) -> Proc:
         fd, path = tempfile.mkstemp(prefix=f"deepserve-{self.name}-", suffix=".log")
@@ -88,15 +89,21 @@ class Proc:
 
 
 def worker(
-    role: str, model: str, redis_url: str | None, *extra: str, name: str | None = None
+    role: str,
+    model: str,
+    redis_url: str | None,
+    *extra: str,
+    name: str | None = None,
+    host: str = "127.0.0.1",
+    port: int | None = None,
 ) -> Proc:
-    port = free_port()
-    argv = [*CLI, "worker", "--role", role, "--model", model, "--port", str(port)]
+    port = port or free_port()
+    argv = [*CLI, "worker", "--role", role, "--model", model, "--host", host, "--port", str(port)]
     argv += ["--internal-token", TOKEN, "--num-threads", "1", *extra]
     if redis_url:
         argv += ["--kv-store", redis_url]
     headers = {"authorization": f"Bearer {TOKEN}"}
-    return Proc(name or f"{role}-{port}", argv, port, "/internal/health", headers)
+    return Proc(name or f"{role}-{host}:{port}", argv, port, "/internal/health", headers, host=host)
 
 
 def frontend(
