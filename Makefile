@@ -33,3 +33,4 @@ $(VENV)/.ready: pyproject.toml setup.py $(wildcard kernels/csrc/*.cpp kernels/cs
 services:
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	@command -v prometheus >/dev/null || (apt-get update -qq && apt-get install -y -qq prometheus)
+	@command -v kubectl >/dev/null || (apt-get update -qq && apt-get install -y -qq kubernetes-client)

@@ -47,7 +47,8 @@ def add_kv_tier_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-store",
         default=None,
-        help="L2 store: redis://[:pw@]host:port/db, rediss://, file:///dir",
+        help="L2 store: redis://[:pw@]host:port/db, rediss://, redis+cluster://host:port, "
+        "file:///dir",
     )
     g.add_argument("--kv-store-ttl", type=int, default=3600, help="L2 entry TTL in seconds")
     g.add_argument(
@@ -55,12 +56,20 @@ def add_kv_tier_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def redis_url_from_env(url: str | None) -> str | None:
+    """`url` with $DEEPSERVE_REDIS_PASSWORD filled in where it names no password, so a
+    Secret can reach Redis without appearing on argv (docs/deploy.md)."""
+    from deepserve.kvcache.redis_url import with_password
+
+    return url and with_password(url, os.environ.get("DEEPSERVE_REDIS_PASSWORD"))
+
+
 def kv_tier_config_from_args(args: argparse.Namespace) -> KVTierConfig | None:
     if not args.kv_host_bytes and not args.kv_store:
         return None
     return KVTierConfig(
         host_bytes=args.kv_host_bytes,
-        store_url=args.kv_store,
+        store_url=redis_url_from_env(args.kv_store),
         store_ttl_s=args.kv_store_ttl,
         store_timeout_s=args.kv_store_timeout,
     )
@@ -122,14 +131,16 @@ def worker_config_from_args(args: argparse.Namespace):
         raise SystemExit(
             "deepserve worker: --internal-token (or DEEPSERVE_INTERNAL_TOKEN) is required"
         )
+    from deepserve.kvcache.redis_url import is_redis_url
+
     events = args.kv_events
-    if events is None and (args.kv_store or "").startswith(("redis://", "rediss://")):
+    if events is None and is_redis_url(args.kv_store):
         events = args.kv_store
     return WorkerConfig(
         role=args.role,
         internal_token=args.internal_token,
         worker_id=args.worker_id or f"{socket.gethostname()}:{args.port}:{os.getpid()}",
-        kv_events_url=events,
+        kv_events_url=redis_url_from_env(events),
     )
 
 
@@ -148,6 +159,20 @@ def add_frontend_parser(sub) -> None:
     g.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="prefill workers")
     g.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode workers")
     g.add_argument("--pool-file", default=None, help="YAML role -> URLs, re-read when it changes")
+    g.add_argument(
+        "--discover",
+        nargs="+",
+        default=[],
+        metavar="ROLE=URL",
+        help="workers from DNS: e.g. decode=http://deepserve-decode:8100 (a headless Service); "
+        "every address the name resolves to is a worker",
+    )
+    g.add_argument(
+        "--discover-interval", type=float, default=5.0, help="seconds between DNS refreshes"
+    )
+    g.add_argument(
+        "--dns-server", default=None, help="HOST[:PORT] to ask instead of the system resolver"
+    )
     g.add_argument("--policy", choices=POLICIES, default="cache_aware")
     g.add_argument(
         "--balance-abs-threshold",
@@ -180,6 +205,8 @@ def frontend_config_from_args(args: argparse.Namespace):
     from dataclasses import replace
 
     from deepserve.disagg.client import ClientTimeouts
+    from deepserve.kvcache.redis_url import is_redis_url
+    from deepserve.router.discovery import DiscoveryTarget
     from deepserve.router.policies import CacheAwareConfig
     from deepserve.router.pool import HealthPolicy
     from deepserve.router.router import RouterConfig
@@ -189,8 +216,15 @@ def frontend_config_from_args(args: argparse.Namespace):
         raise SystemExit(
             "deepserve frontend: --internal-token (or DEEPSERVE_INTERNAL_TOKEN) is required"
         )
-    if not (args.workers or args.prefill or args.decode or args.pool_file):
-        raise SystemExit("deepserve frontend: give --workers, --prefill/--decode or --pool-file")
+    if not (args.workers or args.prefill or args.decode or args.pool_file or args.discover):
+        raise SystemExit(
+            "deepserve frontend: give --workers, --prefill/--decode, --pool-file or --discover"
+        )
+    try:
+        for spec in args.discover:
+            DiscoveryTarget.parse(spec)
+    except ValueError as e:
+        raise SystemExit(f"deepserve frontend: {e}") from e
     router = RouterConfig(
         workers={
             "mixed": tuple(args.workers),
@@ -198,11 +232,12 @@ def frontend_config_from_args(args: argparse.Namespace):
             "decode": tuple(args.decode),
         },
         pool_file=args.pool_file,
+        discover=tuple(args.discover),
+        discover_interval=args.discover_interval,
+        dns_server=args.dns_server,
         policy=args.policy,
         internal_token=args.internal_token,
-        kv_events_url=args.kv_store
-        if (args.kv_store or "").startswith(("redis://", "rediss://"))
-        else None,
+        kv_events_url=redis_url_from_env(args.kv_store) if is_redis_url(args.kv_store) else None,
         max_attempts=args.max_attempts,
         health_interval=args.health_interval,
         health=HealthPolicy(args.eject_after, args.readmit_after),
