@@ -86,15 +86,24 @@ def prompt(i: int, tag: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
-def store_hits(worker: rc.Proc) -> float:
+def store_counter(worker: rc.Proc, name: str) -> float:
+    """A worker's `deepserve:<name>` counter for the store tier (summed over other labels)."""
     text = httpx.get(worker.url + "/metrics", headers=worker.headers, timeout=5).text
     return sum(
         s.value
         for f in text_string_to_metric_families(text)
-        if f.name == "deepserve:kv_tier_hits"
+        if f.name == f"deepserve:{name}"
         for s in f.samples
         if s.name.endswith("_total") and s.labels.get("tier") == "store"
     )
+
+
+def store_hits(worker: rc.Proc) -> float:
+    return store_counter(worker, "kv_tier_hits")
+
+
+def store_errors(stack: Stack) -> float:
+    return sum(store_counter(w, "kv_store_errors") for w in (stack.prefill, stack.decode))
 
 
 def bytes_per_master(cluster: Cluster) -> dict[int, int]:
@@ -125,13 +134,20 @@ def run_load(stack: Stack, tag: str, during=None) -> list[str | None]:
         return [f.result() for f in futures]
 
 
+@dataclass
+class FailedOver:
+    errors: list[str | None]  # per request, None for a success
+    store_faults: float  # store operations the workers counted as failed during the load
+
+
 @pytest.fixture(scope="module")
-def failed_over(stack: Stack) -> list[str | None]:
+def failed_over(stack: Stack) -> FailedOver:
     """The load with one master SIGKILLed a quarter of the way in; the cluster has failed over
     when this returns."""
+    before = store_errors(stack)
     errors = run_load(stack, "kill", during=stack.cluster.kill_master)
     assert stack.cluster.wait_healthy(), "the cluster did not fail over"
-    return errors
+    return FailedOver(errors, store_errors(stack) - before)
 
 
 def test_follow_up_turns_hit_the_prefix_cache_through_the_cluster(stack):
@@ -160,7 +176,13 @@ def test_kv_bytes_spread_over_all_three_masters(stack):
 
 
 def test_killing_a_master_mid_load_fails_no_request(failed_over):
-    assert [e for e in failed_over if e is not None] == []
+    assert [e for e in failed_over.errors if e is not None] == []
+
+
+def test_the_killed_masters_faults_were_store_misses(failed_over):
+    # The kill did land while the tier was in use: the workers counted failed store operations
+    # (turned into misses or skipped writes), yet no request failed (the test above).
+    assert failed_over.store_faults > 0
 
 
 def test_the_tier_hits_again_after_the_failover(stack, failed_over):
