@@ -152,3 +152,11 @@ def test_the_frontend_discovers_both_worker_roles_by_their_headless_services():
         "prefill=http://deepserve-prefill:8100",
         "decode=http://deepserve-decode:8100",
     ]
+
+
+def test_the_hpa_scales_decode_on_the_metric_the_adapter_serves():
+    values = yaml.safe_load((K8S / "prometheus-adapter-values.yaml").read_text())
+    served = {rule["name"]["as"] for rule in values["rules"]["custom"]}
+    (hpa,) = [o for o in render("cpu") if o["kind"] == "HorizontalPodAutoscaler"]
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "deepserve-decode"
+    assert {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]} <= served
