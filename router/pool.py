@@ -16,6 +16,7 @@ successes); the probing loop that feeds it is router/health.py. No I/O other tha
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +51,7 @@ class Worker:
     load: WorkerLoad | None = None
     worker_id: str | None = None  # the name it uses in its KV events (from /internal/health)
     block_size: int | None = None
-    retired_idle: bool = False  # removed from the pool and idle at the last clean-up
+    retired_at: float | None = None  # time.monotonic() when it left the pool
 
     def load_score(self) -> float:
         """Queue depth (the larger of our view and the worker's) plus KV usage as the tie-breaker."""
@@ -104,14 +105,14 @@ class WorkerPool:
         self._discovered = {role: list(urls) for role, urls in urls_by_role.items()}
         return self._apply(self._wanted())
 
-    async def close_idle_retired(self) -> None:
-        """Close the clients of removed workers that were idle at the previous call too: a probe
-        or an abort started just before the removal may still hold the client for a moment."""
-        idle = [w for w in self._retired if w.inflight == 0 and w.retired_idle]
-        self._retired = [w for w in self._retired if w not in idle]
-        for w in self._retired:
-            w.retired_idle = w.inflight == 0
-        for w in idle:
+    async def close_idle_retired(self, grace_s: float = 60.0) -> None:
+        """Close the clients of removed workers that no request uses, once `grace_s` has passed
+        since the removal: a probe or an abort started just before it may still hold the client
+        (each is bounded by the client's control timeout, well under the grace)."""
+        now = time.monotonic()
+        done = [w for w in self._retired if w.inflight == 0 and now - w.retired_at >= grace_s]
+        self._retired = [w for w in self._retired if w not in done]
+        for w in done:
             await w.client.close()
 
     async def close(self) -> None:
@@ -171,6 +172,7 @@ class WorkerPool:
         for url, w in list(self._workers.items()):
             if (url, w.role) not in keep:
                 del self._workers[url]
+                w.retired_at = time.monotonic()
                 self._retired.append(w)
                 self.on_eject(w)
                 changed = True

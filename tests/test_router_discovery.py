@@ -106,6 +106,20 @@ async def test_a_dns_server_that_stops_answering_keeps_the_last_workers(dns):
     await pool.close()
 
 
+async def test_removed_workers_clients_close_once_idle_after_the_grace():
+    pool = WorkerPool(make_client=lambda url: WorkerClient(url, "token"))
+    pool.set_discovered({"decode": ["http://10.0.0.1:8100", "http://10.0.0.2:8100"]})
+    busy, idle = sorted(pool.workers("decode"), key=lambda w: w.url)
+    busy.inflight = 1  # a request still streams from it
+    pool.set_discovered({"decode": []})
+    await pool.close_idle_retired(grace_s=60)
+    assert not idle.client._http.is_closed  # within the grace: a probe may still use it
+    await pool.close_idle_retired(grace_s=0)
+    assert idle.client._http.is_closed and not busy.client._http.is_closed
+    busy.inflight = 0
+    await pool.close()
+
+
 def test_discovery_target_rejects_an_unknown_role_or_a_missing_port():
     for spec in ("router=http://name:8100", "decode=http://name", "http://name:8100"):
         with pytest.raises(ValueError):
