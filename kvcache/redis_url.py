@@ -12,7 +12,7 @@ so its callers build it inside their fault handling.
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import redis
 import redis.asyncio as aioredis
@@ -53,8 +53,9 @@ def with_password(url: str, password: str | None) -> str:
     parts = urlsplit(url)
     if not password or parts.password is not None or not is_redis_url(url):
         return url
-    user = parts.username or ""
-    netloc = f"{user}:{password}@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    # Quoted: redis-py unquotes the userinfo, and a password may hold '@', ':' or '/'.
+    user = quote(unquote(parts.username or ""), safe="")
+    netloc = f"{user}:{quote(password, safe='')}@{parts.netloc.rpartition('@')[2]}"
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 

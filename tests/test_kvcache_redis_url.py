@@ -41,6 +41,14 @@ def test_password_is_filled_in_only_where_the_url_names_none():
     assert with_password("file:///kv", "s3cret") == "file:///kv"
 
 
+def test_a_password_with_url_characters_reaches_redis_intact():
+    url = with_password("redis://redis:6379/0", "p@ss:w/rd")
+    assert url == "redis://:p%40ss%3Aw%2Frd@redis:6379/0"
+    client = sync_client(url)
+    assert client.connection_pool.connection_kwargs["password"] == "p@ss:w/rd"
+    client.close()
+
+
 def test_a_plain_url_gives_a_single_node_client():
     client = sync_client("redis://127.0.0.1:1/0")
     assert isinstance(client, redis.Redis)
