@@ -160,3 +160,47 @@ def test_the_hpa_scales_decode_on_the_metric_the_adapter_serves():
     (hpa,) = [o for o in render("cpu") if o["kind"] == "HorizontalPodAutoscaler"]
     assert hpa["spec"]["scaleTargetRef"]["name"] == "deepserve-decode"
     assert {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]} <= served
+
+
+def expand(arg: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(NAME) expansion of a container argument."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg)
+
+
+def container_env(overlay: str, c: dict) -> dict[str, str]:
+    """The container's non-secret environment: its ConfigMap and literal values."""
+    maps = {o["metadata"]["name"]: o["data"] for o in render(overlay) if o["kind"] == "ConfigMap"}
+    env: dict[str, str] = {}
+    for source in c.get("envFrom", []):
+        env.update(maps[source["configMapRef"]["name"]])
+    env.update({e["name"]: e["value"] for e in c.get("env", []) if "value" in e})
+    env.update(
+        {e["name"]: "from-field" for e in c.get("env", []) if "fieldRef" in e.get("valueFrom", {})}
+    )
+    return env
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_deepserve_containers_build_their_configs_with_the_real_cli(overlay, monkeypatch):
+    """Each deepserve container's arguments, expanded as Kubernetes does, parse with the real CLI
+    and build their configs (with stand-ins for the Secret's values)."""
+    from deepserve.server import cli
+
+    checked = 0
+    for name, c in containers(overlay):
+        if c["image"].split(":")[0].rsplit("/", 1)[-1] != "deepserve":
+            continue
+        checked += 1
+        env = container_env(overlay, c)
+        with monkeypatch.context() as m:
+            for key in SECRET_ENV:
+                m.setenv(key, "stand-in")
+            args = cli.build_parser().parse_args([expand(a, env) for a in c["args"]])
+            if args.command == "worker":
+                config = cli.worker_config_from_args(args)
+                assert config.kv_events_url == "redis://:stand-in@deepserve-redis:6379/0", name
+                assert cli.engine_config_from_args(args).device == env["DEEPSERVE_DEVICE"]
+            else:
+                config = cli.frontend_config_from_args(args)
+                assert config.router.discover and config.router.kv_events_url, name
+    assert checked == 3  # frontend, prefill, decode
