@@ -102,7 +102,7 @@ class KVEventSubscriber:
         finally:
             await client.aclose()
 
-    async def _channel_owner(self):
+    async def _channel_owner(self) -> aioredis.cluster.ClusterNode:
         """The cluster node (master) serving the channel's slot, from a fresh slot map."""
         cluster = async_client(self.redis_url, self._known_nodes, socket_connect_timeout=2)
         try:
