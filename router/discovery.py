@@ -72,7 +72,6 @@ async def system_resolve(host: str) -> list[str]:
 def server_resolver(server: str, timeout_s: float = 2.0) -> Resolver:
     """A resolver that asks the DNS server at `server` (HOST or HOST:PORT) for A and AAAA."""
     import dns.asyncresolver
-    import dns.exception
     import dns.resolver
 
     host, _, port = server.rpartition(":") if ":" in server else (server, "", "53")

@@ -18,7 +18,12 @@ from dnslib.server import BaseResolver, DNSLogger, DNSServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from deepserve.disagg.client import WorkerClient
-from deepserve.router.discovery import DiscoveryTarget, DnsDiscovery, server_resolver
+from deepserve.router.discovery import (
+    DiscoveryTarget,
+    DnsDiscovery,
+    server_resolver,
+    system_resolve,
+)
 from deepserve.router.pool import WorkerPool
 
 NAME = "deepserve-workers.test"
@@ -118,6 +123,15 @@ async def test_removed_workers_clients_close_once_idle_after_the_grace():
     assert idle.client._http.is_closed and not busy.client._http.is_closed
     busy.inflight = 0
     await pool.close()
+
+
+async def test_the_system_resolver_reads_the_hosts_file():
+    assert "127.0.0.1" in await system_resolve("localhost")
+
+
+def test_an_ipv6_address_becomes_a_bracketed_url():
+    target = DiscoveryTarget.parse("prefill=http://name:8100")
+    assert target.url("fd00::5") == "http://[fd00::5]:8100"
 
 
 def test_discovery_target_rejects_an_unknown_role_or_a_missing_port():
