@@ -204,3 +204,15 @@ def test_deepserve_containers_build_their_configs_with_the_real_cli(overlay, mon
                 config = cli.frontend_config_from_args(args)
                 assert config.router.discover and config.router.kv_events_url, name
     assert checked == 3  # frontend, prefill, decode
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_pod_runs_as_a_numeric_non_root_user(overlay):
+    # The kubelet refuses runAsNonRoot for an image whose USER is a name it cannot check.
+    dockerfile = (REPO / "docker" / "Dockerfile").read_text()
+    image_uid = int(re.search(r"useradd [^\n]*--uid (\d+)", dockerfile).group(1))
+    for name, spec in pod_specs(overlay):
+        context = spec.get("securityContext", {})
+        assert context.get("runAsNonRoot") is True and context.get("runAsUser", 0) > 0, name
+        if name != "deepserve-redis":
+            assert context["runAsUser"] == image_uid, name
