@@ -1,8 +1,10 @@
 """Batch-invariant ops: a row's result depends only on that row's data, never on the batch around it.
 
-`kernels_for(device)` returns the `KernelSet` that `--batch-invariant` runs with: the torch ops in
-this module on the CPU, the Triton kernels of `kernels/triton/` on CUDA. The reference ops
-(kernels/reference.py) stay the oracle; what this module adds is a fixed reduction order.
+`kernels_for(device)` returns the `KernelSet` that `--batch-invariant` runs with: on the CPU the
+native kernels where they are built (kernels/cpu_invariant.py, with these torch ops for the calls
+they do not take) and the torch ops of this module otherwise, the Triton kernels of
+`kernels/triton/` on CUDA. The reference ops (kernels/reference.py) stay the oracle; what this
+module adds is a fixed reduction order, and it is the oracle of the native invariant set.
 
 Where the batch leaks into the bits on the CPU, and what each op does about it (measured, see
 docs/batch_invariance.md):
@@ -248,9 +250,17 @@ def cpu_kernels() -> KernelSet:
 
 
 def kernels_for(device: str) -> KernelSet:
-    """The batch-invariant KernelSet for `device` ("cpu", "cuda", "cuda:N")."""
+    """The batch-invariant KernelSet for `device` ("cpu", "cuda", "cuda:N"): on a CPU with the
+    native kernels built, kernels/cpu_invariant.py's set over them (these torch ops fill in what
+    they do not take); this module's set elsewhere."""
     if torch.device(device).type == "cuda":
         from deepserve.kernels.triton.kernelset import triton_kernels
 
         return triton_kernels()
+    from deepserve.kernels import cpu_native
+
+    if cpu_native.load():
+        from deepserve.kernels.cpu_invariant import native_kernels
+
+        return native_kernels()
     return cpu_kernels()

@@ -32,17 +32,35 @@ def paged_attention(
 ) -> torch.Tensor:
     """kernels/attention_ref.py's `paged_attention`, natively for float32/bfloat16 caches with
     head sizes a multiple of 8 (decode, prefill and mixed batches alike)."""
-    usable = (
+    if not native_attention_covers(q, k_cache, v_cache, attn.block_size):
+        return attention_ref.paged_attention(q, k_cache, v_cache, attn, scale)
+    return native_paged_attention(q, k_cache, v_cache, attn, scale)
+
+
+def native_attention_covers(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int
+) -> bool:
+    """Whether the native attention takes these tensors: a question of the model and its cache
+    (dtypes, head sizes, layout), never of the batch."""
+    return (
         native(q)
         and k_cache.dtype == v_cache.dtype
         and k_cache.dtype in _NATIVE_DTYPES
         and k_cache.shape[-1] % 8 == 0
         and v_cache.shape[-1] % 8 == 0
         and k_cache.stride(-1) == v_cache.stride(-1) == 1
-        and attn.block_size <= 64
+        and block_size <= 64
     )
-    if not usable:
-        return attention_ref.paged_attention(q, k_cache, v_cache, attn, scale)
+
+
+def native_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """kernels/csrc/attention.cpp; call only where `native_attention_covers` holds."""
     return cpu_native.op("paged_attention")(
         q, k_cache, v_cache, attn.query_start_loc, attn.seq_lens, attn.block_tables, scale
     )

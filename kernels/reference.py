@@ -140,4 +140,5 @@ KERNELS = KernelSet(
     add_rms_norm_=cpu_ops.add_rms_norm_,
     silu_mul=cpu_ops.silu_mul,
     rope_qk_write_kv_=cpu_ops.rope_qk_write_kv_,
+    packed_weights=True,
 )

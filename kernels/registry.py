@@ -33,6 +33,9 @@ class KernelSet:
     add_rms_norm_: Callable[..., Tensor | None] | None = None  # (h, delta, w, eps): h += delta
     silu_mul: Callable[[Tensor], Tensor | None] | None = None  # [gate | up] -> silu(gate) * up
     rope_qk_write_kv_: Callable[..., bool] | None = None  # see cpu_ops.rope_qk_write_kv_
+    # Models pack their CPU matmul weights once (reference.pack_linear_weight) and may run a
+    # whole llama layer natively (cpu_ops.llama_layer_); `linear` then takes packed weights.
+    packed_weights: bool = False
 
 
 def get_kernels(device: str, batch_invariant: bool) -> KernelSet:

@@ -93,7 +93,7 @@ class LlamaForCausalLM:
         tied = a.tie_word_embeddings or not weights.has("lm_head.weight")
         head = "model.embed_tokens.weight" if tied else "lm_head.weight"
         self.lm_head = self.embed if tied else weights.get(head)
-        if kernels.name == "reference":
+        if kernels.packed_weights:
             self._pack_weights(weights, head)
         self._views_key: tuple | None = None
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []

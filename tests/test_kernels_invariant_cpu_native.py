@@ -1,0 +1,136 @@
+"""The `--batch-invariant` CPU set over the native kernels (kernels/cpu_invariant.py): each op's
+rows bitwise independent of the batch around them (row count, position, neighbours, prefill vs
+chunks vs decode), the same bits whatever the layout of the input, and the same function as the
+torch invariant ops it replaces (kernels/batch_invariant.py, the oracle), within float32
+tolerance. Runs on the ISA path the machine's native build has (kernels/cpu_native.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from paged_kv import PagedCase
+
+from deepserve.kernels import batch_invariant, cpu_native
+from deepserve.kernels.cpu_invariant import native_kernels
+from deepserve.kernels.reference import PackedWeight, pack_linear_weight
+
+pytestmark = pytest.mark.skipif(not cpu_native.load(), reason="native CPU kernels unavailable")
+
+ORACLE = batch_invariant.cpu_kernels()
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return native_kernels()
+
+
+def _rand(*shape, seed=0, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _rows_alone_equal_batched(fn, x: torch.Tensor, counts=(1, 2, 3, 5, 7, 16, 33)) -> None:
+    alone = [fn(x[i : i + 1])[0] for i in range(len(x))]
+    for m in counts:
+        for off in (0, 3):
+            got = fn(x[off : off + m])
+            for i in range(len(got)):
+                assert torch.equal(got[i], alone[off + i]), (m, off, i)
+
+
+def test_the_flag_on_this_cpu_runs_the_native_set():
+    assert batch_invariant.kernels_for("cpu").name == "batch_invariant_cpu_native"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_rows_do_not_depend_on_the_batch(ops, dtype):
+    w = pack_linear_weight(_rand(200, 576, seed=1, dtype=dtype))
+    assert isinstance(w, PackedWeight)
+    _rows_alone_equal_batched(lambda x: ops.linear(x, w), _rand(40, 576, seed=2, dtype=dtype))
+
+
+def test_packed_linear_matches_the_oracle(ops):
+    w, x = _rand(200, 576, seed=3), _rand(21, 576, seed=4)
+    got = ops.linear(x, pack_linear_weight(w))
+    torch.testing.assert_close(got, ORACLE.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_unpacked_weight_takes_the_torch_invariant_linear(ops):
+    w, x = _rand(64, 96, seed=5), _rand(9, 96, seed=6)
+    assert torch.equal(ops.linear(x, w), ORACLE.linear(x, w))
+
+
+def test_rms_norm_rows_do_not_depend_on_the_batch(ops):
+    w = _rand(576, seed=7)
+    _rows_alone_equal_batched(lambda x: ops.rms_norm(x, w, 1e-5), _rand(40, 576, seed=8) * 3)
+
+
+def test_rms_norm_of_a_column_slice_has_the_bits_of_its_copy(ops):
+    # a one-row slice counts as contiguous and a many-row one does not: both must take one path
+    wide, w = _rand(12, 640, seed=9), _rand(512, seed=10)
+    sliced = ops.rms_norm(wide[:, :512], w, 1e-6)
+    assert torch.equal(sliced, ops.rms_norm(wide[:, :512].contiguous(), w, 1e-6))
+    assert torch.equal(ops.rms_norm(wide[:1, :512], w, 1e-6)[0], sliced[0])
+
+
+def test_rms_norm_matches_the_oracle(ops):
+    x, w = _rand(9, 576, seed=11) * 3, _rand(576, seed=12)
+    got = ops.rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(got, ORACLE.rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_add_rms_norm_has_the_bits_of_add_then_norm(ops):
+    h, delta, w = _rand(7, 576, seed=13), _rand(7, 576, seed=14), _rand(576, seed=15)
+    expect = ops.rms_norm(h + delta, w, 1e-5)
+    fused = h.clone()
+    assert torch.equal(ops.add_rms_norm_(fused, delta, w, 1e-5), expect)
+    assert torch.equal(fused, h + delta)
+
+
+def test_silu_mul_rows_do_not_depend_on_the_batch_or_layout(ops):
+    gu = _rand(40, 2 * 1536, seed=16) * 4
+    _rows_alone_equal_batched(ops.silu_mul, gu)
+    wide = torch.cat([gu, gu[:, :8]], dim=1)[:, : 2 * 1536]  # same values, not contiguous
+    assert torch.equal(ops.silu_mul(wide), ops.silu_mul(gu))
+
+
+def test_silu_mul_matches_torch(ops):
+    gu = _rand(5, 2 * 100, seed=17) * 4
+    gate, up = gu.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gu), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+def _case(layout: str, dtype=torch.float32) -> PagedCase:
+    return PagedCase(layout, [2 * 128 + 37, 5, 40, 128 + 1], dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["gqa", "mla"])
+def test_attention_rows_equal_across_prefill_chunking_and_decode(ops, layout, dtype):
+    case = _case(layout, dtype)
+    n = case.lengths[0]
+    whole = case.run(ops, [(0, 0, n)])[0]
+    for chunk in [7, 16, 33, 200]:
+        rows = [case.run(ops, [(0, c, min(chunk, n - c))])[0] for c in range(0, n, chunk)]
+        assert torch.equal(torch.cat(rows), whole), chunk
+    for pos in [0, 1, 15, 16, n - 1]:
+        assert torch.equal(case.run(ops, [(0, pos, 1)])[0][0], whole[pos]), pos
+
+
+@pytest.mark.parametrize("layout", ["gqa", "mla"])
+def test_attention_rows_equal_inside_mixed_batches(ops, layout):
+    case = _case(layout)
+    alone = [case.run(ops, [(i, n - 1, 1)])[0] for i, n in enumerate(case.lengths)]
+    decodes = [(i, n - 1, 1) for i, n in enumerate(case.lengths)]
+    for batch in [decodes, decodes[::-1], decodes[1:], [(0, 100, 50), *decodes[1:]]]:
+        for (i, _, m), o in zip(batch, case.run(ops, batch), strict=True):
+            if m == 1:
+                assert torch.equal(o[0], alone[i][0]), (batch, i)
+
+
+@pytest.mark.parametrize("layout", ["gqa", "mla"])
+def test_attention_matches_the_oracle(ops, layout):
+    case = _case(layout)
+    for seqs in [[(0, 0, case.lengths[0])], [(0, 60, 90), (1, 4, 1), (2, 39, 1)]]:
+        got = torch.cat(case.run(ops, seqs))
+        torch.testing.assert_close(got, torch.cat(case.run(ORACLE, seqs)), rtol=1e-5, atol=1e-5)
