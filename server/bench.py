@@ -3,6 +3,8 @@
 Sends `num_prompts` streaming requests (chat or completions) with at most `concurrency` in flight,
 each asking for exactly `output_len` tokens (ignore_eos), and prints JSON: request and output
 token throughput, and mean / p50 / p90 / p99 of TTFT, TPOT, ITL and end-to-end latency in ms.
+Prompts are `input_len` words each, or, with `min_input_len`, of lengths drawn uniformly from
+`min_input_len..input_len` (prefills of different lengths arriving together, as real traffic has).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class BenchConfig:
     concurrency: int = 16
     num_prompts: int = 64
     input_len: int = 32
+    min_input_len: int | None = None  # mixed lengths: words drawn from min..input_len
     output_len: int = 128
     seed: int = 0
     api_key: str | None = None
@@ -69,12 +72,18 @@ class RequestResult:
     e2e: float = 0.0
     itls: list[float] = field(default_factory=list)
     output_tokens: int = 0
+    prompt_tokens: int = 0
     error: str = ""
 
 
-def make_prompts(n: int, words: int, seed: int) -> list[str]:
+def make_prompts(n: int, words: int, seed: int, min_words: int | None = None) -> list[str]:
+    """`n` prompts of `words` words, or of min_words..words words each when `min_words` is set."""
     rng = random.Random(seed)
-    return [f"Request {i}: " + " ".join(rng.choice(WORDS) for _ in range(words)) for i in range(n)]
+    lengths = [words if min_words is None else rng.randint(min_words, words) for _ in range(n)]
+    return [
+        f"Request {i}: " + " ".join(rng.choice(WORDS) for _ in range(k))
+        for i, k in enumerate(lengths)
+    ]
 
 
 def request_body(cfg: BenchConfig, model: str, prompt: str, schema: dict | None) -> dict:
@@ -111,6 +120,7 @@ async def one_request(client: httpx.AsyncClient, path: str, body: dict) -> Reque
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     res.output_tokens = chunk["usage"].get("completion_tokens", 0)
+                    res.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
                 if not _has_text(chunk):
                     continue
                 now = time.perf_counter()
@@ -161,6 +171,9 @@ def summarize(results: list[RequestResult], duration: float, cfg: BenchConfig) -
         "failed": len(results) - len(ok),
         "duration_s": duration,
         "total_output_tokens": out_tokens,
+        "total_input_tokens": sum(r.prompt_tokens for r in ok),
+        "min_input_tokens": min((r.prompt_tokens for r in ok), default=0),
+        "max_input_tokens": max((r.prompt_tokens for r in ok), default=0),
         "request_throughput": len(ok) / duration,
         "output_throughput": out_tokens / duration,
     }
@@ -184,7 +197,7 @@ async def bench(cfg: BenchConfig) -> dict:
     ) as client:
         model = cfg.model or (await client.get("/v1/models")).json()["data"][0]["id"]
         path = "/v1/chat/completions" if cfg.endpoint == "chat" else "/v1/completions"
-        prompts = make_prompts(cfg.num_prompts, cfg.input_len, cfg.seed)
+        prompts = make_prompts(cfg.num_prompts, cfg.input_len, cfg.seed, cfg.min_input_len)
         gate = asyncio.Semaphore(cfg.concurrency)
 
         async def run(prompt: str) -> RequestResult:

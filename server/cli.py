@@ -34,7 +34,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--num-threads",
         type=int,
         default=None,
-        help="torch CPU threads (default: every core; pass 1 when other busy processes share them)",
+        help="CPU compute threads (default: the cores the host's other work leaves idle, "
+        "re-checked as it changes; chosen once at start with --batch-invariant)",
     )
     g.add_argument("--speculative", choices=["mtp", "ngram"], default=None)
     g.add_argument("--num-speculative-tokens", type=int, default=3)
@@ -292,6 +293,12 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--concurrency", type=int, default=16)
     b.add_argument("--num-prompts", type=int, default=64)
     b.add_argument("--input-len", type=int, default=32, help="approximate prompt words")
+    b.add_argument(
+        "--min-input-len",
+        type=int,
+        default=None,
+        help="mixed lengths: words from this to --input-len",
+    )
     b.add_argument("--output-len", type=int, default=128)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--api-key", default=os.environ.get("DEEPSERVE_API_KEY"))
@@ -309,6 +316,7 @@ def bench_config_from_args(args: argparse.Namespace):
         concurrency=args.concurrency,
         num_prompts=args.num_prompts,
         input_len=args.input_len,
+        min_input_len=args.min_input_len,
         output_len=args.output_len,
         seed=args.seed,
         api_key=args.api_key,

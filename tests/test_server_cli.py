@@ -68,3 +68,16 @@ def test_bench_serve_flags():
         10,
         32,
     )
+
+
+def test_bench_serve_mixed_lengths_draw_prompt_words_from_the_range():
+    from deepserve.server.bench import make_prompts
+
+    args = build_parser().parse_args(
+        ["bench", "serve", "--min-input-len", "30", "--input-len", "900"]
+    )
+    cfg = bench_config_from_args(args)
+    prompts = make_prompts(50, cfg.input_len, 0, cfg.min_input_len)
+    words = [len(p.split()) - 2 for p in prompts]  # less the "Request i:" head
+    assert min(words) >= 30 and max(words) <= 900
+    assert max(words) - min(words) > 400
