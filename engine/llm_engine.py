@@ -9,7 +9,6 @@ and `LLM` drives it in a loop. Requests are admitted (engine/admission.py) befor
 from __future__ import annotations
 
 import itertools
-import os
 import secrets
 import threading
 import time
@@ -25,23 +24,22 @@ from deepserve.engine.outputs import CompletionOutput, EngineLoad, RequestOutput
 from deepserve.engine.request import Request, Sequence, derive_seed
 from deepserve.engine.sampling_params import SamplingParams
 from deepserve.engine.scheduler import Scheduler, SchedulerOutput
+from deepserve.engine.threads import ThreadPolicy
 
 
-def default_num_threads(config: EngineConfig) -> int | None:
-    """Torch intra-op threads: as configured, else every core this process may run on. On the
-    idle 2-core box two threads beat one (offline batch 16: 148 vs 92 tok/s; batch 1: 23 vs 19),
-    but a machine shared with other busy processes wants 1 (OpenMP threads wait on each other
-    when one is descheduled): several workers on one host each pass --num-threads."""
-    if config.num_threads is not None:
-        return config.num_threads
-    return len(os.sched_getaffinity(0)) if config.device == "cpu" else None
+def thread_policy(config: EngineConfig) -> ThreadPolicy | None:
+    """The kernels' CPU thread count (engine/threads.py): `num_threads` when given, else chosen by
+    the host's load; None off the CPU."""
+    if config.device != "cpu":
+        return None
+    return ThreadPolicy(fixed=config.num_threads, adapt=not config.batch_invariant)
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded=None) -> None:
-        threads = default_num_threads(config)
-        if threads is not None:
-            torch.set_num_threads(threads)
+        self.threads = thread_policy(config)
+        if self.threads is not None:
+            self.threads.start()
         if loaded is None:
             from deepserve.engine.loader import load_model
 
@@ -193,6 +191,8 @@ class LLMEngine:
             self.kv_tiering.load_pending(loads, [item.seq for item in out.scheduled])
         if out.is_empty:
             return []
+        if self.threads is not None:
+            self.threads.before_step()
         result = self.runner.execute(out)
         self._apply_progress(out)
         touched = self._apply_samples(result)

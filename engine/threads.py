@@ -1,0 +1,99 @@
+"""How many CPU threads a step's kernels run on: fixed (`--num-threads`), or chosen by the load
+of the host.
+
+A parallel kernel ends when its slowest thread does. On a host whose cores are busy with other
+work, one of the engine's threads is often descheduled for a whole time slice while the others
+wait at the kernel's end, hundreds of times a step: two threads on two shared cores ran several
+times slower than one (benchmarks/RESULTS.md). So by default the engine counts the other runnable
+tasks of the host between steps (the kernel's `procs_running`, less the engine's own thread) and
+gives its kernels only the cores they leave idle, at least one; on a host of more than two cores
+it also leaves one core to the HTTP server and the scheduler. OpenMP's spinning waits between
+kernels then only happen on cores nobody else asked for.
+
+With `--batch-invariant` the count is chosen once, at start: the native kernels give the same
+bits on any thread count, but the torch ops that fill in for them (kernels/batch_invariant.py)
+are only checked at the count they were probed with. What does not live here: the kernels'
+own split of work over the threads (kernels/csrc/, torch).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+LOADAVG = "/proc/loadavg"
+# Reading the host's load every step would cost more than it tells: a step is milliseconds and a
+# neighbour's load changes over seconds. Runnable-task counts are instantaneous, so they are
+# averaged with a decay of SMOOTHING_S seconds.
+CHECK_EVERY_S = 0.25
+SMOOTHING_S = 1.0
+
+
+def cores_owned() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def runnable_tasks(path: str = LOADAVG) -> int | None:
+    """Tasks running or ready to run on the whole host now, or None where the kernel does not say
+    (`/proc/loadavg`'s fourth field is `running/total`)."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[3].split("/")[0])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def compute_threads(cores: int, others: float) -> int:
+    """Threads for the kernels when `others` other tasks want a core: the idle cores, at least
+    one, and one core short of all when there are more than two (the server's)."""
+    most = cores - 1 if cores > 2 else cores
+    return max(1, min(most, cores - round(others)))
+
+
+@dataclass
+class ThreadPolicy:
+    """Sets torch's thread count before a step. `fixed`: that count always; else by load."""
+
+    fixed: int | None = None
+    adapt: bool = True  # False: the count chosen at start is kept (--batch-invariant)
+    cores: int = field(default_factory=cores_owned)
+    read_runnable: Callable[[], int | None] = runnable_tasks
+    clock: Callable[[], float] = time.monotonic
+    _others: float | None = None
+    _checked: float = float("-inf")
+    _threads: int = 0
+
+    def start(self) -> int:
+        """Choose and set the count at start-up; returns it."""
+        return self._set(self.fixed if self.fixed is not None else self._by_load())
+
+    def before_step(self) -> int:
+        """Re-check the host's load when due (adaptive only); returns the count in use."""
+        if self.fixed is None and self.adapt and self.clock() - self._checked >= CHECK_EVERY_S:
+            self._set(self._by_load())
+        return self._threads
+
+    def _by_load(self) -> int:
+        now, last = self.clock(), self._checked
+        self._checked = now
+        running = self.read_runnable()
+        if running is None:
+            return compute_threads(self.cores, 0)
+        others = max(0, running - 1)  # less the engine's own thread, which is reading this
+        if self._others is None:
+            self._others = float(others)
+        else:
+            weight = 1.0 - math.exp(-(now - last) / SMOOTHING_S)
+            self._others += weight * (others - self._others)
+        return compute_threads(self.cores, self._others)
+
+    def _set(self, threads: int) -> int:
+        if threads != self._threads:
+            torch.set_num_threads(threads)
+            self._threads = threads
+        return threads

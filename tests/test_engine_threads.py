@@ -1,0 +1,91 @@
+"""The engine's CPU thread count (engine/threads.py): fixed when asked, else the cores the host's
+other work leaves idle, re-checked as that work changes, and kept as chosen under
+`--batch-invariant`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepserve.engine.threads import CHECK_EVERY_S, ThreadPolicy, compute_threads, runnable_tasks
+
+
+@pytest.fixture(autouse=True)
+def keep_torch_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+class Host:
+    """A fake host: a settable runnable-task count and a clock the test moves."""
+
+    def __init__(self, running: int) -> None:
+        self.running, self.now = running, 0.0
+
+    def policy(self, cores: int, **kw) -> ThreadPolicy:
+        return ThreadPolicy(
+            cores=cores, read_runnable=lambda: self.running, clock=lambda: self.now, **kw
+        )
+
+    def later(self, running: int, steps: int = 20) -> None:
+        self.running = running
+        self.now += steps * CHECK_EVERY_S
+
+
+@pytest.mark.parametrize(
+    "cores,others,threads", [(2, 0, 2), (2, 1, 1), (2, 11, 1), (8, 0, 7), (8, 3, 5), (1, 0, 1)]
+)
+def test_compute_threads_take_the_idle_cores_and_leave_one_on_bigger_hosts(cores, others, threads):
+    assert compute_threads(cores, others) == threads
+
+
+def test_a_quiet_host_gets_every_core_and_a_busy_one_a_single_thread():
+    host = Host(running=1)  # the engine's own thread only
+    policy = host.policy(cores=2)
+    assert policy.start() == 2 and torch.get_num_threads() == 2
+    host.later(running=13)
+    assert policy.before_step() == 1 and torch.get_num_threads() == 1
+    host.later(running=1)
+    assert policy.before_step() == 2
+
+
+def test_the_load_is_not_read_again_before_it_is_due():
+    host = Host(running=1)
+    policy = host.policy(cores=2)
+    policy.start()
+    host.running = 13  # no time has passed
+    assert policy.before_step() == 2
+
+
+def test_one_busy_reading_does_not_flip_the_count():
+    host = Host(running=1)
+    policy = host.policy(cores=4)
+    policy.start()
+    host.later(running=4, steps=1)
+    assert policy.before_step() == 3  # averaged over time: a quarter second of 3 others is ~1
+
+
+def test_num_threads_fixes_the_count_whatever_the_load():
+    host = Host(running=13)
+    policy = host.policy(cores=2, fixed=2)
+    assert policy.start() == 2
+    host.later(running=13)
+    assert policy.before_step() == 2
+
+
+def test_batch_invariant_mode_keeps_the_count_chosen_at_start():
+    host = Host(running=13)
+    policy = host.policy(cores=2, adapt=False)
+    assert policy.start() == 1
+    host.later(running=1)
+    assert policy.before_step() == 1
+
+
+def test_runnable_tasks_reads_procs_running_and_tolerates_other_formats(tmp_path):
+    good, bad = tmp_path / "loadavg", tmp_path / "bad"
+    good.write_text("13.62 14.97 12.29 12/267 5371\n")
+    bad.write_text("nothing here\n")
+    assert runnable_tasks(str(good)) == 12
+    assert runnable_tasks(str(bad)) is None
+    assert runnable_tasks(str(tmp_path / "missing")) is None
