@@ -51,7 +51,8 @@ def ratios(runs: list[dict]) -> dict:
 
         def med(flag: bool, key: str, c: int = c) -> float:
             vals = [r[key] for r in runs if r["concurrency"] == c and r["batch_invariant"] is flag]
-            return statistics.median(vals)
+            vals = [v for v in vals if v is not None]  # a run whose requests all failed
+            return statistics.median(vals) if vals else float("nan")
 
         out[f"concurrency {c}"] = {
             "output_tok_s on/off": med(True, "output_throughput") / med(False, "output_throughput"),

@@ -32,6 +32,10 @@ LOADAVG = "/proc/loadavg"
 # averaged with a decay of SMOOTHING_S seconds.
 CHECK_EVERY_S = 0.25
 SMOOTHING_S = 1.0
+# At start the count is chosen from the mean of several readings: one instant of a busy host can
+# show a single runnable task, and under --batch-invariant the count is kept for good.
+START_READINGS = 20
+START_SPACING_S = 0.025
 
 
 def cores_owned() -> int:
@@ -64,13 +68,24 @@ class ThreadPolicy:
     cores: int = field(default_factory=cores_owned)
     read_runnable: Callable[[], int | None] = runnable_tasks
     clock: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], None] = time.sleep
     _others: float | None = None
     _checked: float = float("-inf")
     _threads: int = 0
 
     def start(self) -> int:
-        """Choose and set the count at start-up; returns it."""
-        return self._set(self.fixed if self.fixed is not None else self._by_load())
+        """Choose and set the count at start-up (a fraction of a second of readings); returns it."""
+        if self.fixed is not None:
+            return self._set(self.fixed)
+        readings = []
+        for i in range(START_READINGS):
+            if i:
+                self.sleep(START_SPACING_S)
+            readings.append(self.read_runnable())
+        known = [r for r in readings if r is not None]
+        self._checked = self.clock()
+        self._others = max(0.0, sum(known) / len(known) - 1) if known else 0.0
+        return self._set(compute_threads(self.cores, self._others))
 
     def before_step(self) -> int:
         """Re-check the host's load when due (adaptive only); returns the count in use."""

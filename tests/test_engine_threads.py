@@ -22,11 +22,18 @@ class Host:
 
     def __init__(self, running: int) -> None:
         self.running, self.now = running, 0.0
+        self.script: list[int] = []  # readings to give first, in order
 
     def policy(self, cores: int, **kw) -> ThreadPolicy:
         return ThreadPolicy(
-            cores=cores, read_runnable=lambda: self.running, clock=lambda: self.now, **kw
+            cores=cores, read_runnable=self.read, clock=lambda: self.now, sleep=self.wait, **kw
         )
+
+    def read(self) -> int:
+        return self.script.pop(0) if self.script else self.running
+
+    def wait(self, seconds: float) -> None:
+        self.now += seconds
 
     def later(self, running: int, steps: int = 20) -> None:
         self.running = running
@@ -89,3 +96,9 @@ def test_runnable_tasks_reads_procs_running_and_tolerates_other_formats(tmp_path
     assert runnable_tasks(str(good)) == 12
     assert runnable_tasks(str(bad)) is None
     assert runnable_tasks(str(tmp_path / "missing")) is None
+
+
+def test_one_quiet_instant_at_start_does_not_choose_every_core_on_a_busy_host():
+    host = Host(running=13)
+    host.script = [1]  # the first reading caught a moment with only the engine running
+    assert host.policy(cores=2, adapt=False).start() == 1
