@@ -33,12 +33,22 @@ class KernelSet:
     add_rms_norm_: Callable[..., Tensor | None] | None = None  # (h, delta, w, eps): h += delta
     silu_mul: Callable[[Tensor], Tensor | None] | None = None  # [gate | up] -> silu(gate) * up
     rope_qk_write_kv_: Callable[..., bool] | None = None  # see cpu_ops.rope_qk_write_kv_
+    # All routed experts of a MoE layer in one op, (x, gate_up, down, weights, ids) -> [T, H]
+    # (kernels/triton/fused_moe.py); None: the model loops over the chosen experts.
+    moe: Callable[..., Tensor] | None = None
+    # Every op above runs without a host sync or a host value that changes between decode
+    # steps, so the model runner may capture decode steps in CUDA graphs.
+    graph_safe: bool = False
 
 
 def get_kernels(device: str, batch_invariant: bool) -> KernelSet:
     from deepserve.kernels import reference
 
     if not batch_invariant:
+        if torch.device(device).type == "cuda":
+            from deepserve.kernels.triton.kernelset import fast_kernels
+
+            return fast_kernels() or reference.KERNELS
         return reference.KERNELS
     from deepserve.kernels import batch_invariant as bi
 

@@ -236,13 +236,18 @@ class DeepseekV3ForCausalLM:
 
     def _load_moe(self, w: WeightStore, p: str) -> _MoE:
         a = self.args
-        experts = [self._load_dense(w, f"{p}experts.{e}.") for e in range(a.n_routed_experts)]
+        if w.has(p + "experts.gate_up_proj"):  # transformers 5's fused layout, gate rows first
+            gate_up, down = w.get(p + "experts.gate_up_proj"), w.get(p + "experts.down_proj")
+        else:
+            experts = [self._load_dense(w, f"{p}experts.{e}.") for e in range(a.n_routed_experts)]
+            gate_up = torch.stack([e.gate_up for e in experts])
+            down = torch.stack([e.down for e in experts])
         bias_name = p + "gate.e_score_correction_bias"
         return _MoE(
             gate=w.get(p + "gate.weight", torch.float32),
             bias=w.get(bias_name, torch.float32) if w.has(bias_name) else None,
-            gate_up=torch.stack([e.gate_up for e in experts]),
-            down=torch.stack([e.down for e in experts]),
+            gate_up=gate_up,
+            down=down,
             shared=self._load_dense(w, p + "shared_experts.") if a.n_shared_experts else None,
         )
 
@@ -346,6 +351,11 @@ class DeepseekV3ForCausalLM:
 
     def _moe(self, w: _MoE, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self._route(w, x)
+        if self.k.moe is not None:  # all experts in one fused op, no host sync
+            out = self.k.moe(x, w.gate_up, w.down, weights, experts)
+            if w.shared is not None:
+                out = out + swiglu(self.k, x, w.shared.gate_up, w.shared.down)
+            return out
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
             rows, slot = torch.where(experts == e)
