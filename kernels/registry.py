@@ -36,6 +36,10 @@ class KernelSet:
     # All routed experts of a MoE layer in one op, (x, gate_up, down, weights, ids) -> [T, H]
     # (kernels/triton/fused_moe.py); None: the model loops over the chosen experts.
     moe: Callable[..., Tensor] | None = None
+    # MLA's latent norm + key rope + cache write, and the query rope into the absorbed query
+    # (kernels/triton/mla.py); each returns False when it does not cover the call.
+    mla_kv_write_: Callable[..., bool] | None = None
+    rope_into_: Callable[..., bool] | None = None
     # Every op above runs without a host sync or a host value that changes between decode
     # steps, so the model runner may capture decode steps in CUDA graphs.
     graph_safe: bool = False

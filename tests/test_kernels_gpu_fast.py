@@ -109,3 +109,50 @@ def test_fixed_split_decode_layout_equals_the_host_layout():
     on_device = kernel(q, k_cache, v_cache, attn, 0.3)
     kernel._layout = kernel._host_layout(attn, q.device)
     assert torch.equal(on_device, kernel(q, k_cache, v_cache, attn, 0.3))
+
+
+def test_mla_kv_write_and_rope_into_match_the_torch_ops():
+    from deepserve.kernels import reference
+    from deepserve.kernels.rope import apply_rope, build_rope_tables, rope_at
+    from deepserve.kernels.triton import mla
+
+    tokens, lora, rope, heads = 3, 32, 16, 5
+    ckv, norm = _rand(tokens, lora + rope, seed=10), _rand(lora, seed=11)
+    cos, sin = rope_at(
+        build_rope_tables(rope, 10000.0, None, 64, DEVICE),
+        torch.tensor([0, 9, 40]).to(DEVICE),
+        torch.float32,
+    )
+    cache = torch.zeros(6, 4, lora + rope, device=DEVICE)
+    slots = torch.tensor([5, 17, 2], device=DEVICE)
+    assert mla.kv_write_(ckv, norm, 1e-6, cos, sin, cache, slots)
+    latent = reference.rms_norm(ckv[:, :lora], norm, 1e-6)
+    k_pe = apply_rope(ckv[:, lora:].unsqueeze(1), cos, sin)[:, 0]
+    torch.testing.assert_close(cache.view(-1, lora + rope)[slots], torch.cat([latent, k_pe], -1))
+    q = _rand(tokens, heads, 8 + rope, seed=12)
+    out = torch.zeros(tokens, heads, 4 + rope, device=DEVICE)
+    assert mla.rope_into_(q[..., 8:], cos, sin, out[..., 4:])
+    torch.testing.assert_close(out[..., 4:], apply_rope(q[..., 8:], cos, sin))
+    assert out[..., :4].eq(0).all()
+
+
+def test_tiny_deepseek_with_the_fast_kernels_matches_the_reference_kernels():
+    """The whole model on the default CUDA KernelSet (fused MoE, MLA ops, both attention
+    kernels) against the reference KernelSet: a prefill, then decode steps."""
+    from model_loop import SequenceLoop
+
+    from deepserve.engine.models.common import WeightStore
+    from deepserve.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from deepserve.engine.test_model import TINY_CONFIG, _tensors
+    from deepserve.kernels.reference import KERNELS
+    from deepserve.kernels.triton.kernelset import fast_kernels
+
+    config = dict(TINY_CONFIG, vocab_size=300)
+    weights = _tensors(config, torch.Generator().manual_seed(0))
+    logits = []
+    for kernels in (KERNELS, fast_kernels()):
+        store = WeightStore(weights, torch.device(DEVICE), torch.float32)
+        loop = SequenceLoop(DeepseekV3ForCausalLM(config, store, kernels, "t"), 32, block_size=4)
+        logits.append([loop.logits([5, 9, 2, 7, 1]), loop.logits([3]), loop.logits([8])])
+    for want, got in zip(*logits, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

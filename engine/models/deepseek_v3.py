@@ -338,16 +338,40 @@ class DeepseekV3ForCausalLM:
         q_in = x if w.q_a is None else k.rms_norm(k.linear(x, w.q_a), w.q_a_norm, eps)
         q = k.linear(q_in, w.q_b).view(tokens, heads, a.qk_head_dim)
         ckv = k.linear(x, w.kv_a)
-        latent = k.rms_norm(ckv[:, :lora], w.kv_a_norm, eps)
-        k_pe = apply_rope(ckv[:, lora:].unsqueeze(1), cos, sin)
-        write_kv(cache, attn.slot_mapping, torch.cat([latent, k_pe[:, 0]], dim=-1))
         q_latent = k.bmm(q[..., :nope].transpose(0, 1), w.w_uk)  # [H, T, lora]
-        q_pe = apply_rope(q[..., nope:], cos, sin)
-        q_full = torch.cat([q_latent.transpose(0, 1), q_pe], dim=-1)  # [T, H, lora + rope]
+        if self._fused_kv_write(w, ckv, cos, sin, attn, cache):  # 1-2 launches, not ~16
+            q_full = q.new_empty(tokens, heads, lora + a.qk_rope_head_dim)
+            if not k.rope_into_(q[..., nope:], cos, sin, q_full[..., lora:]):
+                q_full[..., lora:] = apply_rope(q[..., nope:], cos, sin)
+            q_full[..., :lora] = q_latent.transpose(0, 1)
+        else:
+            latent = k.rms_norm(ckv[:, :lora], w.kv_a_norm, eps)
+            k_pe = apply_rope(ckv[:, lora:].unsqueeze(1), cos, sin)
+            write_kv(cache, attn.slot_mapping, torch.cat([latent, k_pe[:, 0]], dim=-1))
+            q_pe = apply_rope(q[..., nope:], cos, sin)
+            q_full = torch.cat([q_latent.transpose(0, 1), q_pe], dim=-1)  # [T, H, lora + rope]
         k_cache = cache.unsqueeze(2)  # MQA: one latent "head" shared by all query heads
         out = k.paged_attention(q_full, k_cache, k_cache[..., :lora], attn, self.scale)
         out = k.bmm(out.transpose(0, 1), w.w_uv_t)  # [H, T, v]
         return k.linear(out.transpose(0, 1).reshape(tokens, heads * a.v_head_dim), w.o)
+
+    def _fused_kv_write(
+        self,
+        w: _Attention,
+        ckv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionMetadata,
+        cache: torch.Tensor,
+    ) -> bool:
+        """The KernelSet's fused MLA ops, when it has both and they take these shapes: True when
+        the KV rows were normed, rotated and written (the query's rope part is then rotated
+        straight into the absorbed query)."""
+        k = self.k
+        if k.mla_kv_write_ is None or k.rope_into_ is None:
+            return False
+        eps = self.args.rms_norm_eps
+        return k.mla_kv_write_(ckv, w.kv_a_norm, eps, cos, sin, cache, attn.slot_mapping)
 
     def _moe(self, w: _MoE, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self._route(w, x)

@@ -13,7 +13,7 @@ from deepserve.engine.attention import AttentionMetadata
 from deepserve.engine.errors import UnsupportedModelError
 from deepserve.kernels import reference
 from deepserve.kernels.registry import KernelSet
-from deepserve.kernels.triton import attention, fused_moe, matmul, rows
+from deepserve.kernels.triton import attention, fused_moe, matmul, mla, rows
 from deepserve.kernels.triton.decode_attention import decode_attention
 from deepserve.kernels.triton.lang import HAVE_TRITON
 
@@ -51,6 +51,8 @@ def fast_kernels() -> KernelSet | None:
         bmm=torch.matmul,
         paged_attention=FastPagedAttention(),
         moe=fused_moe.fused_moe,
+        mla_kv_write_=mla.kv_write_,
+        rope_into_=mla.rope_into_,
         graph_safe=True,
     )
 
@@ -68,5 +70,7 @@ def triton_kernels() -> KernelSet:
         paged_attention=attention.TritonPagedAttention(),
         sigmoid=torch.sigmoid,  # CUDA elementwise ops compute every element the same way
         moe=partial(fused_moe.fused_moe, cfg=fused_moe.DECODE),  # one tile shape at every size
+        mla_kv_write_=mla.kv_write_,
+        rope_into_=mla.rope_into_,
         graph_safe=True,
     )
