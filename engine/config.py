@@ -38,6 +38,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context length
     enable_prefix_caching: bool = True
     batch_invariant: bool = False
+    enforce_eager: bool = False  # on CUDA: no decode CUDA graphs (every step launches eagerly)
     num_threads: int | None = None  # torch intra-op threads on the CPU; None: torch's default
     speculative: SpeculativeConfig | None = None
     kv_tiers: KVTierConfig | None = None  # None: device prefix cache only

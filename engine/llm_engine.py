@@ -75,6 +75,8 @@ class LLMEngine:
             torch.device(config.device),
             self.eos_token_ids,
             keep_hidden=self.spec is not None and self.spec.needs_hidden,
+            graph_rows=config.max_num_seqs if _graphs_wanted(config, self.model, self.spec) else 0,
+            max_blocks_per_seq=-(-self.max_model_len // config.block_size),
         )
         if self.kv_tiering is not None:
             self.kv_tiering.bind_cache(self.runner.kv_cache)
@@ -370,3 +372,16 @@ def _resume(seq: Sequence, tokens: list[int]) -> None:
         raise InvalidRequestError("a resumed token is not allowed by the request's grammar")
     seq.token_ids += tokens
     seq.num_emitted_tokens = len(tokens)
+
+
+def _graphs_wanted(config: EngineConfig, model, spec) -> bool:
+    """Decode steps replay from CUDA graphs on a GPU whose kernels allow it, unless asked not to;
+    speculation keeps its eager steps (its verify rows are not plain decode)."""
+    kernels = getattr(model, "k", None)
+    return (
+        torch.device(config.device).type == "cuda"
+        and not config.enforce_eager
+        and spec is None
+        and kernels is not None
+        and kernels.graph_safe
+    )

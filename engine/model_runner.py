@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from deepserve.engine.attention import AttentionMetadata
+from deepserve.engine.cuda_graphs import DecodeGraphs
 from deepserve.engine.models.base import CausalLM
 from deepserve.engine.request import Sequence
 from deepserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch
@@ -59,6 +60,8 @@ class ModelRunner:
         device: torch.device,
         eos_token_ids: tuple[int, ...],
         keep_hidden: bool = False,
+        graph_rows: int = 0,
+        max_blocks_per_seq: int = 0,
     ) -> None:
         self.model = model
         self.keep_hidden = keep_hidden  # MTP speculation drafts from the target's hidden states
@@ -66,8 +69,16 @@ class ModelRunner:
         self.device = device
         self.eos_token_ids = eos_token_ids
         spec = model.kv_cache_spec
-        shape = (spec.num_layers, num_blocks, block_size, spec.width)
+        # CUDA graphs pad their batches with rows that write to one reserved block past the
+        # block manager's range.
+        extra = 1 if graph_rows else 0
+        shape = (spec.num_layers, num_blocks + extra, block_size, spec.width)
         self.kv_cache = torch.zeros(shape, dtype=spec.dtype, device=device)
+        self.graphs: DecodeGraphs | None = None
+        if graph_rows:
+            self.graphs = DecodeGraphs(
+                model, self.kv_cache, block_size, graph_rows, max_blocks_per_seq, num_blocks
+            )
         self.sampler = Sampler(model.vocab_size, device)
         self._pin = device.type == "cuda"
         self._mask_pool: ThreadPoolExecutor | None = None
@@ -81,6 +92,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
+        if self._replayable(out):
+            return self._execute_graph(out)
         inputs = self.prepare(out)
         batch = SamplingBatch.build(
             inputs.sample_views, self.eos_token_ids, self.model.vocab_size, self.device
@@ -95,6 +108,35 @@ class ModelRunner:
         if masks is not None:
             batch.bitmask = masks.result()
         return StepResult(inputs.sample_seqs, self.sampler.sample(logits, batch), kept)
+
+    def _replayable(self, out: SchedulerOutput) -> bool:
+        """A plain decode step (one sampled token per sequence, no forks or drafts) that one of
+        the captured buckets covers."""
+        if self.graphs is None or out.forks or out.block_copies:
+            return False
+        widest = max(len(item.seq.block_table) for item in out.scheduled)
+        if not self.graphs.covers(len(out.scheduled), widest):
+            return False
+        return all(
+            item.num_new_tokens == 1 and item.sample and not item.seq.spec_token_ids
+            for item in out.scheduled
+        )
+
+    def _execute_graph(self, out: SchedulerOutput) -> StepResult:
+        bs = self.block_size
+        seqs = [item.seq for item in out.scheduled]
+        positions = [s.num_computed_tokens for s in seqs]
+        batch = SamplingBatch.build(seqs, self.eos_token_ids, self.model.vocab_size, self.device)
+        masks = self._start_masks(seqs)
+        logits = self.graphs.run(
+            [s.token_ids[p] for s, p in zip(seqs, positions, strict=True)],
+            positions,
+            [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions, strict=True)],
+            [s.block_table for s in seqs],
+        )
+        if masks is not None:
+            batch.bitmask = masks.result()
+        return StepResult(seqs, self.sampler.sample(logits, batch))
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         """Flatten the scheduled chunks into one batch (built on the host, moved once)."""

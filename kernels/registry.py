@@ -36,12 +36,26 @@ class KernelSet:
     # Models pack their CPU matmul weights once (reference.pack_linear_weight) and may run a
     # whole llama layer natively (cpu_ops.llama_layer_); `linear` then takes packed weights.
     packed_weights: bool = False
+    # All routed experts of a MoE layer in one op, (x, gate_up, down, weights, ids) -> [T, H]
+    # (kernels/triton/fused_moe.py); None: the model loops over the chosen experts.
+    moe: Callable[..., Tensor] | None = None
+    # MLA's latent norm + key rope + cache write, and the query rope into the absorbed query
+    # (kernels/triton/mla.py); each returns False when it does not cover the call.
+    mla_kv_write_: Callable[..., bool] | None = None
+    rope_into_: Callable[..., bool] | None = None
+    # Every op above runs without a host sync or a host value that changes between decode
+    # steps, so the model runner may capture decode steps in CUDA graphs.
+    graph_safe: bool = False
 
 
 def get_kernels(device: str, batch_invariant: bool) -> KernelSet:
     from deepserve.kernels import reference
 
     if not batch_invariant:
+        if torch.device(device).type == "cuda":
+            from deepserve.kernels.triton.kernelset import fast_kernels
+
+            return fast_kernels() or reference.KERNELS
         return reference.KERNELS
     from deepserve.kernels import batch_invariant as bi
 

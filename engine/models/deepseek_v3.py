@@ -236,13 +236,18 @@ class DeepseekV3ForCausalLM:
 
     def _load_moe(self, w: WeightStore, p: str) -> _MoE:
         a = self.args
-        experts = [self._load_dense(w, f"{p}experts.{e}.") for e in range(a.n_routed_experts)]
+        if w.has(p + "experts.gate_up_proj"):  # transformers 5's fused layout, gate rows first
+            gate_up, down = w.get(p + "experts.gate_up_proj"), w.get(p + "experts.down_proj")
+        else:
+            experts = [self._load_dense(w, f"{p}experts.{e}.") for e in range(a.n_routed_experts)]
+            gate_up = torch.stack([e.gate_up for e in experts])
+            down = torch.stack([e.down for e in experts])
         bias_name = p + "gate.e_score_correction_bias"
         return _MoE(
             gate=w.get(p + "gate.weight", torch.float32),
             bias=w.get(bias_name, torch.float32) if w.has(bias_name) else None,
-            gate_up=torch.stack([e.gate_up for e in experts]),
-            down=torch.stack([e.down for e in experts]),
+            gate_up=gate_up,
+            down=down,
             shared=self._load_dense(w, p + "shared_experts.") if a.n_shared_experts else None,
         )
 
@@ -333,19 +338,48 @@ class DeepseekV3ForCausalLM:
         q_in = x if w.q_a is None else k.rms_norm(k.linear(x, w.q_a), w.q_a_norm, eps)
         q = k.linear(q_in, w.q_b).view(tokens, heads, a.qk_head_dim)
         ckv = k.linear(x, w.kv_a)
-        latent = k.rms_norm(ckv[:, :lora], w.kv_a_norm, eps)
-        k_pe = apply_rope(ckv[:, lora:].unsqueeze(1), cos, sin)
-        write_kv(cache, attn.slot_mapping, torch.cat([latent, k_pe[:, 0]], dim=-1))
         q_latent = k.bmm(q[..., :nope].transpose(0, 1), w.w_uk)  # [H, T, lora]
-        q_pe = apply_rope(q[..., nope:], cos, sin)
-        q_full = torch.cat([q_latent.transpose(0, 1), q_pe], dim=-1)  # [T, H, lora + rope]
+        if self._fused_kv_write(w, ckv, cos, sin, attn, cache):  # 1-2 launches, not ~16
+            q_full = q.new_empty(tokens, heads, lora + a.qk_rope_head_dim)
+            if not k.rope_into_(q[..., nope:], cos, sin, q_full[..., lora:]):
+                q_full[..., lora:] = apply_rope(q[..., nope:], cos, sin)
+            q_full[..., :lora] = q_latent.transpose(0, 1)
+        else:
+            latent = k.rms_norm(ckv[:, :lora], w.kv_a_norm, eps)
+            k_pe = apply_rope(ckv[:, lora:].unsqueeze(1), cos, sin)
+            write_kv(cache, attn.slot_mapping, torch.cat([latent, k_pe[:, 0]], dim=-1))
+            q_pe = apply_rope(q[..., nope:], cos, sin)
+            q_full = torch.cat([q_latent.transpose(0, 1), q_pe], dim=-1)  # [T, H, lora + rope]
         k_cache = cache.unsqueeze(2)  # MQA: one latent "head" shared by all query heads
         out = k.paged_attention(q_full, k_cache, k_cache[..., :lora], attn, self.scale)
         out = k.bmm(out.transpose(0, 1), w.w_uv_t)  # [H, T, v]
         return k.linear(out.transpose(0, 1).reshape(tokens, heads * a.v_head_dim), w.o)
 
+    def _fused_kv_write(
+        self,
+        w: _Attention,
+        ckv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionMetadata,
+        cache: torch.Tensor,
+    ) -> bool:
+        """The KernelSet's fused MLA ops, when it has both and they take these shapes: True when
+        the KV rows were normed, rotated and written (the query's rope part is then rotated
+        straight into the absorbed query)."""
+        k = self.k
+        if k.mla_kv_write_ is None or k.rope_into_ is None:
+            return False
+        eps = self.args.rms_norm_eps
+        return k.mla_kv_write_(ckv, w.kv_a_norm, eps, cos, sin, cache, attn.slot_mapping)
+
     def _moe(self, w: _MoE, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self._route(w, x)
+        if self.k.moe is not None:  # all experts in one fused op, no host sync
+            out = self.k.moe(x, w.gate_up, w.down, weights, experts)
+            if w.shared is not None:
+                out = out + swiglu(self.k, x, w.shared.gate_up, w.shared.down)
+            return out
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
             rows, slot = torch.where(experts == e)

@@ -141,6 +141,13 @@ class TritonPagedAttention:
     def _step_layout(self, attn: AttentionMetadata, device: torch.device) -> _StepLayout:
         if self._layout is not None and self._layout.attn is attn:
             return self._layout
+        if attn.num_tokens == attn.num_seqs:
+            self._layout = self._decode_layout(attn, device)
+        else:
+            self._layout = self._host_layout(attn, device)
+        return self._layout
+
+    def _host_layout(self, attn: AttentionMetadata, device: torch.device) -> _StepLayout:
         tile_seq, tile_row, positions, start = [], [], [], 0
         for i, n in enumerate(attn.query_lens_cpu):
             for r in range(0, n, BLOCK_M):
@@ -150,14 +157,26 @@ class TritonPagedAttention:
             positions.extend(range(ctx, ctx + n))
             start += n
         host = torch.tensor([tile_seq, tile_row], dtype=torch.int32)
-        self._layout = _StepLayout(
+        return _StepLayout(
             attn=attn,
             tile_seq=host[0].to(device, non_blocking=True),
             tile_row=host[1].to(device, non_blocking=True),
             positions=torch.tensor(positions, dtype=torch.int32).to(device, non_blocking=True),
             max_splits=cdiv(max(attn.seq_lens_cpu), self.split),
         )
-        return self._layout
+
+    def _decode_layout(self, attn: AttentionMetadata, device: torch.device) -> _StepLayout:
+        """One query per sequence: the layout from device tensors and the block-table width
+        alone, so a decode step can be captured in a CUDA graph and replayed at other lengths
+        (splits past a sequence's end hold no key and the combine never reads them)."""
+        rows = torch.arange(attn.num_seqs, dtype=torch.int32, device=device)
+        return _StepLayout(
+            attn=attn,
+            tile_seq=rows,
+            tile_row=rows,
+            positions=(attn.seq_lens - 1).to(torch.int32),
+            max_splits=cdiv(attn.block_tables.shape[1] * attn.block_size, self.split),
+        )
 
     def __call__(
         self,

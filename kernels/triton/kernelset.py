@@ -1,13 +1,60 @@
-"""The `KernelSet` of Triton kernels that `--batch-invariant` runs with on CUDA."""
+"""The `KernelSet`s of Triton kernels on CUDA: `fast_kernels()` (the default) and
+`triton_kernels()` (`--batch-invariant`). Both are graph safe: decode steps replay from CUDA
+graphs (engine/cuda_graphs.py)."""
 
 from __future__ import annotations
 
-import torch
+from functools import partial
 
+import torch
+import torch.nn.functional as F
+
+from deepserve.engine.attention import AttentionMetadata
 from deepserve.engine.errors import UnsupportedModelError
+from deepserve.kernels import reference
 from deepserve.kernels.registry import KernelSet
-from deepserve.kernels.triton import attention, matmul, rows
+from deepserve.kernels.triton import attention, fused_moe, matmul, mla, rows
+from deepserve.kernels.triton.decode_attention import decode_attention
 from deepserve.kernels.triton.lang import HAVE_TRITON
+
+
+class FastPagedAttention:
+    """Decode-only steps through the graph-safe decode kernel, the rest (prefill, chunks mixed
+    with decodes) through the varlen kernel of attention.py."""
+
+    def __init__(self) -> None:
+        self.varlen = attention.TritonPagedAttention()
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        attn: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if attn.num_tokens == attn.num_seqs:
+            return decode_attention(q, k_cache, v_cache, attn, scale)
+        return self.varlen(q, k_cache, v_cache, attn, scale)
+
+
+def fast_kernels() -> KernelSet | None:
+    """cuBLAS matmuls, Triton norms, attention and fused MoE; None without Triton."""
+    if not HAVE_TRITON:
+        return None
+    return KernelSet(
+        name="cuda_fast",
+        linear=F.linear,
+        rms_norm=rows.rms_norm,
+        softmax=reference.softmax,
+        log_softmax=reference.log_softmax,
+        bmm=torch.matmul,
+        paged_attention=FastPagedAttention(),
+        moe=fused_moe.fused_moe,
+        mla_kv_write_=mla.kv_write_,
+        rope_into_=mla.rope_into_,
+        graph_safe=True,
+    )
 
 
 def triton_kernels() -> KernelSet:
@@ -22,4 +69,8 @@ def triton_kernels() -> KernelSet:
         bmm=matmul.bmm,
         paged_attention=attention.TritonPagedAttention(),
         sigmoid=torch.sigmoid,  # CUDA elementwise ops compute every element the same way
+        moe=partial(fused_moe.fused_moe, cfg=fused_moe.DECODE),  # one tile shape at every size
+        mla_kv_write_=mla.kv_write_,
+        rope_into_=mla.rope_into_,
+        graph_safe=True,
     )

@@ -1,0 +1,220 @@
+"""Real-shape speed on the GPU (issue 15): decode and prefill tokens/s of deepserve (default and
+`--batch-invariant`) beside transformers `generate` on the same random bf16 weights in one
+process, and a profile of one decode step (kernels, device-to-host copies, GPU busy fraction).
+
+Shapes: DeepSeek-V2-Lite (15.7B: MLA, 64 routed experts top-6 + 2 shared, 27 layers, in the
+DeepseekV3 architecture with a 4K context) and SmolLM2-135M. transformers builds the model with
+its own random init; deepserve's model is built over the very same tensors (no copy of the
+experts). Imported by run_all.py.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+
+import torch
+
+from deepserve.engine.model_shapes import DEEPSEEK_V2_LITE, SMOLLM2_135M
+
+SHAPES = {"v2-lite": DEEPSEEK_V2_LITE, "smollm2": SMOLLM2_135M}
+
+
+def _sync() -> None:
+    torch.cuda.synchronize()
+
+
+def build_hf(config: dict):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    skip = ("architectures", "model_type", "torch_dtype")
+    rest = {k: v for k, v in config.items() if k not in skip}
+    cfg = AutoConfig.for_model(config["model_type"], **rest)
+    cfg.architectures = config["architectures"]
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    return hf.eval()
+
+
+def build_llm(config: dict, hf, batch_invariant: bool, **kw):
+    """deepserve's engine over transformers' tensors (same weights, one copy of the experts)."""
+    from deepserve.engine.config import EngineConfig
+    from deepserve.engine.llm import LLM
+    from deepserve.engine.loader import LoadedModel, ModelInfo
+    from deepserve.engine.models.common import WeightStore
+    from deepserve.engine.models.registry import model_class
+    from deepserve.kernels.registry import get_kernels
+
+    weights = dict(hf.state_dict())
+    store = WeightStore(weights, torch.device("cuda"), torch.bfloat16)
+    arch = config["architectures"][0]
+    kernels = get_kernels("cuda", batch_invariant)
+    model = model_class(arch)(config, store, kernels, f"bench-{arch}-{batch_invariant}")
+    info = ModelInfo(
+        arch, model.family, arch, "", config["vocab_size"], config["max_position_embeddings"],
+        [config["eos_token_id"]], None, None, model.fingerprint, 0,
+    )  # fmt: skip
+    kw.setdefault("kv_cache_bytes", 8 * 2**30)
+    engine_config = EngineConfig(
+        model=arch, device="cuda", dtype="bfloat16", batch_invariant=batch_invariant, **kw
+    )
+    return LLM(engine_config, LoadedModel(model, None, info))
+
+
+def greedy(max_tokens: int):
+    from deepserve.engine.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def prompts(rng: random.Random, count: int, length: int, vocab: int) -> list[list[int]]:
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(count)]
+
+
+def engine_decode_tok_s(llm, batch: int, vocab: int, rng: random.Random, tokens: int) -> float:
+    """Tokens/s of `batch` 128-token prompts x `tokens` outputs, the prefill timed apart and
+    taken out: decode steps only."""
+    llm.generate(prompts(rng, batch, 128, vocab), greedy(8))  # warm-up: captures this bucket
+    ps = prompts(rng, batch, 128, vocab)
+    _sync()
+    t0 = time.perf_counter()
+    llm.generate(ps, greedy(1))
+    _sync()
+    t_prefill = time.perf_counter() - t0
+    ps = prompts(rng, batch, 128, vocab)
+    _sync()
+    t0 = time.perf_counter()
+    llm.generate(ps, greedy(tokens + 1))
+    _sync()
+    return batch * tokens / (time.perf_counter() - t0 - t_prefill)
+
+
+def hf_decode_tok_s(hf, batch: int, vocab: int, rng: random.Random, tokens: int) -> float:
+    def run(n: int) -> float:
+        ids = torch.tensor(prompts(rng, batch, 128, vocab), device="cuda")
+        kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        _sync()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            hf.generate(ids, **kw)
+        _sync()
+        return time.perf_counter() - t0
+
+    run(4)
+    return batch * tokens / (run(tokens + 1) - run(1))
+
+
+def engine_prefill_tok_s(llm, vocab: int, rng: random.Random, length: int) -> float:
+    times = []
+    for _ in range(4):  # fresh prompts: a repeat would be served from the prefix cache
+        p = prompts(rng, 1, length, vocab)
+        _sync()
+        t0 = time.perf_counter()
+        llm.generate(p, greedy(1))
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return length / statistics.median(times[1:])
+
+
+def hf_prefill_tok_s(hf, vocab: int, rng: random.Random, length: int) -> float:
+    times = []
+    for _ in range(4):
+        ids = torch.tensor(prompts(rng, 1, length, vocab), device="cuda")
+        _sync()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            hf(ids, logits_to_keep=1)
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return length / statistics.median(times[1:])
+
+
+def profile_decode_step(llm, batch: int, vocab: int, rng: random.Random) -> dict:
+    """One decode step of `batch` running sequences under torch.profiler: kernels launched
+    (inside graphs too), device-to-host copies, synchronizing calls, and the GPU busy fraction
+    (kernel time over the step's wall time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    for i, p in enumerate(prompts(rng, batch, 128, vocab)):
+        engine.add_request(f"prof-{batch}-{i}", p, greedy(64))
+    chunk = engine.config.max_num_batched_tokens
+    for _ in range(-(-batch * 128 // chunk) + 2):  # the prefill chunks, then two decode steps
+        engine.step()
+    _sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        engine.step()
+        _sync()
+        wall = time.perf_counter() - t0
+    kernels = d2h = syncs = 0
+    busy_us = 0.0
+    by_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        name = e.name
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            if "Memcpy DtoH" in name or "Memcpy D2H" in name:
+                d2h += 1
+            elif "Memcpy" not in name and "Memset" not in name:
+                kernels += 1
+                busy_us += e.device_time
+                entry = by_name.setdefault(name[:70], [0, 0.0])
+                entry[0] += 1
+                entry[1] += e.device_time
+        elif "Synchronize" in name:
+            syncs += 1
+    while engine.has_unfinished():
+        engine.step()
+    return dict(
+        batch=batch, wall_ms=wall * 1e3, kernels=kernels, d2h_copies=d2h, sync_calls=syncs,
+        kernel_ms=busy_us / 1e3, gpu_busy=busy_us / 1e6 / wall,
+        top=[(n, c, round(us)) for n, (c, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]],
+    )  # fmt: skip
+
+
+def section_speed(out: dict, shapes: list[str], batches: dict, tokens: int, deadline: float):
+    torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN plans per length skew transformers
+    rows = out.setdefault("speed", [])
+    profiles = out.setdefault("profile", [])
+    for name in shapes:
+        config = SHAPES[name]
+        vocab = config["vocab_size"]
+        t0 = time.time()
+        hf = build_hf(config)
+        out.setdefault("build_s", {})[name] = round(time.time() - t0, 1)
+        for flag in (False, True):
+            if time.time() > deadline:
+                break
+            rng = random.Random(3)
+            llm = build_llm(config, hf, flag, max_model_len=4096)
+            row = dict(shape=name, system="deepserve", batch_invariant=flag)
+            for b in batches[name]:
+                if time.time() > deadline:
+                    break
+                tok_s = engine_decode_tok_s(llm, b, vocab, rng, tokens)
+                rows.append(dict(row, batch=b, decode_tok_s=tok_s))
+                print(rows[-1], flush=True)
+            rows.append(dict(row, prefill_2000_tok_s=engine_prefill_tok_s(llm, vocab, rng, 2000)))
+            print(rows[-1], flush=True)
+            if name == "v2-lite" or not flag:
+                for b in batches[name][:: max(1, len(batches[name]) - 1)]:
+                    prof = profile_decode_step(llm, b, vocab, rng)
+                    profiles.append(dict(shape=name, batch_invariant=flag, **prof))
+                    print(profiles[-1], flush=True)
+            llm.engine.runner.close()
+            del llm
+            torch.cuda.empty_cache()
+        rng = random.Random(3)
+        for b in batches[name]:
+            if time.time() > deadline:
+                break
+            rows.append(dict(shape=name, system="transformers", batch=b,
+                             decode_tok_s=hf_decode_tok_s(hf, b, vocab, rng, tokens)))  # fmt: skip
+            print(rows[-1], flush=True)
+        rows.append(dict(shape=name, system="transformers",
+                         prefill_2000_tok_s=hf_prefill_tok_s(hf, vocab, rng, 2000)))  # fmt: skip
+        print(rows[-1], flush=True)
+        del hf
+        torch.cuda.empty_cache()

@@ -1,0 +1,179 @@
+"""Paged attention for pure decode steps (one query per sequence), capturable in a CUDA graph.
+
+One program takes one sequence, up to `BLOCK_H` query heads that share one KV head, and one split
+of that sequence's keys, walking them straight from the block table: every KV row is read once
+per head group, not once per head, and the query heads form the rows of the tensor-core
+products (MLA's 16 heads over one latent "head" is FlashMLA's layout; GQA groups are padded to
+16 rows). K may be wider than V and V may be K's leading columns (MLA's absorbed form: the
+latent is both). The split count is fixed by the batch size alone and each split's key range is
+derived from the sequence length on the device, so the launch depends on no host value that
+changes between steps; a second kernel folds the splits.
+
+Not batch invariant (the split width follows the length and the batch): `--batch-invariant`
+keeps the fixed-split kernel of attention.py. What does not live here: prefill (attention.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepserve.engine.attention import AttentionMetadata
+from deepserve.kernels.triton.lang import cdiv, constexpr, jit, next_power_of_2, tl
+
+BLOCK_H = 16  # query heads per program: the smallest row count of a tensor-core product
+TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
+MAX_SPLITS = 32
+
+
+@jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, pm_ptr, pl_ptr, pacc_ptr,
+    s_qb, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_tb, s_pb, s_ph, s_ab, s_ah, s_as,
+    scale, HQ, GROUP, DV, block_size, NUM_SPLITS,
+    DM: constexpr, DT: constexpr, DT_REAL: constexpr, BLOCK_DV: constexpr, SHARED_V: constexpr,
+    HEAD_BLOCKS: constexpr, BLOCK_H: constexpr, BLOCK_N: constexpr, PRECISION: constexpr,
+):  # fmt: skip
+    b, hg, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    kvh = hg // HEAD_BLOCKS
+    heads = kvh * GROUP + (hg % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = (heads < (kvh + 1) * GROUP) & (heads < HQ)
+    seq_len = tl.load(seq_lens_ptr + b)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    key_lo = split * per_split
+    if key_lo >= seq_len:
+        return
+    key_hi = tl.minimum(key_lo + per_split, seq_len)
+    dm = tl.arange(0, DM)
+    q_rows = q_ptr + b * s_qb + heads[:, None] * s_qh
+    q_main = tl.load(q_rows + dm[None, :], mask=head_ok[:, None], other=0.0)
+    if DT > 0:
+        dt = DM + tl.arange(0, DT)
+        dt_ok = dt < DM + DT_REAL
+        q_tail = tl.load(q_rows + dt[None, :], mask=head_ok[:, None] & dt_ok[None, :], other=0.0)
+    dv = tl.arange(0, BLOCK_DV)
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_DV), tl.float32)
+    for n0 in range(key_lo, key_hi, BLOCK_N):
+        keys = n0 + tl.arange(0, BLOCK_N)
+        key_ok = keys < key_hi
+        blk = tl.load(tables_ptr + b * s_tb + keys // block_size, mask=key_ok, other=0)
+        row = blk.to(tl.int64) * s_kb + (keys % block_size) * s_ks + kvh * s_kh
+        k_main = tl.load(k_ptr + row[:, None] + dm[None, :], mask=key_ok[:, None], other=0.0)
+        scores = tl.dot(q_main, tl.trans(k_main), input_precision=PRECISION)
+        if DT > 0:
+            k_tail = tl.load(
+                k_ptr + row[:, None] + dt[None, :],
+                mask=key_ok[:, None] & dt_ok[None, :],
+                other=0.0,
+            )
+            scores = tl.dot(q_tail, tl.trans(k_tail), scores, input_precision=PRECISION)
+        scores = tl.where(key_ok[None, :], scores * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        if SHARED_V:
+            v = k_main
+        else:
+            vrow = blk.to(tl.int64) * s_vb + (keys % block_size) * s_vs + kvh * s_vh
+            v = tl.load(
+                v_ptr + vrow[:, None] + dv[None, :],
+                mask=key_ok[:, None] & (dv[None, :] < DV),
+                other=0.0,
+            )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+    part = b * s_pb + heads * s_ph + split
+    tl.store(pm_ptr + part, m_i, mask=head_ok)
+    tl.store(pl_ptr + part, l_i, mask=head_ok)
+    pacc = pacc_ptr + b * s_ab + heads[:, None] * s_ah + split * s_as + dv[None, :]
+    tl.store(pacc, acc, mask=head_ok[:, None] & (dv[None, :] < DV))
+
+
+@jit
+def _decode_combine_kernel(
+    pm_ptr, pl_ptr, pacc_ptr, seq_lens_ptr, o_ptr,
+    s_pb, s_ph, s_ab, s_ah, s_as, s_ob, s_oh, DV, NUM_SPLITS,
+    BLOCK_N: constexpr, BLOCK_DV: constexpr,
+):  # fmt: skip
+    b, h = tl.program_id(0), tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    splits = tl.cdiv(seq_len, per_split)
+    dv = tl.arange(0, BLOCK_DV)
+    base, acc_base = b * s_pb + h * s_ph, pacc_ptr + b * s_ab + h * s_ah + dv
+    m = tl.load(pm_ptr + base)
+    l_sum = tl.load(pl_ptr + base)
+    acc = tl.load(acc_base, mask=dv < DV, other=0.0)
+    for s in range(1, splits):
+        ms = tl.load(pm_ptr + base + s)
+        ls = tl.load(pl_ptr + base + s)
+        a_s = tl.load(acc_base + s * s_as, mask=dv < DV, other=0.0)
+        m_new = tl.maximum(m, ms)
+        old, new = tl.exp(m - m_new), tl.exp(ms - m_new)
+        acc = acc * old + a_s * new
+        l_sum = l_sum * old + ls * new
+        m = m_new
+    out = acc / l_sum
+    tl.store(o_ptr + b * s_ob + h * s_oh + dv, out.to(o_ptr.dtype.element_ty), mask=dv < DV)
+
+
+def num_splits(batch: int, kv_programs: int) -> int:
+    """Key splits per sequence: enough programs to fill the GPU twice, from the batch size alone."""
+    return max(1, min(MAX_SPLITS, cdiv(TARGET_PROGRAMS, batch * kv_programs)))
+
+
+def _shares_rows(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """V is K's leading columns (MLA's latent): one load serves both products."""
+    return (
+        v_cache.data_ptr() == k_cache.data_ptr()
+        and v_cache.stride() == k_cache.stride()
+        and v_cache.shape[-1] == next_power_of_2(v_cache.shape[-1])
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """kernels/attention_ref.py's `paged_attention` for steps where every sequence brings one
+    query (q `[B, Hq, Dk]`; caches `[num_blocks, block_size, Hkv, D]`, last dim contiguous)."""
+    batch, hq, dk = q.shape
+    hkv, dv = k_cache.shape[2], v_cache.shape[-1]
+    group = hq // hkv
+    shared = _shares_rows(k_cache, v_cache)
+    dm = dv if shared else next_power_of_2(dk) // (2 if next_power_of_2(dk) != dk else 1)
+    dm = min(dm, dk)
+    dt = dk - dm
+    if dm & (dm - 1) or dm < 16:
+        raise ValueError(f"decode_attention takes a leading head part of 2^a >= 16, not {dm}")
+    head_blocks = cdiv(group, BLOCK_H)
+    splits = num_splits(batch, hkv * head_blocks)
+    out = torch.empty(batch, hq, dv, device=q.device, dtype=q.dtype)
+    part_m = torch.empty(batch, hq, splits, device=q.device, dtype=torch.float32)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty(batch, hq, splits, dv, device=q.device, dtype=torch.float32)
+    block_dv = next_power_of_2(dv)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    wide = dk > 256
+    tables, seq_lens = attn.block_tables, attn.seq_lens
+    _decode_split_kernel[(batch, hkv * head_blocks, splits)](
+        q, k_cache, v_cache, tables, seq_lens, part_m, part_l, part_acc,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0),
+        part_m.stride(0), part_m.stride(1), *part_acc.stride()[:3],
+        scale, hq, group, dv, attn.block_size, splits,
+        DM=dm, DT=max(16, next_power_of_2(dt)) if dt else 0, DT_REAL=dt, BLOCK_DV=block_dv, SHARED_V=shared, HEAD_BLOCKS=head_blocks,
+        BLOCK_H=BLOCK_H, BLOCK_N=32 if wide else 64, PRECISION=precision,
+        num_warps=8 if wide else 4, num_stages=2,
+    )  # fmt: skip
+    _decode_combine_kernel[(batch, hq)](
+        part_m, part_l, part_acc, seq_lens, out,
+        part_m.stride(0), part_m.stride(1), *part_acc.stride()[:3], out.stride(0), out.stride(1),
+        dv, splits, BLOCK_N=32 if wide else 64, BLOCK_DV=block_dv, num_warps=4,
+    )  # fmt: skip
+    return out
