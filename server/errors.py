@@ -63,7 +63,9 @@ def error_response(path: str, status: int, message: str, param: str | None = Non
         if is_anthropic_path(path)
         else openai_error(status, message, param)
     )
-    return JSONResponse(body, status_code=status)
+    # A body over the limit is left unread: closing the connection stops the client sending it.
+    headers = {"Connection": "close"} if status == 413 else None
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def message_of_conversion_error(body: str) -> str:
