@@ -19,9 +19,11 @@ ANSWER_TIMEOUT_S = 60.0  # a hang is an answer slower than this
 
 @pytest.fixture(scope="module")
 def client(smollm_engine):
-    with running_server(smollm_engine, MODEL) as srv:
-        with httpx.Client(base_url=srv.base_url, timeout=ANSWER_TIMEOUT_S) as c:
-            yield c
+    with (
+        running_server(smollm_engine, MODEL) as srv,
+        httpx.Client(base_url=srv.base_url, timeout=ANSWER_TIMEOUT_S) as c,
+    ):
+        yield c
 
 
 def send(client: httpx.Client, case: Case) -> str | None:
