@@ -26,6 +26,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from fuzz_bodies import ROUTES, Case, base_body, cases, problem  # noqa: E402
 
 
+def send(client: httpx.Client, case: Case, statuses: collections.Counter) -> str | None:
+    """Send one case; what is wrong with its answer, or None. A keep-alive connection the server
+    closed just as it was reused is retried once on a fresh one (the client's race, not a case
+    the server failed)."""
+    for attempt in range(2):
+        try:
+            with client.stream("POST", case.route, content=case.content()) as r:
+                payload = r.read()
+        except httpx.RemoteProtocolError:
+            if attempt:
+                raise
+            continue
+        statuses[str(r.status_code)] += 1
+        return problem(case, r.status_code, r.headers.get("content-type", ""), payload)
+    return None
+
+
 def run(base_url: str, n: int, seed: int, timeout: float, model: str, key: str | None) -> dict:
     headers = {"Content-Type": "application/json"}
     if key:
@@ -45,13 +62,13 @@ def run(base_url: str, n: int, seed: int, timeout: float, model: str, key: str |
     @given(case=cases(model))
     def one(case: Case) -> None:
         try:
-            with client.stream("POST", case.route, content=case.content()) as r:
-                payload = r.read()
-                statuses[str(r.status_code)] += 1
-                found = problem(case, r.status_code, r.headers.get("content-type", ""), payload)
+            found = send(client, case, statuses)
         except httpx.TimeoutException:
             statuses["hang"] += 1
             found = f"no answer within {timeout}s"
+        except httpx.TransportError as e:  # the connection, not the answer: counted, not fatal
+            statuses["no answer"] += 1
+            found = f"{type(e).__name__}: {e}"
         if found:
             problems.append({"route": case.route, "case": repr(case)[:300], "problem": found})
 
@@ -67,6 +84,7 @@ def run(base_url: str, n: int, seed: int, timeout: float, model: str, key: str |
         "statuses": dict(sorted(statuses.items())),
         "5xx": sum(v for k, v in statuses.items() if k.startswith("5")),
         "hangs": statuses["hang"],
+        "no_answer": statuses["no answer"],
         "problems": len(problems),
         "first_problems": problems[:20],
         "normal_requests_after": after,

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from deepserve.server.errors import HTTPError
 
 MAX_DEPTH = 64  # a JSON schema or tool parameters nested deeper is not one a model could fill
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Any integer must fit 64 bits, signed or unsigned (a seed may be a uint64); fields held in a
+# signed int64 (top_k) say so in their own rule.
+INT_MIN, INT_MAX = -(2**63), 2**64 - 1
 MAX_CACHE_SALT_CHARS = 256
 MAX_STOP_STRINGS = 64
 
@@ -64,7 +66,7 @@ def _walk(body: dict, max_string_chars: int) -> BodyStats:
         elif isinstance(value, bool) or value is None:
             pass
         elif isinstance(value, int):
-            if not INT64_MIN <= value <= INT64_MAX:
+            if not INT_MIN <= value <= INT_MAX:
                 _refuse(path, "is an integer outside 64 bits")
         elif isinstance(value, float) and not math.isfinite(value):
             _refuse(path, "is not a finite number")
@@ -133,16 +135,7 @@ def array(path: str, value: object) -> None:
         _refuse(path, f"must be an array, not {_type_name(value)}")
 
 
-def number(lo: float | None = None, hi: float | None = None) -> Check:
-    def check(path: str, value: object) -> None:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            _refuse(path, f"must be a number, not {_type_name(value)}")
-        _check_range(path, value, lo, hi)
-
-    return check
-
-
-def integer(lo: int = INT64_MIN, hi: int = INT64_MAX) -> Check:
+def integer(lo: int = INT_MIN, hi: int = INT_MAX) -> Check:
     def check(path: str, value: object) -> None:
         if isinstance(value, bool) or not isinstance(value, int):
             _refuse(path, f"must be an integer, not {_type_name(value)}")
@@ -201,35 +194,18 @@ def _cache_salt(path: str, value: object) -> None:
 
 
 _TOOL = fields(function=fields(name=string, parameters=obj), name=string, input_schema=obj)
-_SCHEMA = one_of(obj, boolean, what="a JSON schema object")
 _TEXT_OR_PARTS = one_of(string, array, what="a string or an array")
 
-# Every field any of the four generating routes declares, with its type and bounds. A field a
-# route does not know is the route's business (the recipe or the completions route refuses it).
+# The declared types of the fields any of the four generating routes takes, other than the
+# sampling fields server/admission.py's FIELD_RULES check. A field a route does not know is the
+# route's business (the recipe or the completions route refuses it).
 TOP_LEVEL: dict[str, Check] = {
     "model": string,
     "stream": boolean,
     "stream_options": fields(include_usage=boolean, continuous_usage_stats=boolean),
-    "temperature": number(0, None),
-    "top_p": number(0, 1),
-    "top_k": integer(-1),
-    "min_p": number(0, 1),
-    "presence_penalty": number(-2, 2),
-    "frequency_penalty": number(-2, 2),
-    "repetition_penalty": number(0, None),
-    "seed": integer(),
-    "n": integer(1),
     "best_of": integer(1),
-    "max_tokens": integer(1),
-    "max_completion_tokens": integer(1),
-    "max_output_tokens": integer(1),
-    "min_tokens": integer(0),
-    "top_logprobs": integer(0, 20),
     "stop": one_of(string, list_of(string, MAX_STOP_STRINGS), what="a string or strings"),
     "stop_sequences": list_of(string, MAX_STOP_STRINGS),
-    "stop_token_ids": list_of(integer(0)),
-    "logit_bias": obj,
-    "ignore_eos": boolean,
     "echo": boolean,
     "parallel_tool_calls": boolean,
     "store": boolean,
@@ -244,10 +220,10 @@ TOP_LEVEL: dict[str, Check] = {
     "tool_choice": one_of(string, obj, what="a string or an object"),
     "response_format": fields(
         type=string,
-        json_schema=fields(name=string, schema=_SCHEMA, strict=boolean),
+        json_schema=fields(name=string, schema=obj, strict=boolean),
         regex=string,
     ),
-    "text": fields(format=fields(type=string, schema=_SCHEMA, strict=boolean)),
+    "text": fields(format=fields(type=string, schema=obj, strict=boolean)),
     "structured_outputs": fields(
         json=one_of(string, obj, what="a schema"), regex=string, grammar=string
     ),
