@@ -153,12 +153,11 @@ def cases(draw, model: str = MODEL) -> Case:
         at = draw(st.integers(0, len(raw) - 1))
         raw[at : at + 1] = draw(st.sampled_from([b"\xff", b"\xed\xa0\x80", b"\xc3", b"{", b""]))
         return Case(route, None, bytes(raw))
+    # "inner": inside the first message, where the route has messages.
+    target = body["messages"][0] if kind == "inner" and "messages" in body else body
     for _ in range(draw(st.integers(1, 3))):
         name = draw(st.one_of(st.sampled_from(FIELDS), st.text(min_size=1, max_size=8)))
-        if kind == "inner" and "messages" in body:
-            body["messages"][0][name] = draw(hostile)
-        else:
-            body[name] = draw(hostile)
+        target[name] = draw(hostile)
     return Case(route, body)
 
 
