@@ -11,10 +11,9 @@ import re
 
 import httpx
 import pytest
-from server_harness import running_server, smollm_engine
+from server_harness import running_server
 
 MODEL = "smollm2-135m"
-__all__ = ["smollm_engine"]
 # Long enough for several full KV blocks whatever the template adds.
 SECRET = "The merger with Northwind closes on the 14th; tell nobody. " * 6
 

@@ -11,9 +11,8 @@ import httpx
 import pytest
 from fuzz_bodies import MODEL, ROUTES, Case, base_body, cases, problem
 from hypothesis import HealthCheck, given, settings
-from server_harness import running_server, smollm_engine
+from server_harness import running_server
 
-__all__ = ["smollm_engine"]
 ANSWER_TIMEOUT_S = 60.0  # a hang is an answer slower than this
 
 

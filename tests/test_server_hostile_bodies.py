@@ -8,10 +8,9 @@ import json
 import httpx
 import pytest
 from fuzz_bodies import ROUTES, base_body
-from server_harness import running_server, smollm_engine
+from server_harness import running_server
 
 MODEL = "smollm2-135m"
-__all__ = ["smollm_engine"]
 
 
 def deep(n: int) -> object:

@@ -13,10 +13,9 @@ from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
-from server_harness import running_server, smollm_engine
+from server_harness import running_server
 
 MODEL = "smollm2-135m"
-__all__ = ["smollm_engine"]
 HEALTH_BUDGET_S = 0.2
 PAGE = 4096
 
