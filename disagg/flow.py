@@ -158,9 +158,9 @@ class GenerationFlow:
         self, request_id: str, prompt: list[int], params: SamplingParams
     ) -> AsyncIterator[P.StreamEvent]:
         keys: list[str] = []
-        pre = P.GenerateRequest(
-            request_id, prompt, {"max_tokens": 1, "temperature": 0.0}, "prefill"
-        )
+        # The salt too: the prompt's blocks are hashed under it on both workers.
+        sampling = {"max_tokens": 1, "temperature": 0.0, "cache_salt": params.cache_salt}
+        pre = P.GenerateRequest(request_id, prompt, sampling, "prefill")
         try:
             keys = (await self._prefill(pre)).kv_keys
         except WorkerUnavailableError as e:

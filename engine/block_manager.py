@@ -5,7 +5,8 @@ KV tensor itself (the model runner does, and kvcache/ tiers move bytes). A seque
 lists its block ids in order; token t of a sequence lives in block `block_table[t // block_size]`.
 
 Prefix caching: every FULL block gets a key = xxh3_128(parent key ‖ its token ids), the first block's
-parent being the model fingerprint, so a key names one exact token prefix. Blocks whose KV is
+parent being the model fingerprint (salted by the request's `cache_salt`, if any: blocks of
+different salts never match), so a key names one exact token prefix. Blocks whose KV is
 computed are registered under their key; a later sequence whose leading blocks have the same keys
 (and the same token ids: a hash match alone is never trusted) reuses them instead of recomputing.
 
@@ -96,6 +97,14 @@ def block_key(parent: bytes, token_ids: list[int] | tuple[int, ...]) -> bytes:
     return xxhash.xxh3_128_digest(parent + array("I", token_ids).tobytes())
 
 
+def root_key(fingerprint: str, cache_salt: str | None = None) -> bytes:
+    """The parent key of a sequence's first block: the model, and the request's salt."""
+    root = xxhash.xxh3_128_digest(fingerprint.encode())
+    if cache_salt:
+        root = xxhash.xxh3_128_digest(root + b"cache_salt\0" + cache_salt.encode())
+    return root
+
+
 class BlockManager:
     def __init__(
         self,
@@ -111,7 +120,8 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.tier = tier
-        self._root = xxhash.xxh3_128_digest(fingerprint.encode())
+        self.fingerprint = fingerprint
+        self._root = root_key(fingerprint)
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Popped from the end: block 0 comes out first, which keeps tests readable.
         self._free_uncached: list[int] = list(range(num_blocks - 1, -1, -1))
@@ -163,8 +173,12 @@ class BlockManager:
         bs = self.block_size
         hashes = seq.block_hashes
         for i in range(len(hashes), seq.num_tokens // bs):
-            parent = hashes[i - 1] if i else self._root
+            parent = hashes[i - 1] if i else self._root_of(seq)
             hashes.append(block_key(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+
+    def _root_of(self, seq: Sequence) -> bytes:
+        salt = seq.request.params.cache_salt
+        return root_key(self.fingerprint, salt) if salt else self._root
 
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
         """Find cached leading blocks for a sequence that holds none. No side effects.
@@ -277,11 +291,17 @@ class BlockManager:
                 block.key = key
                 block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
                 self._index[key] = block.block_id
-                parent = seq.block_hashes[i - 1] if i else None
+                parent = seq.block_hashes[i - 1] if i else self._event_root(seq)
                 self._events.append(BlockStored(key, parent, block.token_ids, block.block_id))
                 if self.tier is not None:
                     self.tier.on_store(key, block.block_id)
         seq.num_registered_blocks = num_full
+
+    def _event_root(self, seq: Sequence) -> bytes | None:
+        """The parent named in a first block's event: None for the shared namespace; a salted
+        block names its salted root, so a router's prefix tree never takes it for the same
+        tokens unsalted."""
+        return self._root_of(seq) if seq.request.params.cache_salt else None
 
     # ---- release and sharing --------------------------------------------------------------
 

@@ -38,6 +38,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: plus the top k
     structured: StructuredOutput | None = None
+    # Not a sampling choice, but it travels with them to every worker: the prefix-cache
+    # namespace (server/cache_salt.py). Requests share cached KV blocks only with equal salts.
+    cache_salt: str | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property

@@ -4,14 +4,16 @@ Every generation endpoint (chat completions, responses, messages, completions) a
 (in-process engine, remote workers) pass through here, so one bad field gets one error wherever it
 is sent:
 
-1. `check_fields(body)` checks the sampling fields the endpoints share, by one table of rules,
-   before any protocol conversion sees them.
+1. `check_fields(body, max_text_chars, endpoint)` checks the body's shape (depth, 64-bit integers,
+   finite numbers, valid Unicode, total text; server/body_checks.py), the declared types of its
+   fields, and the sampling fields the endpoints share by one table of rules, before any
+   protocol conversion sees them. `cache_salt` then takes out the request's prefix-cache salt.
 2. `pop_extras(body, allow_n)` takes out what the recipe would refuse but the server serves (n,
    json_object, vLLM-style constraint fields, tool schemas).
 3. `sampling_params(body, options, extras, structured)` builds `SamplingParams` from the checked
    body and the protocol's `RequestOptions` (the recipe's conversion for the chat protocols,
    `completion_options` for /v1/completions).
-4. `admit(state, prompt_ids, params)` hands it to the engine's `admit` (engine/admission.py: token
+4. `admit(state, prompt_ids, params)` bounds the output constraint's size, then hands it to the engine's `admit` (engine/admission.py: token
    ids against the vocabulary and the context, max_tokens resolved, the grammar compiled once) and
    records the structured-output metrics. `generate` then trusts the result.
 
@@ -28,6 +30,15 @@ import deepseek_recipe as dr
 
 from deepserve.engine.admission import AdmittedRequest
 from deepserve.engine.sampling_params import SamplingParams, StructuredOutput
+from deepserve.server.body_checks import (
+    CHAT_FIELDS,
+    COMPLETIONS_FIELDS,
+    Check,
+    check_body,
+    check_constraint_size,
+)
+from deepserve.server.cache_salt import request_salt
+from deepserve.server.config import ServerConfig
 from deepserve.server.errors import HTTPError
 from deepserve.server.tool_calls import ToolRequest
 
@@ -70,7 +81,8 @@ class _Rule:
 FIELD_RULES: dict[str, _Rule] = {
     "temperature": _Rule("number", 0, 2),
     "top_p": _Rule("number", 0, 1, lo_open=True),
-    "top_k": _Rule("integer", 0, off=-1),  # -1: the OpenAI-compatible servers' "off"
+    # -1: the OpenAI-compatible servers' "off"; the sampler holds top_k in an int64.
+    "top_k": _Rule("integer", 0, 2**63 - 1, off=-1),
     "min_p": _Rule("number", 0, 1),
     "presence_penalty": _Rule("number", -2, 2),
     "frequency_penalty": _Rule("number", -2, 2),
@@ -89,12 +101,26 @@ def bad_field(name: str, message: str) -> HTTPError:
     return HTTPError(400, message, param=name)
 
 
-def check_fields(body: dict) -> None:
-    """Check the shared sampling fields present in `body` (HTTPError 400 naming the field)."""
+# Declared types a field has on one endpoint only (`logprobs`: a flag, or a count on completions).
+_OWN_FIELDS: dict[str, dict[str, Check]] = {"chat": CHAT_FIELDS, "completions": COMPLETIONS_FIELDS}
+
+
+def check_fields(body: dict, max_text_chars: int, endpoint: str = "chat") -> None:
+    """Check `body`'s shape and declared types (server/body_checks.py), then the shared sampling
+    fields (HTTPError 400 naming the field). `endpoint`: "chat" for the three chat protocols,
+    or "completions"."""
+    check_body(body, max_text_chars, _OWN_FIELDS[endpoint])
     for name, rule in FIELD_RULES.items():
         rule.check(name, body.get(name))
     parse_logit_bias(body.get("logit_bias"))
     parse_int_list(body.get("stop_token_ids"), "stop_token_ids")
+
+
+def cache_salt(body: dict, config: ServerConfig, tenant: str | None) -> str | None:
+    """Take `cache_salt` out of a checked body: the salt its KV blocks are hashed under
+    (server/cache_salt.py), the tenant's too when salting by API key."""
+    by_key = tenant if config.cache_salt_by_api_key else None
+    return request_salt(body.pop("cache_salt", None), by_key)
 
 
 @dataclass(frozen=True)
@@ -218,6 +244,7 @@ def sampling_params(
     options: RequestOptions,
     extras: BodyExtras,
     structured: StructuredOutput | None = None,
+    cache_salt: str | None = None,
 ) -> SamplingParams:
     """The request's `SamplingParams`; `body` has passed `check_fields`."""
     if extras.structured is not None and structured is not None:
@@ -247,12 +274,15 @@ def sampling_params(
         ignore_eos=bool(body.get("ignore_eos", False)),
         logprobs=options.logprobs,
         structured=structured,
+        cache_salt=cache_salt,
     )
 
 
 def admit(state, prompt_ids: list[int], params: SamplingParams) -> AdmittedRequest:
     """The engine's admission (InvalidRequestError when it refuses), recorded in the metrics.
     A remote engine compiles the grammar on the worker, which times it there."""
+    if params.structured is not None:
+        check_constraint_size(params.structured.kind, params.structured.spec)
     admitted = state.backend.admit(prompt_ids, params)
     if params.structured is not None:
         state.metrics.structured_request(params.structured.kind)

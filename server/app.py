@@ -44,7 +44,7 @@ def create_app(
     _add_error_handlers(app)
     app.add_middleware(
         FrontMiddleware,
-        api_key=config.api_key,
+        api_keys=config.api_keys,
         max_body_bytes=config.max_body_bytes,
         metrics=metrics,
     )

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from deepserve.server.admission import (
     BodyExtras,
     admit,
+    cache_salt,
     check_fields,
     pop_extras,
     recipe_options,
@@ -36,6 +37,7 @@ from deepserve.server.state import (
     check_model,
     prepare_off_loop,
     read_json,
+    tenant_of,
     until_disconnect,
 )
 from deepserve.server.stream import GenerationJob, stream_chunks
@@ -55,7 +57,7 @@ class Prepared:
 async def handle(request: Request, spec: ProtocolSpec, state: AppState) -> Response:
     body = await read_json(request, state.config.max_body_bytes)
     check_model(body, state.config.served_model_name)
-    prepared = await prepare_off_loop(request, prepare, spec, body, state)
+    prepared = await prepare_off_loop(request, body, prepare, spec, body, state, tenant_of(request))
     job = prepared.job
     chunks = stream_chunks(state.backend, job, state.family.recipe_tokenizer, state.metrics)
     info = FrameInfo(
@@ -84,10 +86,11 @@ async def handle(request: Request, spec: ProtocolSpec, state: AppState) -> Respo
     return JSONResponse(result)
 
 
-def prepare(spec: ProtocolSpec, body: dict, state: AppState) -> Prepared:
+def prepare(spec: ProtocolSpec, body: dict, state: AppState, tenant: str | None = None) -> Prepared:
     """Everything before queueing; runs on a worker thread. Raises HTTPError/InvalidRequestError."""
+    check_fields(body, state.max_prompt_chars)
+    salt = cache_salt(body, state.config, tenant)
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-    check_fields(body)
     extras = pop_extras(body, spec.allows_n, spec.max_tokens_fields)
     parsed = parse_request(
         spec, body, state.family.conversion_options, state.config.served_model_name
@@ -104,7 +107,7 @@ def prepare(spec: ProtocolSpec, body: dict, state: AppState) -> Prepared:
         )
     _check_tool_constraint(prompt.tools, extras)
     options = recipe_options(conv.inference_options, extras)
-    params = sampling_params(body, options, extras, prompt.structured)
+    params = sampling_params(body, options, extras, prompt.structured, salt)
     admitted = admit(state, prompt.token_ids, params)
     job = GenerationJob(parsed.request_id, admitted, prompt.parsing, parsed.make_generator)
     if params.structured is not None and params.structured.kind == "structural_tag":

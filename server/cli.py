@@ -153,7 +153,7 @@ def add_frontend_parser(sub) -> None:
     p.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("DEEPSERVE_API_KEY"))
+    add_auth_args(p)
     p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger bodies get 413")
     g = p.add_argument_group("workers and routing (docs/router.md)")
     g.add_argument("--workers", nargs="+", default=[], metavar="URL", help="mixed workers")
@@ -263,12 +263,29 @@ def add_serve_parser(sub) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told)")
     p.add_argument("--port", type=int, default=8000)
+    add_auth_args(p)
+    p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger bodies get 413")
+
+
+def add_auth_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--api-key",
-        default=os.environ.get("DEEPSERVE_API_KEY"),
-        help="required as Bearer or x-api-key on /v1/* (default: $DEEPSERVE_API_KEY; none: open)",
+        action="append",
+        default=None,
+        help="a key required as Bearer or x-api-key on /v1/*; repeat for several keys (default: "
+        "$DEEPSERVE_API_KEY, comma-separated; none: open)",
     )
-    p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger bodies get 413")
+    p.add_argument(
+        "--cache-salt-by-api-key",
+        action="store_true",
+        help="salt the prefix cache by API key: requests share cached blocks only with requests "
+        "of the same key (docs/server.md, cache_salt)",
+    )
+
+
+def api_keys_from_args(args: argparse.Namespace) -> tuple[str, ...]:
+    keys = args.api_key or os.environ.get("DEEPSERVE_API_KEY", "").split(",")
+    return tuple(k for k in keys if k)
 
 
 def server_config_from_args(args: argparse.Namespace):
@@ -278,7 +295,8 @@ def server_config_from_args(args: argparse.Namespace):
         served_model_name=args.served_model_name or args.model,
         host=args.host,
         port=args.port,
-        api_key=args.api_key or None,
+        api_keys=api_keys_from_args(args),
+        cache_salt_by_api_key=args.cache_salt_by_api_key,
         max_body_bytes=args.max_body_bytes,
     )
 

@@ -26,12 +26,14 @@ from deepserve.engine.outputs import CompletionOutput, TokenLogprob
 from deepserve.engine.sampling_params import SamplingParams
 from deepserve.server.admission import (
     admit,
+    cache_salt,
     check_fields,
     completion_options,
     pop_extras,
     sampling_params,
 )
 from deepserve.server.errors import HTTPError
+from deepserve.server.family import encode_text
 from deepserve.server.framing import sse
 from deepserve.server.state import (
     AppState,
@@ -39,6 +41,7 @@ from deepserve.server.state import (
     check_model,
     prepare_off_loop,
     read_json,
+    tenant_of,
     until_disconnect,
 )
 from deepserve.server.stream import Timing, record_prompt, record_tokens
@@ -68,6 +71,7 @@ _ALLOWED = {
     "echo",
     "best_of",
     "suffix",
+    "cache_salt",
 }
 
 # JSON has no -inf; OpenAI-compatible servers report an impossible token at this floor.
@@ -95,7 +99,7 @@ class _Event:
 async def handle(request: Request, state: AppState) -> Response:
     body = await read_json(request, state.config.max_body_bytes)
     check_model(body, state.config.served_model_name)
-    job = await prepare_off_loop(request, _prepare, body, state)
+    job = await prepare_off_loop(request, body, _prepare, body, state, tenant_of(request))
     rid = "cmpl-" + uuid.uuid4().hex[:24]
     events = _generate(state, rid, job)
     n_prompt = len(job.admitted.prompt_token_ids)
@@ -111,18 +115,19 @@ async def handle(request: Request, state: AppState) -> Response:
     return JSONResponse(result)
 
 
-def _prepare(body: dict, state: AppState) -> _Job:
+def _prepare(body: dict, state: AppState, tenant: str | None = None) -> _Job:
+    check_fields(body, state.max_prompt_chars, "completions")
     unknown = sorted(set(body) - _ALLOWED)
     if unknown:
         raise HTTPError(400, f"unknown field {unknown[0]!r}", param=unknown[0])
-    check_fields(body)
+    salt = cache_salt(body, state.config, tenant)
     prompt, prompt_ids = _encode_prompt(body.get("prompt"), state)
     stops = body.get("stop") or []
     stops = [stops] if isinstance(stops, str) else stops
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise HTTPError(400, "stop must be a string or a list of strings", param="stop")
     extras = pop_extras(body, True, ("max_tokens",))
-    params = sampling_params(body, completion_options(body, extras), extras)
+    params = sampling_params(body, completion_options(body, extras), extras, cache_salt=salt)
     _check_unsupported(body, params)
     admitted = admit(state, prompt_ids, params)
     echo = ""
@@ -157,7 +162,7 @@ def _encode_prompt(prompt, state: AppState) -> tuple[str | None, list[int]]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
-        return prompt, state.backend.tokenizer.encode(prompt, add_special_tokens=False).ids
+        return prompt, encode_text(state.backend.tokenizer, prompt)
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         return None, prompt
     raise HTTPError(400, "prompt must be a non-empty string or a list of token ids", param="prompt")

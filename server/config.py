@@ -13,7 +13,8 @@ class ServerConfig:
     served_model_name: str
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None  # None: no authentication
+    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    cache_salt_by_api_key: bool = False  # each key's requests share prefix-cache blocks only
     max_body_bytes: int = 8 * 2**20  # larger bodies get 413 before they are parsed
     role: str = "mixed"  # metrics label: "mixed" | "frontend" | "prefill" | "decode"
     stream_keepalive_s: float = 15.0

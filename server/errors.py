@@ -58,12 +58,21 @@ def is_anthropic_path(path: str) -> bool:
 
 
 def error_response(path: str, status: int, message: str, param: str | None = None) -> JSONResponse:
+    # A message may quote the request (a field name with a lone surrogate): keep it encodable.
+    message = _encodable(message)
+    param = None if param is None else _encodable(param)
     body = (
         anthropic_error(status, message)
         if is_anthropic_path(path)
         else openai_error(status, message, param)
     )
-    return JSONResponse(body, status_code=status)
+    # A body over the limit is left unread: closing the connection stops the client sending it.
+    headers = {"Connection": "close"} if status == 413 else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _encodable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def message_of_conversion_error(body: str) -> str:

@@ -174,8 +174,14 @@ class ChatMLFamily(ModelFamily):
         plan = tool_plan(request.conversation, tools or ToolRequest(), parallel_tools)
         structured = plan.constraint() if plan else self.constraint(request, parallel_tools)
         text = self.render(request.conversation, plan)
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        ids = encode_text(self.tokenizer, text)
         return PreparedPrompt(ids, plain_parsing(request.parsing_options), structured, plan)
+
+
+def encode_text(tokenizer: Tokenizer, text: str) -> list[int]:
+    """Token ids of `text`, no special tokens added. Through `encode_batch`, which releases the
+    GIL while it works (`encode` holds it: a long prompt would stall the event loop)."""
+    return tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
 
 def plain_parsing(options: dr.ParsingOptions) -> dr.ParsingOptions:

@@ -1,4 +1,7 @@
-"""ASGI middleware in front of every route: API key, body-size limit, HTTP request metrics.
+"""ASGI middleware in front of every route: API keys, body-size limit, HTTP request metrics.
+
+A request that passes the key check carries its tenant (server/cache_salt.py) in the ASGI scope's
+state, where the routes read it to salt the prefix cache by key.
 
 Written as plain ASGI (not Starlette's BaseHTTPMiddleware) so streaming responses pass through
 untouched and disconnects still reach the handlers. Not here: per-protocol error bodies
@@ -9,6 +12,7 @@ from __future__ import annotations
 
 import hmac
 
+from deepserve.server.cache_salt import tenant_id
 from deepserve.server.errors import error_response
 from deepserve.server.metrics import ServerMetrics
 
@@ -27,10 +31,10 @@ KNOWN_ENDPOINTS = (
 
 class FrontMiddleware:
     def __init__(
-        self, app, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics
+        self, app, api_keys: tuple[str, ...], max_body_bytes: int, metrics: ServerMetrics
     ) -> None:
         self.app = app
-        self.api_key = api_key
+        self.api_keys = [(key.encode(), tenant_id(key)) for key in api_keys]
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
 
@@ -59,8 +63,11 @@ class FrontMiddleware:
     def _reject(self, scope):
         path = scope["path"]
         headers = dict(scope.get("headers") or [])
-        if self.api_key and not path.startswith(OPEN_PATHS) and not self._authorized(headers):
-            return error_response(path, 401, "missing or invalid API key")
+        if self.api_keys and not path.startswith(OPEN_PATHS):
+            tenant = self._tenant(headers)
+            if tenant is None:
+                return error_response(path, 401, "missing or invalid API key")
+            scope.setdefault("state", {})["tenant"] = tenant
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             return error_response(
@@ -68,9 +75,14 @@ class FrontMiddleware:
             )
         return None
 
-    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
-        given = headers.get(b"x-api-key", b"").decode("latin-1")
-        auth = headers.get(b"authorization", b"").decode("latin-1")
-        if auth.lower().startswith("bearer "):
+    def _tenant(self, headers: dict[bytes, bytes]) -> str | None:
+        """The tenant of the key the request carries; None when it carries no valid key."""
+        given = headers.get(b"x-api-key", b"")
+        auth = headers.get(b"authorization", b"")
+        if auth[:7].lower() == b"bearer ":
             given = auth[7:].strip()
-        return bool(given) and hmac.compare_digest(given.encode(), self.api_key.encode())
+        found = None
+        for key, tenant in self.api_keys:  # every key compared, in constant time each
+            if given and hmac.compare_digest(given, key):
+                found = tenant
+        return found

@@ -31,10 +31,29 @@ class AppState:
     config: ServerConfig
     metrics: ServerMetrics
     ready: asyncio.Event = field(default_factory=asyncio.Event)
+    # More characters of text than this cannot fit the context as tokens, so a body holding more
+    # is refused before the slow tokenization (computed at start-up, from the vocabulary).
+    max_prompt_chars: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        longest = longest_token_chars(self.backend.tokenizer)
+        # The body's other strings (keys, names, a schema) are not prompt text: room for them.
+        self.max_prompt_chars = self.max_model_len * longest + 2**17
 
     @property
     def max_model_len(self) -> int:
         return self.backend.model_info.max_model_len
+
+
+def longest_token_chars(tokenizer) -> int:
+    """An upper bound on the characters one token spans: its longest vocabulary entry (byte-level
+    entries spell one character per byte, so they bound the decoded text too)."""
+    return max(map(len, tokenizer.get_vocab(with_added_tokens=True)))
+
+
+def tenant_of(request: Request) -> str | None:
+    """Who sent the request, as the front middleware recorded it (None without API keys)."""
+    return request.scope.get("state", {}).get("tenant")
 
 
 class ClientDisconnected(Exception):
@@ -44,27 +63,50 @@ class ClientDisconnected(Exception):
 # Preparing a request this small (render, encode, validate) takes a fraction of a millisecond, less
 # than handing it to a thread and back; larger bodies go to a thread so the loop never waits long.
 INLINE_PREPARE_BYTES = 4096
+# Fields that make preparing a request compile a grammar: even a short regex or schema can take
+# seconds, so such requests are always prepared on a thread.
+_CONSTRAINT_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_grammar",
+    "tools",
+    "text",
+)
 
 
-async def prepare_off_loop(request: Request, fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` inline for a small request body, else on a worker thread."""
+async def prepare_off_loop(request: Request, body: dict, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` inline for a small request `body` without an output constraint, else on a
+    worker thread."""
     size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) <= INLINE_PREPARE_BYTES:
+    small = size is not None and size.isdigit() and int(size) <= INLINE_PREPARE_BYTES
+    if small and not any(k in body for k in _CONSTRAINT_FIELDS):
         return fn(*args)
     return await asyncio.to_thread(fn, *args)
 
 
 async def read_json(request: Request, max_bytes: int) -> dict:
-    body = await request.body()
-    if len(body) > max_bytes:
-        raise HTTPError(413, f"request body exceeds the limit of {max_bytes} bytes")
+    """The body as a JSON object. Read chunk by chunk with a running count, so a body over the
+    limit (chunked ones have no Content-Length to refuse them by) is a 413 as soon as it passes
+    the limit, never buffered whole."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise HTTPError(413, f"request body exceeds the limit of {max_bytes} bytes")
     try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        data = json.loads(body, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError included
         raise HTTPError(400, f"the request body is not valid JSON: {e}") from e
     if not isinstance(data, dict):
         raise HTTPError(400, "the request body must be a JSON object")
     return data
+
+
+def _no_constant(name: str) -> float:
+    # json.loads takes NaN and Infinity, which are not JSON; a NaN top_k crashed sampling.
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def check_model(body: dict, served_name: str) -> None:

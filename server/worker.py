@@ -24,7 +24,6 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 
-import xxhash
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
@@ -32,7 +31,7 @@ from deepserve.disagg import protocol as P
 from deepserve.disagg.metrics import TransferMetrics
 from deepserve.engine.admission import AdmittedRequest
 from deepserve.engine.async_engine import AsyncEngine
-from deepserve.engine.block_manager import block_key
+from deepserve.engine.block_manager import block_key, root_key
 from deepserve.engine.errors import InvalidRequestError
 from deepserve.engine.outputs import RequestOutput
 from deepserve.server.component_metrics import EngineCollector
@@ -93,7 +92,9 @@ class Worker:
             async for out in outputs:
                 keys: list[str] = []
                 if out.finished and req.mode == "prefill":
-                    keys = await self._flush_prompt_blocks(req.prompt_token_ids)
+                    keys = await self._flush_prompt_blocks(
+                        req.prompt_token_ids, admitted.params.cache_salt
+                    )
                 yield P.StreamEvent.from_output(out, keys).to_json()
                 # Counted once the event is on its way: the router waits for it, not for this.
                 if first:
@@ -132,7 +133,7 @@ class Worker:
             if c.finish_reason is not None:
                 self.metrics.request_finished(c.finish_reason)
 
-    async def _flush_prompt_blocks(self, prompt: list[int]) -> list[str]:
+    async def _flush_prompt_blocks(self, prompt: list[int], salt: str | None) -> list[str]:
         """Wait until the background write-through has put the prompt's blocks in the shared
         tier; return their keys (empty when there is no shared tier or the wait timed out)."""
         tiering = self.engine.engine.kv_tiering
@@ -147,7 +148,7 @@ class Worker:
             log.warning("KV blocks not in the shared tier after %.1fs", timeout)
             return []
         return prompt_block_keys(
-            self.engine.model_info.fingerprint, prompt, self.engine.config.block_size
+            self.engine.model_info.fingerprint, prompt, self.engine.config.block_size, salt
         )
 
     # ---- load / health --------------------------------------------------------------------------
@@ -222,9 +223,11 @@ class Worker:
             await client.aclose()
 
 
-def prompt_block_keys(fingerprint: str, prompt: list[int], block_size: int) -> list[str]:
+def prompt_block_keys(
+    fingerprint: str, prompt: list[int], block_size: int, cache_salt: str | None = None
+) -> list[str]:
     """Hex keys of the prompt's full blocks, chained as the block manager chains them."""
-    keys, parent = [], xxhash.xxh3_128_digest(fingerprint.encode())
+    keys, parent = [], root_key(fingerprint, cache_salt)
     for start in range(0, len(prompt) - block_size + 1, block_size):
         parent = block_key(parent, prompt[start : start + block_size])
         keys.append(parent.hex())

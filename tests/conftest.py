@@ -5,6 +5,8 @@
   tests, which must leave it running.
 - `make_redis_server` (session): a factory for extra private redis-servers (stopped at the end).
 - `redis_url` (function): the shared server's URL after FLUSHALL, so each test starts empty.
+- `smollm_engine` (session): server_harness's SmolLM2 AsyncEngine, one for every module that uses
+  it without importing its own (an imported fixture is a module's own, loaded once per module).
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from server_harness import smollm_engine
+
+__all__ = ["smollm_engine"]
 
 
 def _free_port() -> int:

@@ -37,10 +37,13 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def running_server(
-    engine: AsyncEngine, served_name: str, api_key: str | None = None
+    engine: AsyncEngine, served_name: str, api_key: str | None = None, **server_config
 ) -> Iterator[RunningServer]:
+    """`server_config`: further ServerConfig fields (api_keys, cache_salt_by_api_key, ...)."""
     port = free_port()
-    config = ServerConfig(served_model_name=served_name, port=port, api_key=api_key)
+    if api_key is not None:
+        server_config.setdefault("api_keys", (api_key,))
+    config = ServerConfig(served_model_name=served_name, port=port, **server_config)
     app = build_app(engine, config)
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")

@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import pytest
 
-from deepserve.engine.block_manager import BlockManager, BlockRemoved, BlockStored, block_key
+from deepserve.engine.block_manager import (
+    BlockManager,
+    BlockRemoved,
+    BlockStored,
+    block_key,
+    root_key,
+)
 from deepserve.engine.request import Request, Sequence
 from deepserve.engine.sampling_params import SamplingParams
+from deepserve.server.worker import prompt_block_keys
 
 BS = 4
 
 
-def make_seq(tokens: list[int], seq_id: int = 0) -> Sequence:
-    req = Request(str(seq_id), list(tokens), SamplingParams(), seed=0, max_tokens=8, arrival=0.0)
+def make_seq(tokens: list[int], seq_id: int = 0, salt: str | None = None) -> Sequence:
+    params = SamplingParams(cache_salt=salt)
+    req = Request(str(seq_id), list(tokens), params, seed=0, max_tokens=8, arrival=0.0)
     seq = Sequence(seq_id, req, 0, 0, list(tokens), len(tokens))
     req.sequences.append(seq)
     return seq
@@ -81,6 +89,29 @@ def test_fingerprint_salts_keys():
     a.update_hashes(sa)
     b.update_hashes(sb)
     assert sa.block_hashes != sb.block_hashes
+
+
+def test_blocks_of_different_salts_never_match():
+    bm = BlockManager(16, BS, "fp")
+    prompt = list(range(10))
+    run_prefill(bm, make_seq(prompt, 0, salt="tenant-a"))
+    assert run_prefill(bm, make_seq(prompt, 1, salt="tenant-b")) == 0
+    assert run_prefill(bm, make_seq(prompt, 2)) == 0
+    assert run_prefill(bm, make_seq(prompt, 3, salt="tenant-a")) == 8
+
+
+def test_a_salted_first_block_names_its_salted_root_as_parent():
+    bm = BlockManager(8, BS, "fp")
+    run_prefill(bm, make_seq(list(range(5)), salt="s"))
+    (event,) = bm.take_events()
+    assert event.parent_key == root_key("fp", "s") != root_key("fp")
+
+
+def test_a_prefill_workers_hand_off_keys_are_the_salted_block_keys():
+    bm = BlockManager(8, BS, "fp")
+    seq = make_seq(list(range(9)), salt="s")
+    bm.update_hashes(seq)
+    assert prompt_block_keys("fp", list(range(9)), BS, "s") == [k.hex() for k in seq.block_hashes]
 
 
 def test_freed_cached_blocks_still_hit_until_evicted():

@@ -20,6 +20,7 @@ def test_sampling_params_round_trip_through_json():
         logit_bias={3: -1.5},
         logprobs=2,
         structured=StructuredOutput("regex", "[ab]+"),
+        cache_salt="tenant",
     )
     wire = json.loads(json.dumps(P.sampling_to_dict(params)))
     assert P.sampling_from_dict(wire) == params

@@ -32,7 +32,7 @@ BAD_FIELDS = [
     ("temperature", 3, r"^temperature must be in \[0, 2\]$"),
     ("top_p", 0, r"^top_p must be in \(0, 1\]$"),
     ("top_k", 2.5, r"^top_k must be an integer$"),
-    ("top_k", -2, r"^top_k must be in \[0, inf\]$"),
+    ("top_k", -2, r"^top_k must be in \[0, 9223372036854775807\]$"),
     ("min_p", 2, r"^min_p must be in \[0, 1\]$"),
     ("presence_penalty", 5, r"^presence_penalty must be in \[-2, 2\]$"),
     ("frequency_penalty", "x", r"^frequency_penalty must be a number$"),

@@ -14,7 +14,7 @@ def test_serve_without_arguments_is_smollm2_on_loopback_8000(monkeypatch):
     monkeypatch.delenv("DEEPSERVE_API_KEY", raising=False)
     args = build_parser().parse_args(["serve"])
     server, engine = server_config_from_args(args), engine_config_from_args(args)
-    assert (server.host, server.port, server.api_key) == ("127.0.0.1", 8000, None)
+    assert (server.host, server.port, server.api_keys) == ("127.0.0.1", 8000, ())
     assert engine.model == server.served_model_name == "smollm2-135m"
 
 
@@ -38,9 +38,23 @@ def test_serve_flags_reach_server_and_engine_config():
         ]
     )
     server, engine = server_config_from_args(args), engine_config_from_args(args)
-    assert (server.served_model_name, server.port, server.api_key) == ("ds", 9001, "k")
+    assert (server.served_model_name, server.port, server.api_keys) == ("ds", 9001, ("k",))
     assert (engine.model, engine.max_model_len, engine.max_num_seqs) == ("tiny-deepseek", 2048, 8)
     assert engine.batch_invariant
+
+
+def test_api_key_repeats_and_salting_by_key_is_a_flag():
+    args = build_parser().parse_args(
+        ["serve", "--api-key", "a", "--api-key", "b", "--cache-salt-by-api-key"]
+    )
+    server = server_config_from_args(args)
+    assert server.api_keys == ("a", "b") and server.cache_salt_by_api_key
+
+
+def test_api_keys_from_the_environment_are_comma_separated(monkeypatch):
+    monkeypatch.setenv("DEEPSERVE_API_KEY", "a,b")
+    server = server_config_from_args(build_parser().parse_args(["serve"]))
+    assert server.api_keys == ("a", "b") and not server.cache_salt_by_api_key
 
 
 def test_bench_serve_flags():
