@@ -92,8 +92,23 @@ class CacheStats:
         return (self.hits + self.tier_hits) / self.queries if self.queries else 0.0
 
 
+def root_key(fingerprint: str) -> bytes:
+    """The parent of a sequence's first block: the model's fingerprint, hashed."""
+    return xxhash.xxh3_128_digest(fingerprint.encode())
+
+
 def block_key(parent: bytes, token_ids: list[int] | tuple[int, ...]) -> bytes:
     return xxhash.xxh3_128_digest(parent + array("I", token_ids).tobytes())
+
+
+def prompt_block_keys(fingerprint: str, prompt: list[int], block_size: int) -> list[str]:
+    """Hex keys of the prompt's full blocks, chained as `BlockManager` chains them: what a prefill
+    worker hands to the decode worker."""
+    keys, parent = [], root_key(fingerprint)
+    for start in range(0, len(prompt) - block_size + 1, block_size):
+        parent = block_key(parent, prompt[start : start + block_size])
+        keys.append(parent.hex())
+    return keys
 
 
 class BlockManager:
@@ -111,7 +126,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.tier = tier
-        self._root = xxhash.xxh3_128_digest(fingerprint.encode())
+        self._root = root_key(fingerprint)
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Popped from the end: block 0 comes out first, which keeps tests readable.
         self._free_uncached: list[int] = list(range(num_blocks - 1, -1, -1))

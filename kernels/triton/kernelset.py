@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from deepserve.engine.errors import UnsupportedModelError
-from deepserve.kernels.registry import KernelSet
+from deepserve.kernels.errors import KernelUnavailableError
+from deepserve.kernels.kernel_set import KernelSet
 from deepserve.kernels.triton import attention, matmul, rows
 from deepserve.kernels.triton.lang import HAVE_TRITON
 
 
 def triton_kernels() -> KernelSet:
     if not HAVE_TRITON:
-        raise UnsupportedModelError("--batch-invariant on a CUDA device needs the triton package")
+        raise KernelUnavailableError("--batch-invariant on a CUDA device needs the triton package")
     return KernelSet(
         name="batch_invariant_triton",
         linear=matmul.linear,
