@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from deepserve.engine.attention import AttentionMetadata
 from deepserve.engine.models.common import WeightStore
 from deepserve.engine.models.llama import LlamaForCausalLM
+from deepserve.kernels.attention_metadata import AttentionMetadata
 from deepserve.kernels.reference import KERNELS
 
 

@@ -7,7 +7,7 @@
   hop), on the same event loop as the frontend;
 - frontend_asyncio: a second frontend -> worker pair on asyncio's loop and h11 (the stack before
   uvloop/httptools), for the A/B;
-- serve: `deepserve serve` as shipped (asyncio's loop).
+- serve: `deepserve serve --loop asyncio` (its only loop before serve took --loop).
 
 frontend - serve_uvloop is what the router hop adds (goal: < 2 ms at p50): the same request, the
 same loop and HTTP parser, with and without the hop. frontend - worker is the whole frontend (HTTP
@@ -44,7 +44,7 @@ PATHS = {
     "frontend": "frontend → router → worker (uvloop + httptools, the default)",
     "serve_uvloop": "`deepserve serve` on uvloop (same app, engine in-process)",
     "frontend_asyncio": "frontend → router → worker on asyncio + h11 (`--loop asyncio --http h11`)",
-    "serve": "`deepserve serve` as shipped (asyncio's loop, httptools)",
+    "serve": "`deepserve serve --loop asyncio` (asyncio's loop, httptools)",
 }
 
 
@@ -73,18 +73,10 @@ def direct(http: httpx.Client, w: rc.Proc, token_ids: list[int]):
     ).raise_for_status()
 
 
-# `deepserve serve` has no loop flag; uvloop's policy makes its asyncio.run use uvloop.
-UVLOOP_CLI = [
-    sys.executable,
-    "-c",
-    "import sys, uvloop; uvloop.install(); from deepserve.server.cli import main; sys.exit(main())",
-]
-
-
-def serve_proc(model: str, cli: list[str] = rc.CLI) -> rc.Proc:
+def serve_proc(model: str, loop: str) -> rc.Proc:
     port = rc.free_port()
-    argv = [*cli, "serve", "--model", model, "--port", str(port), "--num-threads", "1"]
-    return rc.Proc(f"serve-{port}", argv, port, "/health")
+    argv = [*rc.CLI, "serve", "--model", model, "--port", str(port), "--num-threads", "1"]
+    return rc.Proc(f"serve-{port}", [*argv, "--loop", loop], port, "/health")
 
 
 def main() -> None:
@@ -100,7 +92,7 @@ def main() -> None:
     rc.start_all(w, w_slow)
     front = rc.frontend(args.model, workers=[w])
     front_slow = rc.frontend(args.model, workers=[w_slow], extra=slow_io)
-    serve_uv, serve = serve_proc(args.model, UVLOOP_CLI), serve_proc(args.model)
+    serve_uv, serve = serve_proc(args.model, "uvloop"), serve_proc(args.model, "asyncio")
     procs = (front, front_slow, serve_uv, serve)
     try:
         rc.start_all(*procs)

@@ -4,7 +4,7 @@ disagg/http1.py's keep-alive connections; httpx for the other calls).
 Every call carries the shared secret and a bounded timeout: connecting, the wait for the first
 event (a worker sends its headers with it), and the gap between events. Transport failures and
 5xx become `WorkerUnavailableError`; 4xx become `WorkerRejectedError`. Not here: which worker to
-call (router/) or the PD flow (disagg/flow.py).
+call (router/) or the PD flow (router/flow.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ answers (the hand-off's write half) and counts what it sent; the decode worker c
 blocks it found (loaded instead of recomputed) and the bytes it read for them. Labels: the
 process's model_name and role, plus `direction` ("sent" | "received") and `outcome`.
 
-Not here: per-tier KV traffic (kvcache/metrics.py); the flow itself (disagg/flow.py).
+Not here: per-tier KV traffic (kvcache/metrics.py); the flow itself (router/flow.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The worker's internal API as plain data: what the router sends a worker and what comes back.
 
 Token ids in; streamed token deltas, logprobs, finish reason and cached-token counts out. Every
-message is a dataclass with `to_json()` / `from_json()` so both ends agree on one shape. HTTP
+message is a dataclass deriving `WireMessage`, whose `to_json()` / `from_json()` follow its fields,
+so both ends agree on one shape. HTTP
 routes and the shared-secret header live here too, because they are part of the contract.
 
 Not here: the HTTP client (disagg/client.py), the worker app (server/worker.py), routing (router/).
@@ -64,8 +65,20 @@ def _is_json_scalar(v: Any) -> bool:
     return v is None or isinstance(v, str | int | float | bool)
 
 
+class WireMessage:
+    """JSON by the dataclass's own fields. Fields must already be JSON values (or, for a nested
+    message, are converted by the subclass); unknown keys are ignored, missing ones default."""
+
+    def to_json(self) -> dict[str, Any]:
+        return _shallow(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]):
+        return cls(**{k: d[k] for k in _field_names(cls) if k in d})
+
+
 @dataclass
-class GenerateRequest:
+class GenerateRequest(WireMessage):
     request_id: str
     prompt_token_ids: list[int]
     sampling: dict[str, Any]  # sampling_to_dict(SamplingParams)
@@ -74,18 +87,15 @@ class GenerateRequest:
     resume_logprobs: list[float] = field(default_factory=list)
     kv_keys: list[str] = field(default_factory=list)  # decode: blocks the prefill worker stored
 
-    def to_json(self) -> dict[str, Any]:
-        return _shallow(self)
-
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> GenerateRequest:
         if d.get("mode", "full") not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
-        return cls(**{k: d[k] for k in _field_names(cls) if k in d})
+        return super().from_json(d)
 
 
 @dataclass
-class StreamEvent:
+class StreamEvent(WireMessage):
     """One line of a generate stream: a RequestOutput delta, or an error that ends the stream."""
 
     request_id: str
@@ -96,13 +106,6 @@ class StreamEvent:
     finished: bool = False
     kv_keys: list[str] = field(default_factory=list)  # prefill mode: keys of the stored blocks
     error: str | None = None  # set only on the last event of a stream that failed
-
-    def to_json(self) -> dict[str, Any]:
-        return _shallow(self)
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> StreamEvent:
-        return cls(**{k: d[k] for k in _field_names(cls) if k in d})
 
     @classmethod
     def from_output(cls, out: RequestOutput, kv_keys: list[str] | None = None) -> StreamEvent:
@@ -157,7 +160,7 @@ def completion_from_json(d: dict[str, Any]) -> CompletionOutput:
 
 
 @dataclass
-class WorkerLoad:
+class WorkerLoad(WireMessage):
     """What a worker reports on /internal/load; the router's least-load and health input."""
 
     role: str
@@ -169,32 +172,18 @@ class WorkerLoad:
     cache_hit_tokens: int = 0  # prompt tokens served from any cache tier since start
     prompt_tokens: int = 0  # prompt tokens seen since start
 
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> WorkerLoad:
-        return cls(**{k: d[k] for k in _field_names(cls) if k in d})
-
 
 @dataclass
-class WorkerHealth:
+class WorkerHealth(WireMessage):
     status: str  # "ok"
     role: str
     model: str
     worker_id: str  # what the worker calls itself in the KV events it publishes
     block_size: int = 16
 
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> WorkerHealth:
-        return cls(**{k: d[k] for k in _field_names(cls) if k in d})
-
 
 @dataclass
-class BlockEvent:
+class BlockEvent(WireMessage):
     """A KV block a worker's device cache gained ("stored") or lost ("removed").
 
     Carries the block's token ids and its parent's key so the router can rebuild the prefix tree
@@ -208,18 +197,18 @@ class BlockEvent:
 
 
 @dataclass
-class EventBatch:
-    """One pub/sub message: a worker's block events, in order."""
+class EventBatch(WireMessage):
+    """One pub/sub message: a worker's block events, in order (the one nested message)."""
 
     worker_id: str
     events: list[BlockEvent]
 
     def to_json(self) -> dict[str, Any]:
-        return {"worker_id": self.worker_id, "events": [_shallow(e) for e in self.events]}
+        return {"worker_id": self.worker_id, "events": [e.to_json() for e in self.events]}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> EventBatch:
-        return cls(d["worker_id"], [BlockEvent(**e) for e in d["events"]])
+        return cls(d["worker_id"], [BlockEvent.from_json(e) for e in d["events"]])
 
 
 @functools.cache

@@ -14,11 +14,14 @@ import asyncio
 import collections
 import contextlib
 import threading
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 from deepserve.engine.admission import AdmittedRequest, EngineLimits
+from deepserve.engine.block_manager import prompt_block_keys
+from deepserve.engine.client import EngineStats, KVHandOff
 from deepserve.engine.config import EngineConfig
 from deepserve.engine.errors import EngineError, InvalidRequestError
 from deepserve.engine.llm_engine import LLMEngine
@@ -46,6 +49,8 @@ class EngineDeadError(EngineError):
 
 
 class AsyncEngine:
+    """The in-process `EngineClient` (engine/client.py)."""
+
     def __init__(self, config: EngineConfig, loaded=None) -> None:
         self.config = config
         self._cond = threading.Condition()
@@ -65,6 +70,7 @@ class AsyncEngine:
         self.engine = built.result()  # re-raises a load error here, in the caller
         self.tokenizer = self.engine.tokenizer
         self.model_info = self.engine.model_info
+        self.card = self.engine.card()
         self._load = self.engine.load()
 
     # ---- caller side ----------------------------------------------------------------------
@@ -112,6 +118,28 @@ class AsyncEngine:
 
     def load(self) -> EngineLoad:
         return self._load
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    async def hand_off_prompt(
+        self, prompt_token_ids: list[int], timeout: float, cache_salt: str | None = None
+    ) -> KVHandOff | None:
+        """Wait (up to `timeout`) until the background write-through has put the prompt's full
+        blocks in the shared tier; the keys a decode worker will find them under (none when the
+        wait timed out). None when there is no shared tier."""
+        tiering = self.engine.kv_tiering
+        if tiering is None or tiering.tiers.store is None:
+            return None
+        size = self.card.block_size
+        blocks = len(prompt_token_ids) // size
+        start = time.perf_counter()
+        flushed = await asyncio.to_thread(tiering.tiers.drain, timeout)
+        seconds = time.perf_counter() - start
+        if not flushed:
+            return KVHandOff(False, [], blocks, seconds)
+        keys = prompt_block_keys(self.card.info.fingerprint, prompt_token_ids, size, cache_salt)
+        return KVHandOff(True, keys, blocks, seconds)
 
     def take_block_events(self) -> list:
         """The block manager's `BlockStored` / `BlockRemoved` events since the last call."""

@@ -105,6 +105,18 @@ def root_key(fingerprint: str, cache_salt: str | None = None) -> bytes:
     return root
 
 
+def prompt_block_keys(
+    fingerprint: str, prompt: list[int], block_size: int, cache_salt: str | None = None
+) -> list[str]:
+    """Hex keys of the prompt's full blocks, chained as `BlockManager` chains them: what a prefill
+    worker hands to the decode worker."""
+    keys, parent = [], root_key(fingerprint, cache_salt)
+    for start in range(0, len(prompt) - block_size + 1, block_size):
+        parent = block_key(parent, prompt[start : start + block_size])
+        keys.append(parent.hex())
+    return keys
+
+
 class BlockManager:
     def __init__(
         self,

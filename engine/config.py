@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from deepserve.kvcache.store import DEFAULT_TIMEOUT_S
+
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
@@ -20,7 +22,7 @@ class KVTierConfig:
     host_bytes: int = 0  # L1 size; 0 = no host tier
     store_url: str | None = None  # redis://[:password@]host:port/db, rediss://..., or file:///dir
     store_ttl_s: int = 3600  # every L2 entry expires; the store's maxmemory policy evicts sooner
-    store_timeout_s: float = 0.5  # connect/read timeout of one L2 socket operation
+    store_timeout_s: float = DEFAULT_TIMEOUT_S  # connect/read timeout of one L2 socket operation
     store_max_bytes: int = 8 * 2**30  # size cap for a file:// store (Redis uses its maxmemory)
     max_pending_bytes: int = 256 * 2**20  # background offload/write-through queue, each
 
@@ -43,3 +45,12 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     kv_tiers: KVTierConfig | None = None  # None: device prefix cache only
     seed: int = 0  # model init seed for generated checkpoints; not the sampling seed
+
+    def __post_init__(self) -> None:
+        if self.kv_tiers is not None and not self.enable_prefix_caching:
+            # The tiers hold prefix-cache blocks and are found through it: without it they
+            # would be built and never used, which looked like a working KV tier.
+            raise ValueError(
+                "KV tiers (--kv-host-bytes / --kv-store) need prefix caching; "
+                "drop --no-prefix-caching or the tier flags"
+            )

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from deepserve.engine.attention import AttentionMetadata
 from deepserve.engine.models.base import CausalLM
+from deepserve.kernels.attention_metadata import AttentionMetadata
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 

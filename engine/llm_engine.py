@@ -17,6 +17,7 @@ import torch
 
 from deepserve.engine.admission import AdmittedRequest, EngineLimits, check_request
 from deepserve.engine.block_manager import BlockManager
+from deepserve.engine.client import EngineStats, ModelCard
 from deepserve.engine.config import EngineConfig
 from deepserve.engine.errors import InvalidRequestError
 from deepserve.engine.model_runner import ModelRunner, StepResult, num_kv_blocks
@@ -95,6 +96,21 @@ class LLMEngine:
             self.block_manager.num_blocks * self.block_manager.block_size,
             self.config.max_num_seqs,
         )
+
+    def card(self) -> ModelCard:
+        cache = self.runner.kv_cache  # [layers, blocks, block_size, width]
+        return ModelCard(
+            self.model_info,
+            self.limits,
+            self.config.batch_invariant,
+            self.config.block_size,
+            cache[:, 0].numel() * cache.element_size(),
+        )
+
+    def stats(self) -> EngineStats:
+        registry = self.kv_tiering.registry if self.kv_tiering is not None else None
+        spec = self.spec.stats if self.spec is not None else None
+        return EngineStats(self.scheduler.num_preemptions, spec, registry)
 
     def check_request(
         self, prompt_token_ids: list[int], params: SamplingParams, resume_token_ids=()
@@ -337,7 +353,7 @@ def _make_speculative(config: EngineConfig, model, block_manager, max_model_len:
 
 def _make_kv_tiering(config: EngineConfig, model, fingerprint: str):
     """The KV tiers below the device pool (engine/kv_tiering.py), or None when not configured."""
-    if config.kv_tiers is None or not config.enable_prefix_caching:
+    if config.kv_tiers is None:  # EngineConfig refuses tiers without prefix caching
         return None
     from deepserve.engine.kv_tiering import KVTiering
 

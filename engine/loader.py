@@ -1,6 +1,6 @@
 """`load_model(config)`: from a model name to a ready `LoadedModel` (model on its device and dtype,
 tokenizer, `ModelInfo`). Reading files is delegated to gguf_loader / hf_loader; building the network
-to the class the architecture names (engine/models/registry.py)."""
+to the class the architecture names (engine/models/architectures.py)."""
 
 from __future__ import annotations
 
@@ -12,33 +12,20 @@ import torch
 import xxhash
 from tokenizers import Tokenizer
 
+from deepserve.engine.builtin_models import resolve_model
 from deepserve.engine.checkpoint import Checkpoint
+from deepserve.engine.client import ModelInfo
 from deepserve.engine.config import EngineConfig
 from deepserve.engine.errors import UnsupportedModelError
-from deepserve.engine.model_registry import resolve_model
+from deepserve.engine.models.architectures import architecture_of, model_class
 from deepserve.engine.models.base import CausalLM
 from deepserve.engine.models.common import WeightStore
-from deepserve.engine.models.registry import architecture_of, model_class
-from deepserve.kernels.registry import get_kernels
+from deepserve.kernels.errors import KernelUnavailableError
+from deepserve.kernels.kernel_set import get_kernels
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _FULL_HASH_LIMIT = 4 * 2**30  # above this, weight identity hashes sampled chunks, not every byte
 _CHUNK = 2**20
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str
-    family: str  # "llama" | "deepseek_v3"
-    architecture: str
-    path: str
-    vocab_size: int
-    max_model_len: int
-    eos_token_ids: list[int]
-    bos_token_id: int | None
-    chat_template: str | None
-    fingerprint: str
-    num_mtp_layers: int
 
 
 @dataclass
@@ -62,10 +49,12 @@ def load_model(config: EngineConfig) -> LoadedModel:
     cls = model_class(arch)
     fingerprint = model_fingerprint(ckpt.config, ckpt.files)
     store = WeightStore(ckpt.weights, torch.device(config.device), dtype, ckpt.quantized)
+    try:
+        kernels = get_kernels(config.device, config.batch_invariant)
+    except KernelUnavailableError as e:
+        raise UnsupportedModelError(str(e)) from e
     with torch.inference_mode():
-        model = cls(
-            ckpt.config, store, get_kernels(config.device, config.batch_invariant), fingerprint
-        )
+        model = cls(ckpt.config, store, kernels, fingerprint)
     leftover = store.unused()
     if leftover:
         raise UnsupportedModelError(

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deepserve.engine.attention import AttentionMetadata
 from deepserve.engine.cuda_graphs import DecodeGraphs
 from deepserve.engine.models.base import CausalLM
 from deepserve.engine.request import Sequence
 from deepserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from deepserve.engine.scheduler import SchedulerOutput
+from deepserve.kernels.attention_metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from deepserve.engine.spec_decode.decoder import StepHidden

@@ -12,8 +12,9 @@ class StructuredOutput:
     """An output constraint compiled to an xgrammar grammar by engine/structured.py.
 
     kind: "json_schema" (spec = schema as JSON text), "json_object" (spec ignored), "regex",
-    "ebnf" (spec = grammar text), or "structural_tag" (spec = xgrammar structural-tag JSON, used for
-    DeepSeek tool calls).
+    "ebnf" (spec = grammar text), "structural_tag" (spec = xgrammar structural-tag JSON), or
+    "dsml_tool_calls" (DeepSeek tool calls; spec described at engine/structured.py
+    `dsml_structural_tag`).
     """
 
     kind: str

@@ -118,6 +118,8 @@ class GrammarCache:
         if s.kind == "structural_tag":
             _check_json(s.spec, "structural_tag")
             return self._compiler.compile_structural_tag(s.spec)
+        if s.kind == "dsml_tool_calls":
+            return self._compiler.compile_structural_tag(dsml_structural_tag(s.spec))
         raise InvalidRequestError(f"unknown structured output kind {s.kind!r}")
 
 
@@ -162,10 +164,6 @@ def allocate_bitmask(batch: int, vocab_size: int) -> torch.Tensor:
     return torch.full((batch, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
-def reset_bitmask(bitmask: torch.Tensor) -> None:
-    bitmask.fill_(-1)
-
-
 def apply_bitmask(
     logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None
 ) -> None:
@@ -191,38 +189,32 @@ def apply_bitmask(
         logits[rows] = masked
 
 
-def tool_call_constraint(
-    model_format: str,
-    tools_json: str,
-    *,
-    required: bool,
-    opened_in_prompt: bool,
-    parallel: bool = True,
-    max_whitespace: int = 4,
-) -> StructuredOutput:
-    """A structural tag for DeepSeek DSML tool calls from the recipe's OutputConstraint.
+def dsml_structural_tag(spec: str, max_whitespace: int = 4) -> str:
+    """The xgrammar structural tag for a "dsml_tool_calls" constraint (DeepSeek DSML tool calls).
 
-    model_format: xgrammar's builtin name ("deepseek_v4" or "deepseek_v4_1"). tools_json: the
-    recipe's compact JSON array of Chat Completions function tools. When the prompt already ends
-    with the tool-calls opener (tool_choice "required"), the grammar starts after it. Whitespace
-    runs between parameters are bounded: unbounded ones let a model loop on blanks.
+    spec: JSON with "format" (xgrammar's builtin name, "deepseek_v4" or "deepseek_v4_1"), "tools"
+    (the recipe's compact JSON array of Chat Completions function tools), "required", "parallel",
+    and "opened_in_prompt" (the prompt already ends with the tool-calls opener, tool_choice
+    "required": the grammar starts after it). Whitespace runs between parameters are bounded:
+    unbounded ones let a model loop on blanks. Built here, not by the server, because xgrammar
+    loads torch and the frontend process never does.
     """
     try:
-        tools = json.loads(tools_json)
+        d = json.loads(spec)
         tag = xgr.get_builtin_structural_tag(
-            model_format,
-            tools=tools,
-            tool_choice="required" if required else "auto",
+            d["format"],
+            tools=json.loads(d["tools"]),
+            tool_choice="required" if d["required"] else "auto",
             reasoning=False,
-            parallel_tool_calls=parallel,
+            parallel_tool_calls=d.get("parallel", True),
             max_whitespace_cnt=max_whitespace,
         )
     except (ValueError, TypeError, KeyError) as e:
         raise InvalidRequestError(f"tools cannot be turned into a grammar: {e}") from e
-    spec = json.loads(tag.model_dump_json())
-    if opened_in_prompt:
-        spec["format"] = _after_opener(spec["format"])
-    return StructuredOutput("structural_tag", json.dumps(spec))
+    tag_spec = json.loads(tag.model_dump_json())
+    if d.get("opened_in_prompt"):
+        tag_spec["format"] = _after_opener(tag_spec["format"])
+    return json.dumps(tag_spec)
 
 
 def _after_opener(fmt: dict) -> dict:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deepserve.engine.attention import AttentionMetadata
+from deepserve.kernels.attention_metadata import AttentionMetadata
 
 
 def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:

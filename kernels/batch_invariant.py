@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from deepserve.engine.attention import AttentionMetadata
-from deepserve.kernels.registry import KernelSet
+from deepserve.kernels.attention_metadata import AttentionMetadata
+from deepserve.kernels.kernel_set import KernelSet
 
 Tensor = torch.Tensor
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from deepserve.engine.attention import AttentionMetadata
 from deepserve.kernels import cpu_native, cpu_ops, reference
-from deepserve.kernels.registry import KernelSet
+from deepserve.kernels.attention_metadata import AttentionMetadata
+from deepserve.kernels.kernel_set import KernelSet
 
 Tensor = torch.Tensor
 

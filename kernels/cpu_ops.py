@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from deepserve.engine.attention import AttentionMetadata
 from deepserve.kernels import attention_ref, cpu_native
+from deepserve.kernels.attention_metadata import AttentionMetadata
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 

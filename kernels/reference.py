@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from deepserve.kernels import cpu_native, cpu_ops
+from deepserve.kernels.kernel_set import KernelSet
 from deepserve.kernels.quant_panels import FORMATS, QuantizedMatrix, pack_quant_panels
-from deepserve.kernels.registry import KernelSet
 
 PANEL = 16  # output columns per panel of the native CPU linear (kernels/csrc/linear.cpp)
 # Rows up to which a quantized weight's own blocks beat its float32 panels (benchmarks/linear_cpu.py

@@ -27,14 +27,14 @@ from redis.retry import Retry
 from deepserve.kvcache.circuit_breaker import CircuitBreaker
 from deepserve.kvcache.metrics import KVCacheMetrics
 from deepserve.kvcache.redis_url import is_cluster_url, sync_client
-from deepserve.kvcache.store import BlockStore
+from deepserve.kvcache.store import DEFAULT_TIMEOUT_S, BlockStore
 
 
 @dataclass(frozen=True)
 class RedisStoreConfig:
     url: str
     ttl_s: int = 3600  # every entry expires; Redis's maxmemory policy evicts before that if full
-    timeout_s: float = 0.5  # socket connect and read timeout: well under a TTFT budget
+    timeout_s: float = DEFAULT_TIMEOUT_S  # socket connect and read timeout
     key_prefix: str = "dskv:"
     keys_per_mget: int = 16  # bounds one reply's size; all MGETs still go in one round trip
     breaker_threshold: int = 2

@@ -12,6 +12,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+# Connect/read timeout of one socket operation of a networked store, the one default every layer
+# (CLI, EngineConfig, RedisStoreConfig) uses: well under a TTFT budget, above a loaded Redis's
+# reply time for a batch of blocks.
+DEFAULT_TIMEOUT_S = 0.5
+
 
 class BlockStore(ABC):
     """A shared, content-addressed byte store. Values for one key never change, so a write only

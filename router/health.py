@@ -8,10 +8,10 @@ has the client's bounded control timeout. The pool file is re-read on the same t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from deepserve.disagg.errors import WorkerUnavailableError
+from deepserve.router.background import BackgroundTask
 from deepserve.router.pool import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -21,18 +21,13 @@ class HealthChecker:
     def __init__(self, pool: WorkerPool, interval: float = 1.0) -> None:
         self.pool = pool
         self.interval = interval
-        self._task: asyncio.Task | None = None
+        self._task = BackgroundTask(self._run, "router-health")
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="router-health")
+        self._task.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._task.stop()
 
     async def probe_all(self) -> None:
         if self.pool.file_changed():

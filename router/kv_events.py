@@ -12,7 +12,6 @@ it has seen, so the URL's node may be the one that died).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 
@@ -26,6 +25,7 @@ from deepserve.kvcache.redis_url import (
     is_cluster_url,
     node_url,
 )
+from deepserve.router.background import BackgroundTask
 from deepserve.router.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -37,19 +37,14 @@ class KVEventSubscriber:
         self.index = index
         self.channel = channel
         self.ready = asyncio.Event()  # set once subscribed (tests wait on it)
-        self._task: asyncio.Task | None = None
+        self._task = BackgroundTask(self._run, "router-kv-events")
         self._known_nodes: list[tuple[str, int]] = []  # a cluster's nodes, as last seen
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="router-kv-events")
+        self._task.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._task.stop()
 
     def handle(self, data: bytes | str) -> None:
         try:

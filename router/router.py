@@ -6,7 +6,7 @@ another one (up to `max_attempts`); a failure after tokens were streamed ends th
 request's fault: raised as `WorkerRejectedError`, never retried, never charged to the worker. When
 the caller stops early (client gone), the worker is told to abort.
 
-Not here: the prefill/decode sequence (disagg/flow.py); HTTP details (disagg/client.py).
+Not here: the prefill/decode sequence (router/flow.py); HTTP details (disagg/client.py).
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deepserve.engine.client import EngineClient
 from deepserve.engine.errors import EngineError, InvalidRequestError
 from deepserve.server import chat_routes, completions
-from deepserve.server.backend import Backend
 from deepserve.server.config import ServerConfig
 from deepserve.server.errors import HTTPError, error_response, message_of_conversion_error
 from deepserve.server.family import ModelFamily
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 
 def create_app(
-    backend: Backend,
+    backend: EngineClient,
     family: ModelFamily,
     config: ServerConfig,
     metrics: ServerMetrics | None = None,

@@ -110,7 +110,7 @@ def prepare(spec: ProtocolSpec, body: dict, state: AppState, tenant: str | None 
     params = sampling_params(body, options, extras, prompt.structured, salt)
     admitted = admit(state, prompt.token_ids, params)
     job = GenerationJob(parsed.request_id, admitted, prompt.parsing, parsed.make_generator)
-    if params.structured is not None and params.structured.kind == "structural_tag":
+    if params.structured is not None and params.structured.kind == "dsml_tool_calls":
         job.text_tokenizer = state.backend.tokenizer
         if params.logprobs is not None:
             job.logprob_feed = _logprob_feed(spec)

@@ -11,8 +11,8 @@ import os
 import socket
 import sys
 
+from deepserve.engine.builtin_models import DEFAULT_MODEL
 from deepserve.engine.config import EngineConfig, KVTierConfig, SpeculativeConfig
-from deepserve.engine.model_registry import DEFAULT_MODEL
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -53,7 +53,10 @@ def add_kv_tier_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--kv-store-ttl", type=int, default=3600, help="L2 entry TTL in seconds")
     g.add_argument(
-        "--kv-store-timeout", type=float, default=0.2, help="L2 connect/read timeout in seconds"
+        "--kv-store-timeout",
+        type=float,
+        default=KVTierConfig.store_timeout_s,
+        help="L2 connect/read timeout in seconds",
     )
 
 
@@ -80,6 +83,13 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     spec = None
     if args.speculative:
         spec = SpeculativeConfig(args.speculative, args.num_speculative_tokens)
+    try:
+        return _engine_config(args, spec)
+    except ValueError as e:  # a combination EngineConfig refuses
+        raise SystemExit(f"deepserve {args.command}: {e}") from e
+
+
+def _engine_config(args: argparse.Namespace, spec: SpeculativeConfig | None) -> EngineConfig:
     return EngineConfig(
         model=args.model,
         device=args.device,
@@ -98,17 +108,42 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def add_listen_args(p: argparse.ArgumentParser, port: int) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told)")
+    p.add_argument("--port", type=int, default=port)
+
+
+def add_http_server_args(p: argparse.ArgumentParser) -> None:
+    """What `serve` and `frontend` share: the client-facing name, key and body limit."""
+    p.add_argument(
+        "--served-model-name", default=None, help="model name clients use (default: --model)"
+    )
+    add_auth_args(p)
+    p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger bodies get 413")
+
+
+def add_internal_token_arg(g) -> None:
+    g.add_argument(
+        "--internal-token",
+        default=os.environ.get("DEEPSERVE_INTERNAL_TOKEN"),
+        help="shared secret of every worker call (default: $DEEPSERVE_INTERNAL_TOKEN)",
+    )
+
+
+def require_internal_token(args: argparse.Namespace) -> str:
+    if not args.internal_token:
+        raise SystemExit(
+            f"deepserve {args.command}: --internal-token (or DEEPSERVE_INTERNAL_TOKEN) is required"
+        )
+    return args.internal_token
+
+
 def add_worker_parser(sub) -> None:
     p = sub.add_parser("worker", help="one engine behind the internal token-id API (router/PD)")
     add_engine_args(p)
     p.add_argument("--role", choices=["prefill", "decode", "mixed"], default="mixed")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told)")
-    p.add_argument("--port", type=int, default=8100)
-    p.add_argument(
-        "--internal-token",
-        default=os.environ.get("DEEPSERVE_INTERNAL_TOKEN"),
-        help="shared secret every internal call must carry (default: $DEEPSERVE_INTERNAL_TOKEN)",
-    )
+    add_listen_args(p, 8100)
+    add_internal_token_arg(p)
     p.add_argument("--worker-id", default=None, help="name in published KV events (unique)")
     p.add_argument(
         "--kv-events",
@@ -121,17 +156,16 @@ def add_worker_parser(sub) -> None:
 def add_io_args(p: argparse.ArgumentParser) -> None:
     """uvicorn's event loop and HTTP parser; `auto` takes uvloop and httptools when installed
     (every request to a worker crosses two HTTP stacks, so their per-request cost counts twice)."""
-    p.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto")
-    p.add_argument("--http", choices=["auto", "h11", "httptools"], default="auto")
+    from deepserve.server.http_server import HTTP_PARSERS, LOOPS
+
+    p.add_argument("--loop", choices=LOOPS, default="auto")
+    p.add_argument("--http", choices=HTTP_PARSERS, default="auto")
 
 
 def worker_config_from_args(args: argparse.Namespace):
     from deepserve.server.worker import WorkerConfig
 
-    if not args.internal_token:
-        raise SystemExit(
-            "deepserve worker: --internal-token (or DEEPSERVE_INTERNAL_TOKEN) is required"
-        )
+    token = require_internal_token(args)
     from deepserve.kvcache.redis_url import is_redis_url
 
     events = args.kv_events
@@ -139,7 +173,7 @@ def worker_config_from_args(args: argparse.Namespace):
         events = args.kv_store
     return WorkerConfig(
         role=args.role,
-        internal_token=args.internal_token,
+        internal_token=token,
         worker_id=args.worker_id or f"{socket.gethostname()}:{args.port}:{os.getpid()}",
         kv_events_url=redis_url_from_env(events),
     )
@@ -150,11 +184,8 @@ def add_frontend_parser(sub) -> None:
 
     p = sub.add_parser("frontend", help="the HTTP frontend over remote workers (router, PD)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="the model the workers serve")
-    p.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told)")
-    p.add_argument("--port", type=int, default=8000)
-    add_auth_args(p)
-    p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger bodies get 413")
+    add_http_server_args(p)
+    add_listen_args(p, 8000)
     g = p.add_argument_group("workers and routing (docs/router.md)")
     g.add_argument("--workers", nargs="+", default=[], metavar="URL", help="mixed workers")
     g.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="prefill workers")
@@ -188,11 +219,7 @@ def add_frontend_parser(sub) -> None:
         help="cache_aware: ... and the busier/less busy load ratio that must also be exceeded",
     )
     g.add_argument("--kv-store", default=None, help="redis:// carrying the workers' KV events")
-    g.add_argument(
-        "--internal-token",
-        default=os.environ.get("DEEPSERVE_INTERNAL_TOKEN"),
-        help="shared secret sent on every worker call (default: $DEEPSERVE_INTERNAL_TOKEN)",
-    )
+    add_internal_token_arg(g)
     g.add_argument("--max-attempts", type=int, default=3, help="workers tried before 1st token")
     g.add_argument("--health-interval", type=float, default=1.0, help="seconds between probes")
     g.add_argument("--eject-after", type=int, default=3, help="consecutive failures to eject")
@@ -213,10 +240,7 @@ def frontend_config_from_args(args: argparse.Namespace):
     from deepserve.router.router import RouterConfig
     from deepserve.server.frontend import FrontendConfig
 
-    if not args.internal_token:
-        raise SystemExit(
-            "deepserve frontend: --internal-token (or DEEPSERVE_INTERNAL_TOKEN) is required"
-        )
+    token = require_internal_token(args)
     if not (args.workers or args.prefill or args.decode or args.pool_file or args.discover):
         raise SystemExit(
             "deepserve frontend: give --workers, --prefill/--decode, --pool-file or --discover"
@@ -237,7 +261,7 @@ def frontend_config_from_args(args: argparse.Namespace):
         discover_interval=args.discover_interval,
         dns_server=args.dns_server,
         policy=args.policy,
-        internal_token=args.internal_token,
+        internal_token=token,
         kv_events_url=redis_url_from_env(args.kv_store) if is_redis_url(args.kv_store) else None,
         max_attempts=args.max_attempts,
         health_interval=args.health_interval,
@@ -258,13 +282,9 @@ def frontend_config_from_args(args: argparse.Namespace):
 def add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI/Anthropic-compatible HTTP server with one engine")
     add_engine_args(p)
-    p.add_argument(
-        "--served-model-name", default=None, help="model name clients use (default: --model)"
-    )
-    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told)")
-    p.add_argument("--port", type=int, default=8000)
-    add_auth_args(p)
-    p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger bodies get 413")
+    add_http_server_args(p)
+    add_listen_args(p, 8000)
+    add_io_args(p)
 
 
 def add_auth_args(p: argparse.ArgumentParser) -> None:
@@ -382,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "fetch-model":
-        from deepserve.engine.model_registry import fetch_model
+        from deepserve.engine.builtin_models import fetch_model
 
         print(fetch_model(args.name))
         return 0
@@ -394,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(write_shaped_model(args.shape, Path(args.out), args.device, args.seed))
             return 0
-        from deepserve.engine.test_model import write_tiny_deepseek
+        from deepserve.engine.tiny_deepseek import write_tiny_deepseek
 
         print(write_tiny_deepseek(Path(args.out), seed=args.seed))
         return 0
@@ -411,7 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from deepserve.server.serve import run_serve
 
-        return run_serve(engine_config_from_args(args), server_config_from_args(args))
+        return run_serve(
+            engine_config_from_args(args), server_config_from_args(args), args.loop, args.http
+        )
     if args.command == "bench":
         from deepserve.server.bench import run_bench
 

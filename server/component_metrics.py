@@ -11,65 +11,67 @@ Not here: what the HTTP layer records per request (server/metrics.py); PD transf
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from deepserve.engine.client import EngineStats
+
 P = "deepserve:"
 
 
 class EngineCollector(Collector):
-    """Counters of one `LLMEngine` (engine/llm_engine.py), plus its KV tiers' own registry."""
+    """An engine's counters (`EngineClient.stats()`, engine/client.py), plus its KV tiers' own
+    registry."""
 
-    def __init__(self, engine: Any, labels: dict[str, str]) -> None:
-        self._engine = engine
+    def __init__(self, stats: Callable[[], EngineStats], labels: dict[str, str]) -> None:
+        self._stats = stats
         self._labels = labels
 
     def collect(self) -> Iterator[Metric]:
         names, values = list(self._labels), list(self._labels.values())
+        stats = self._stats()
         preemptions = CounterMetricFamily(
             P + "num_preemptions", "Requests preempted (KV blocks ran out).", labels=names
         )
-        preemptions.add_metric(values, float(self._engine.scheduler.num_preemptions))
+        preemptions.add_metric(values, float(stats.num_preemptions))
         yield preemptions
-        yield from self._spec_decode(names, values)
-        tiering = self._engine.kv_tiering
-        if tiering is not None:
-            for family in tiering.registry.collect():
+        yield from _spec_decode(stats.spec_decode, names, values)
+        if stats.kv_registry is not None:
+            for family in stats.kv_registry.collect():
                 yield _with_labels(family, self._labels)
 
-    def _spec_decode(self, names: list[str], values: list[str]) -> Iterator[Metric]:
-        """vLLM's names; zeros while speculative decoding is off (nothing was drafted)."""
-        spec = self._engine.spec
-        stats = spec.stats if spec is not None else None
-        for name, doc, attr in (
-            ("spec_decode_num_drafts", "Verification rounds with drafts.", "num_drafts"),
-            ("spec_decode_num_draft_tokens", "Draft tokens proposed.", "num_draft_tokens"),
-            ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "num_accepted_tokens"),
-        ):
-            family = CounterMetricFamily(P + name, doc, labels=names)
-            family.add_metric(values, float(getattr(stats, attr, 0)))
-            yield family
-        # Acceptance by draft position (issue 7): accepted and drafted counts per position, so a
-        # dashboard can plot rate(accepted) / rate(drafted) for each position.
-        for name, doc, attr in (
-            (
-                "spec_decode_num_accepted_tokens_per_pos",
-                "Draft tokens accepted, by draft position (0 = first draft).",
-                "accepted_per_position",
-            ),
-            (
-                "spec_decode_num_draft_tokens_per_pos",
-                "Draft tokens proposed, by draft position (0 = first draft).",
-                "drafted_per_position",
-            ),
-        ):
-            family = CounterMetricFamily(P + name, doc, labels=[*names, "position"])
-            for pos, count in enumerate(getattr(stats, attr, [])):
-                family.add_metric([*values, str(pos)], float(count))
-            yield family
+
+def _spec_decode(stats: Any, names: list[str], values: list[str]) -> Iterator[Metric]:
+    """vLLM's names; zeros while speculative decoding is off (nothing was drafted)."""
+    for name, doc, attr in (
+        ("spec_decode_num_drafts", "Verification rounds with drafts.", "num_drafts"),
+        ("spec_decode_num_draft_tokens", "Draft tokens proposed.", "num_draft_tokens"),
+        ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "num_accepted_tokens"),
+    ):
+        family = CounterMetricFamily(P + name, doc, labels=names)
+        family.add_metric(values, float(getattr(stats, attr, 0)))
+        yield family
+    # Acceptance by draft position (issue 7): accepted and drafted counts per position, so a
+    # dashboard can plot rate(accepted) / rate(drafted) for each position.
+    for name, doc, attr in (
+        (
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by draft position (0 = first draft).",
+            "accepted_per_position",
+        ),
+        (
+            "spec_decode_num_draft_tokens_per_pos",
+            "Draft tokens proposed, by draft position (0 = first draft).",
+            "drafted_per_position",
+        ),
+    ):
+        family = CounterMetricFamily(P + name, doc, labels=[*names, "position"])
+        for pos, count in enumerate(getattr(stats, attr, [])):
+            family.add_metric([*values, str(pos)], float(count))
+        yield family
 
 
 def _with_labels(family: Metric, labels: dict[str, str]) -> Metric:

@@ -10,6 +10,7 @@ handling (server/chat_routes.py).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import deepseek_recipe as dr
@@ -20,7 +21,6 @@ from tokenizers import Tokenizer
 
 from deepserve.engine.errors import InvalidRequestError, UnsupportedModelError
 from deepserve.engine.sampling_params import StructuredOutput
-from deepserve.engine.structured import tool_call_constraint
 from deepserve.server.tool_calls import (
     ToolPlan,
     ToolRequest,
@@ -119,14 +119,15 @@ class DeepSeekFamily(ModelFamily):
     def tool_constraint(
         self, request: dr.ConversationRequest, oc: dr.OutputConstraint, parallel: bool
     ) -> StructuredOutput | None:
-        required = oc.kind == "tool_call_required"
-        return tool_call_constraint(
-            _XGRAMMAR_FORMATS[self.version],
-            oc.schema,
-            required=required,
-            opened_in_prompt=request.parsing_options.starts_in_tool_calls,
-            parallel=parallel,
-        )
+        spec = {
+            "format": _XGRAMMAR_FORMATS[self.version],
+            "tools": oc.schema,
+            "required": oc.kind == "tool_call_required",
+            "opened_in_prompt": request.parsing_options.starts_in_tool_calls,
+            "parallel": parallel,
+        }
+        # The engine builds the structural tag (engine/structured.py): xgrammar loads torch.
+        return StructuredOutput("dsml_tool_calls", json.dumps(spec))
 
 
 class ChatMLFamily(ModelFamily):

@@ -8,48 +8,37 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import uvicorn
+from fastapi import FastAPI
 
+from deepserve.engine.client import EngineClient
 from deepserve.engine.config import EngineConfig
 from deepserve.server.app import create_app
 from deepserve.server.component_metrics import EngineCollector
 from deepserve.server.config import ServerConfig
 from deepserve.server.family import make_family
+from deepserve.server.http_server import run_in_loop, serve_http
 from deepserve.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
 
-def build_app(engine, server_config: ServerConfig):
+def build_app(engine: EngineClient, server_config: ServerConfig) -> FastAPI:
     """The app for an already-built AsyncEngine (tests use this with their own engine)."""
-    info = engine.model_info
-    family = make_family(
-        info.family, engine.tokenizer, server_config.served_model_name, info.chat_template
-    )
-    metrics = ServerMetrics(
-        server_config.served_model_name,
-        server_config.role,
-        engine.load,
-        batch_invariant=getattr(engine.config, "batch_invariant", False),
-    )
-    if hasattr(engine, "engine"):  # a real AsyncEngine (tests may hand in a stand-in)
-        metrics.registry.register(EngineCollector(engine.engine, metrics.labels))
+    card = engine.card
+    name = server_config.served_model_name
+    family = make_family(card.info.family, engine.tokenizer, name, card.info.chat_template)
+    metrics = ServerMetrics(name, server_config.role, engine.load, card.batch_invariant)
+    metrics.registry.register(EngineCollector(engine.stats, metrics.labels))
     return create_app(engine, family, server_config, metrics)
 
 
-async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+async def serve(
+    engine_config: EngineConfig, server_config: ServerConfig, http: str = "auto"
+) -> None:
     from deepserve.engine.async_engine import AsyncEngine
 
     engine = await asyncio.to_thread(AsyncEngine, engine_config)
     app = build_app(engine, server_config)
-    uv = uvicorn.Config(
-        app,
-        host=server_config.host,
-        port=server_config.port,
-        log_level="info",
-        access_log=False,
-        timeout_graceful_shutdown=5,
-    )
     log.info(
         "serving %s on %s:%d",
         server_config.served_model_name,
@@ -57,14 +46,19 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
         server_config.port,
     )
     try:
-        await uvicorn.Server(uv).serve()
+        await serve_http(app, server_config.host, server_config.port, http, log_level="info")
     finally:
         await engine.shutdown()
 
 
-def run_serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+def run_serve(
+    engine_config: EngineConfig,
+    server_config: ServerConfig,
+    loop: str = "auto",
+    http: str = "auto",
+) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    asyncio.run(serve(engine_config, server_config))
+    run_in_loop(serve(engine_config, server_config, http), loop)
     return 0

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from deepserve.server.backend import Backend
+from deepserve.engine.client import EngineClient
 from deepserve.server.config import ServerConfig
 from deepserve.server.errors import HTTPError
 from deepserve.server.family import ModelFamily
@@ -26,7 +26,7 @@ T = TypeVar("T")
 
 @dataclass
 class AppState:
-    backend: Backend
+    backend: EngineClient
     family: ModelFamily
     config: ServerConfig
     metrics: ServerMetrics
@@ -42,7 +42,7 @@ class AppState:
 
     @property
     def max_model_len(self) -> int:
-        return self.backend.model_info.max_model_len
+        return self.backend.card.limits.max_model_len
 
 
 def longest_token_chars(tokenizer) -> int:
@@ -96,11 +96,20 @@ async def read_json(request: Request, max_bytes: int) -> dict:
         if len(body) > max_bytes:
             raise HTTPError(413, f"request body exceeds the limit of {max_bytes} bytes")
     try:
-        data = json.loads(body, parse_constant=_no_constant)
+        return json_object(body)
+    except ValueError as e:
+        raise HTTPError(400, str(e)) from e
+
+
+def json_object(raw: bytes) -> dict:
+    """A body that must be one JSON object (ValueError naming what is wrong); the worker's
+    internal API reads its bodies with it too."""
+    try:
+        data = json.loads(raw, parse_constant=_no_constant)
     except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError included
-        raise HTTPError(400, f"the request body is not valid JSON: {e}") from e
+        raise ValueError(f"the request body is not valid JSON: {e}") from e
     if not isinstance(data, dict):
-        raise HTTPError(400, "the request body must be a JSON object")
+        raise ValueError("the request body must be a JSON object")
     return data
 
 

@@ -21,9 +21,9 @@ import deepseek_recipe as dr
 from tokenizers import Tokenizer
 
 from deepserve.engine.admission import AdmittedRequest
+from deepserve.engine.client import EngineClient
 from deepserve.engine.outputs import CompletionOutput, RequestOutput
 from deepserve.engine.sampling_params import SamplingParams
-from deepserve.server.backend import Backend
 from deepserve.server.metrics import ServerMetrics
 from deepserve.server.protocols import GeneratorFactory
 
@@ -60,7 +60,7 @@ class Timing:
 
 
 async def stream_chunks(
-    backend: Backend,
+    backend: EngineClient,
     job: GenerationJob,
     tokenizer: dr.Tokenizer,
     metrics: ServerMetrics,

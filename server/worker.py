@@ -1,4 +1,4 @@
-"""The `deepserve worker` app: one `AsyncEngine` behind the internal token-id API (disagg/protocol.py).
+"""The `deepserve worker` app: one `EngineClient` behind the internal token-id API (disagg/protocol.py).
 
 Routes: generate (NDJSON stream of `StreamEvent`s), abort, load, health, model card, and Prometheus
 /metrics. Every /internal route needs the shared secret; /metrics is left open so Prometheus can
@@ -9,7 +9,7 @@ on Redis pub/sub, which is how a cache-aware router learns who holds which prefi
 it waits until the prompt's full blocks are in the shared tier before it answers, so the decode
 worker finds them; if that wait times out the decode worker simply recomputes.
 
-Not here: routing and the prefill/decode sequence (router/, disagg/flow.py); protocol conversion
+Not here: routing and the prefill/decode sequence (router/, router/flow.py); protocol conversion
 for clients (server/app.py).
 """
 
@@ -20,9 +20,8 @@ import contextlib
 import hmac
 import json
 import logging
-import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -30,12 +29,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from deepserve.disagg import protocol as P
 from deepserve.disagg.metrics import TransferMetrics
 from deepserve.engine.admission import AdmittedRequest
-from deepserve.engine.async_engine import AsyncEngine
-from deepserve.engine.block_manager import block_key, root_key
+from deepserve.engine.client import EngineClient
 from deepserve.engine.errors import InvalidRequestError
 from deepserve.engine.outputs import RequestOutput
+from deepserve.router.background import BackgroundTask
 from deepserve.server.component_metrics import EngineCollector
+from deepserve.server.http_server import run_in_loop, serve_http
 from deepserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from deepserve.server.state import json_object
 
 log = logging.getLogger(__name__)
 
@@ -53,19 +54,18 @@ class WorkerConfig:
 class Worker:
     """State shared by the routes: the engine, config, counters, and the event publisher."""
 
-    def __init__(self, engine: AsyncEngine, config: WorkerConfig) -> None:
+    def __init__(self, engine: EngineClient, config: WorkerConfig) -> None:
         self.engine = engine
         self.config = config
+        self.card = engine.card
         self.metrics = ServerMetrics(
-            engine.model_info.name, config.role, engine.load, engine.config.batch_invariant
+            self.card.info.name, config.role, engine.load, self.card.batch_invariant
         )
-        self.metrics.registry.register(EngineCollector(engine.engine, self.metrics.labels))
+        self.metrics.registry.register(EngineCollector(engine.stats, self.metrics.labels))
         self.transfer = TransferMetrics(self.metrics.registry, self.metrics.labels)
-        cache = engine.engine.runner.kv_cache  # [layers, blocks, block_size, width]
-        self.block_bytes = cache[:, 0].numel() * cache.element_size()
         self.prompt_tokens = 0
         self.cached_tokens = 0
-        self._publisher: asyncio.Task | None = None
+        self.publisher = BackgroundTask(self._publish_events, "kv-events")
 
     # ---- generate -----------------------------------------------------------------------------
 
@@ -92,9 +92,7 @@ class Worker:
             async for out in outputs:
                 keys: list[str] = []
                 if out.finished and req.mode == "prefill":
-                    keys = await self._flush_prompt_blocks(
-                        req.prompt_token_ids, admitted.params.cache_salt
-                    )
+                    keys = await self._hand_off(req.prompt_token_ids, admitted.params.cache_salt)
                 yield P.StreamEvent.from_output(out, keys).to_json()
                 # Counted once the event is on its way: the router waits for it, not for this.
                 if first:
@@ -121,10 +119,10 @@ class Worker:
         """Decode side of a PD hand-off: how many of the handed blocks were found here."""
         if req.mode != "decode" or not req.kv_keys:
             return
-        size = self.engine.config.block_size
+        size = self.card.block_size
         from_store = out.cached_tokens_by_tier.get("store", 0) // size
         self.transfer.received(
-            len(req.kv_keys), out.cached_tokens // size, from_store, self.block_bytes
+            len(req.kv_keys), out.cached_tokens // size, from_store, self.card.kv_block_bytes
         )
 
     def _count_generated(self, out: RequestOutput) -> None:
@@ -133,23 +131,19 @@ class Worker:
             if c.finish_reason is not None:
                 self.metrics.request_finished(c.finish_reason)
 
-    async def _flush_prompt_blocks(self, prompt: list[int], salt: str | None) -> list[str]:
-        """Wait until the background write-through has put the prompt's blocks in the shared
-        tier; return their keys (empty when there is no shared tier or the wait timed out)."""
-        tiering = self.engine.engine.kv_tiering
-        if tiering is None or tiering.tiers.store is None:
-            return []
+    async def _hand_off(self, prompt: list[int], cache_salt: str | None) -> list[str]:
+        """Prefill mode: the keys of the prompt's blocks once they are in the shared tier (empty
+        when there is no shared tier or the wait timed out)."""
         timeout = self.config.kv_flush_timeout_s
-        start = time.perf_counter()
-        flushed = await asyncio.to_thread(tiering.tiers.drain, timeout)
-        blocks = len(prompt) // self.engine.config.block_size
-        self.transfer.sent(time.perf_counter() - start, blocks, self.block_bytes, flushed)
-        if not flushed:
-            log.warning("KV blocks not in the shared tier after %.1fs", timeout)
+        hand_off = await self.engine.hand_off_prompt(prompt, timeout, cache_salt)
+        if hand_off is None:  # no shared tier
             return []
-        return prompt_block_keys(
-            self.engine.model_info.fingerprint, prompt, self.engine.config.block_size, salt
+        self.transfer.sent(
+            hand_off.seconds, hand_off.num_blocks, self.card.kv_block_bytes, hand_off.flushed
         )
+        if not hand_off.flushed:
+            log.warning("KV blocks not in the shared tier after %.1fs", timeout)
+        return hand_off.keys
 
     # ---- load / health --------------------------------------------------------------------------
 
@@ -170,30 +164,19 @@ class Worker:
         return P.WorkerHealth(
             status="ok",
             role=self.config.role,
-            model=self.engine.model_info.name,
+            model=self.card.info.name,
             worker_id=self.config.worker_id,
-            block_size=self.engine.config.block_size,
+            block_size=self.card.block_size,
         )
 
     def model_card(self) -> dict:
-        return {
-            "info": asdict(self.engine.model_info),
-            "tokenizer": self.engine.tokenizer.to_str(),
-            "limits": asdict(self.engine.limits),
-        }
+        return {"card": self.card.to_json(), "tokenizer": self.engine.tokenizer.to_str()}
 
     # ---- KV block events ------------------------------------------------------------------------
 
     def start_events(self) -> None:
-        if self.config.kv_events_url and self._publisher is None:
-            self._publisher = asyncio.create_task(self._publish_events(), name="kv-events")
-
-    async def stop_events(self) -> None:
-        if self._publisher is not None:
-            self._publisher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._publisher
-            self._publisher = None
+        if self.config.kv_events_url:
+            self.publisher.start()
 
     async def _publish_events(self) -> None:
         import redis.asyncio as aioredis
@@ -223,17 +206,6 @@ class Worker:
             await client.aclose()
 
 
-def prompt_block_keys(
-    fingerprint: str, prompt: list[int], block_size: int, cache_salt: str | None = None
-) -> list[str]:
-    """Hex keys of the prompt's full blocks, chained as the block manager chains them."""
-    keys, parent = [], root_key(fingerprint, cache_salt)
-    for start in range(0, len(prompt) - block_size + 1, block_size):
-        parent = block_key(parent, prompt[start : start + block_size])
-        keys.append(parent.hex())
-    return keys
-
-
 def _block_event(e) -> P.BlockEvent:
     if hasattr(e, "token_ids"):
         parent = e.parent_key.hex() if e.parent_key is not None else None
@@ -250,7 +222,7 @@ def _error_event(request_id: str, message: str) -> dict:
 
 
 async def _json_body(request: Request) -> dict:
-    return _json_object(await request.body())
+    return json_object(await request.body())
 
 
 async def _read_body(receive) -> bytes:
@@ -262,16 +234,6 @@ async def _read_body(receive) -> bytes:
         chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
             return b"".join(chunks)
-
-
-def _json_object(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw)
-    except ValueError as e:
-        raise ValueError(f"body is not JSON: {e}") from e
-    if not isinstance(body, dict):
-        raise ValueError("body must be a JSON object")
-    return body
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -317,7 +279,7 @@ class GenerateRoute:
             await _error(405, "generate takes POST")(scope, receive, send)
             return
         try:
-            req = P.GenerateRequest.from_json(_json_object(await _read_body(receive)))
+            req = P.GenerateRequest.from_json(json_object(await _read_body(receive)))
             admitted = self.worker.admit(req)
         except (InvalidRequestError, TypeError, ValueError) as e:
             await _error(400, str(e))(scope, receive, send)
@@ -374,7 +336,7 @@ async def _stream(events: AsyncIterator[dict], receive, send) -> None:
         watch.cancel()
 
 
-def build_worker_app(engine: AsyncEngine, config: WorkerConfig) -> FastAPI:
+def build_worker_app(engine: EngineClient, config: WorkerConfig) -> FastAPI:
     worker = Worker(engine, config)
 
     @contextlib.asynccontextmanager
@@ -383,7 +345,7 @@ def build_worker_app(engine: AsyncEngine, config: WorkerConfig) -> FastAPI:
         try:
             yield
         finally:
-            await worker.stop_events()
+            await worker.publisher.stop()
             await engine.shutdown()
 
     app = FastAPI(title="deepserve worker", lifespan=lifespan)
@@ -432,20 +394,10 @@ def run_worker(
     loop: str = "auto",
     http: str = "auto",
 ) -> int:
-    """Load the engine, then serve the internal API until SIGINT/SIGTERM. `loop` and `http` are
-    uvicorn's; "auto" takes uvloop and httptools when installed."""
-    import uvicorn
+    """Load the engine, then serve the internal API until SIGINT/SIGTERM."""
+    from deepserve.engine.async_engine import AsyncEngine
 
-    engine = AsyncEngine(engine_config)
-    app = build_worker_app(engine, config)
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        loop=loop,
-        http=http,
-        proxy_headers=False,  # routers call it directly; one ASGI layer less per request
-        log_level="warning",
-        timeout_graceful_shutdown=5,
-    )
+    app = build_worker_app(AsyncEngine(engine_config), config)
+    # Routers call it directly: no proxy headers, one ASGI layer less per request.
+    run_in_loop(serve_http(app, host, port, http, proxy_headers=False), loop)
     return 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from deepserve.engine.attention import AttentionMetadata
+from deepserve.kernels.attention_metadata import AttentionMetadata
 
 
 class SequenceLoop:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from deepserve.engine.attention import AttentionMetadata
+from deepserve.kernels.attention_metadata import AttentionMetadata
 
 BLOCK = 16
 LAYOUTS = {"gqa": dict(hq=9, hkv=3, dk=64, dv=64), "mla": dict(hq=4, hkv=1, dk=80, dv=64)}

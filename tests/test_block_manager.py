@@ -9,11 +9,11 @@ from deepserve.engine.block_manager import (
     BlockRemoved,
     BlockStored,
     block_key,
+    prompt_block_keys,
     root_key,
 )
 from deepserve.engine.request import Request, Sequence
 from deepserve.engine.sampling_params import SamplingParams
-from deepserve.server.worker import prompt_block_keys
 
 BS = 4
 

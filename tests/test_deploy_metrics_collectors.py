@@ -82,8 +82,7 @@ def test_hand_off_counts_blocks_bytes_and_misses():
 
 
 def test_engine_collector_labels_kv_tier_series_like_every_other():
-    from types import SimpleNamespace
-
+    from deepserve.engine.client import EngineStats
     from deepserve.kvcache.metrics import KVCacheMetrics
     from deepserve.server.component_metrics import EngineCollector
 
@@ -91,14 +90,10 @@ def test_engine_collector_labels_kv_tier_series_like_every_other():
     kv = KVCacheMetrics(kv_registry)
     kv.init_tier("store")
     kv.record_lookup("store", looked_up=4, hits=3)
-    engine = SimpleNamespace(
-        scheduler=SimpleNamespace(num_preemptions=2),
-        spec=None,
-        kv_tiering=SimpleNamespace(registry=kv_registry),
-    )
+    stats = EngineStats(num_preemptions=2, spec_decode=None, kv_registry=kv_registry)
     labels = {"model_name": "m", "role": "decode"}
     registry = CollectorRegistry()
-    registry.register(EngineCollector(engine, labels))
+    registry.register(EngineCollector(lambda: stats, labels))
 
     def value(name: str, **extra: str) -> float | None:
         return registry.get_sample_value(f"deepserve:{name}", {**labels, **extra})

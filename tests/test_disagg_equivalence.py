@@ -28,7 +28,7 @@ def stacks(request, make_redis_server):
     pd = rc.frontend(model, prefill=[prefill], decode=[decode], redis_url=redis.url)
     colo = rc.frontend(model, workers=[mixed])
     rc.start_all(pd, colo)
-    yield model, client(pd), client(colo), (prefill, decode)
+    yield model, client(pd), client(colo), (prefill, decode), (pd, colo)
     rc.stop_all(pd, colo, prefill, decode, mixed)
 
 
@@ -87,22 +87,27 @@ def streamed(c: openai.OpenAI, model: str, messages: list[dict]) -> tuple[str, l
 
 
 def test_disaggregated_equals_colocated(stacks):
-    model, pd, colo, (prefill, decode) = stacks
+    model, pd, colo, (prefill, decode), _ = stacks
     messages = [{"role": "user", "content": QUESTIONS[0]}]
     got, want = answer(chat(pd, model, messages)), answer(chat(colo, model, messages))
     assert got == want and len(want[1]) > 1
     assert rc.load(prefill)["prompt_tokens"] > 0 and rc.load(decode)["prompt_tokens"] > 0
 
 
+def test_frontends_report_the_batch_invariance_their_workers_run(stacks):
+    for frontend in stacks[4]:
+        assert httpx.get(frontend.url + "/health", timeout=5).json()["batch_invariant"] is True
+
+
 def test_disaggregated_streaming_equals_colocated(stacks):
-    model, pd, colo, _ = stacks
+    model, pd, colo, _, _ = stacks
     messages = [{"role": "user", "content": "Count to five."}]
     assert streamed(pd, model, messages) == streamed(colo, model, messages)
     assert streamed(pd, model, messages) == answer(chat(colo, model, messages))
 
 
 def test_disaggregated_seeded_sampling_equals_colocated(stacks):
-    model, pd, colo, _ = stacks
+    model, pd, colo, _, _ = stacks
     messages = [{"role": "user", "content": "Invent a word."}]
     kw = {"temperature": 0.9, "seed": 1234}
     assert answer(chat(pd, model, messages, **kw)) == answer(chat(colo, model, messages, **kw))
@@ -117,7 +122,7 @@ def generated_tokens(w: rc.Proc) -> float:
 
 
 def test_sampled_request_with_penalties_streams_the_prefill_workers_first_token(stacks):
-    model, pd, colo, (prefill, decode) = stacks
+    model, pd, colo, (prefill, decode), _ = stacks
     messages = [{"role": "user", "content": "Invent a word."}]
     kw = {"temperature": 0.9, "seed": 99, "frequency_penalty": 0.5, "presence_penalty": 0.3}
     before = generated_tokens(decode)
@@ -130,7 +135,7 @@ def test_sampled_request_with_penalties_streams_the_prefill_workers_first_token(
 
 
 def test_multi_turn_conversation_matches_and_later_turns_hit_the_cache(stacks):
-    model, pd, colo, _ = stacks
+    model, pd, colo, _, _ = stacks
     history: list[dict] = []
     for i, question in enumerate(QUESTIONS):
         history.append({"role": "user", "content": question})

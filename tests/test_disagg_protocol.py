@@ -50,7 +50,7 @@ def test_request_output_round_trips_through_a_stream_event():
 
 def test_router_and_disagg_never_import_torch():
     code = (
-        "import sys, deepserve.router.router, deepserve.disagg.flow, deepserve.disagg.remote_engine;"
+        "import sys, deepserve.router.router, deepserve.router.flow, deepserve.router.remote_engine;"
         "sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -17,8 +17,8 @@ pytest.importorskip("triton")
 
 import test_kernels_invariant_triton  # noqa: E402,F401  (patches the interpreter when used)
 
-from deepserve.engine.attention import AttentionMetadata  # noqa: E402
 from deepserve.kernels import attention_ref  # noqa: E402
+from deepserve.kernels.attention_metadata import AttentionMetadata  # noqa: E402
 from deepserve.kernels.triton import attention, fused_moe  # noqa: E402
 from deepserve.kernels.triton.decode_attention import decode_attention  # noqa: E402
 
@@ -143,7 +143,7 @@ def test_tiny_deepseek_with_the_fast_kernels_matches_the_reference_kernels():
 
     from deepserve.engine.models.common import WeightStore
     from deepserve.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
-    from deepserve.engine.test_model import TINY_CONFIG, _tensors
+    from deepserve.engine.tiny_deepseek import TINY_CONFIG, _tensors
     from deepserve.kernels.reference import KERNELS
     from deepserve.kernels.triton.kernelset import fast_kernels
 

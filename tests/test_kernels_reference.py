@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepserve.engine.attention import AttentionMetadata
 from deepserve.kernels import reference
+from deepserve.kernels.attention_metadata import AttentionMetadata
 from deepserve.kernels.attention_ref import paged_attention, write_kv
 from deepserve.kernels.rope import apply_rope, rope_inv_freq
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from deepserve.engine.config import EngineConfig
 from deepserve.engine.errors import ModelNotFoundError, UnsupportedModelError
 from deepserve.engine.loader import load_model
-from deepserve.engine.test_model import write_tiny_deepseek
+from deepserve.engine.tiny_deepseek import write_tiny_deepseek
 
 PROMPT = [671, 4787, 13769, 46012, 54994, 1060, 270]
 

@@ -11,7 +11,7 @@ import torch
 
 from deepserve.engine.config import EngineConfig
 from deepserve.engine.loader import load_model
-from deepserve.engine.test_model import write_tiny_deepseek
+from deepserve.engine.tiny_deepseek import write_tiny_deepseek
 
 
 @pytest.fixture(scope="module")

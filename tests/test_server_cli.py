@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from deepserve.engine.config import KVTierConfig
 from deepserve.server.cli import (
     bench_config_from_args,
     build_parser,
@@ -95,3 +98,19 @@ def test_bench_serve_mixed_lengths_draw_prompt_words_from_the_range():
     words = [len(p.split()) - 2 for p in prompts]  # less the "Request i:" head
     assert min(words) >= 30 and max(words) <= 900
     assert max(words) - min(words) > 400
+
+
+def test_kv_tiers_without_prefix_caching_are_refused_not_dropped():
+    args = build_parser().parse_args(["serve", "--no-prefix-caching", "--kv-host-bytes", "1000"])
+    with pytest.raises(SystemExit, match="need prefix caching"):
+        engine_config_from_args(args)
+
+
+def test_every_layer_defaults_to_one_kv_store_timeout():
+    from deepserve.kvcache.redis_store import RedisStoreConfig
+
+    args = build_parser().parse_args(["worker", "--kv-store", "redis://127.0.0.1:1/0"])
+    tiers = engine_config_from_args(args).kv_tiers
+    assert (
+        tiers.store_timeout_s == KVTierConfig().store_timeout_s == RedisStoreConfig("x").timeout_s
+    )

@@ -293,7 +293,7 @@ def test_spec_decode_counters_are_exported_for_prometheus(loaded):
     llm = make_llm(loaded, MTP3)
     llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))
     registry = CollectorRegistry()
-    registry.register(EngineCollector(llm.engine, {"model_name": "m", "role": "mixed"}))
+    registry.register(EngineCollector(llm.engine.stats, {"model_name": "m", "role": "mixed"}))
     samples = {}
     for family in text_string_to_metric_families(generate_latest(registry).decode()):
         for s in family.samples:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from deepserve.engine.attention import AttentionMetadata
+from deepserve.kernels.attention_metadata import AttentionMetadata
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

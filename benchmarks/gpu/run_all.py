@@ -91,7 +91,7 @@ def write_smollm2_shape(folder: Path, device: str) -> Path:
 def write_tiny_deepseek(folder: Path) -> Path:
     from safetensors.torch import save_file
 
-    from deepserve.engine.test_model import TINY_CONFIG, _tensors
+    from deepserve.engine.tiny_deepseek import TINY_CONFIG, _tensors
 
     folder.mkdir(parents=True, exist_ok=True)
     config = dict(TINY_CONFIG, vocab_size=129280)
@@ -118,7 +118,7 @@ def make_llm(folder: Path, sc: Scale, dtype: str, batch_invariant: bool, **kw):
 
 def engine_logits(llm, ids: list[int], device: str) -> torch.Tensor:
     """Last-position logits of one cold prompt, through the loaded model's own forward."""
-    from deepserve.engine.attention import AttentionMetadata
+    from deepserve.kernels.attention_metadata import AttentionMetadata
 
     model = llm.engine.model
     n, bs = len(ids), 16

@@ -43,9 +43,9 @@ def build_llm(config: dict, hf, batch_invariant: bool, **kw):
     from deepserve.engine.config import EngineConfig
     from deepserve.engine.llm import LLM
     from deepserve.engine.loader import LoadedModel, ModelInfo
+    from deepserve.engine.models.architectures import model_class
     from deepserve.engine.models.common import WeightStore
-    from deepserve.engine.models.registry import model_class
-    from deepserve.kernels.registry import get_kernels
+    from deepserve.kernels.kernel_set import get_kernels
 
     weights = dict(hf.state_dict())
     store = WeightStore(weights, torch.device("cuda"), torch.bfloat16)

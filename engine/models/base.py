@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from deepserve.engine.attention import AttentionMetadata
+from deepserve.kernels.attention_metadata import AttentionMetadata
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from deepserve.engine.errors import UnsupportedModelError
+from deepserve.kernels.kernel_set import KernelSet
 from deepserve.kernels.quant_panels import QuantizedMatrix, concat
-from deepserve.kernels.registry import KernelSet
 
 Weights = dict[str, torch.Tensor]
 

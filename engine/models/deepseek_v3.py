@@ -25,12 +25,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from deepserve.engine.attention import AttentionMetadata
 from deepserve.engine.errors import UnsupportedModelError
 from deepserve.engine.models.base import KVCacheSpec
 from deepserve.engine.models.common import WeightStore, require, swiglu
+from deepserve.kernels.attention_metadata import AttentionMetadata
 from deepserve.kernels.attention_ref import write_kv
-from deepserve.kernels.registry import KernelSet
+from deepserve.kernels.kernel_set import KernelSet
 from deepserve.kernels.rope import apply_rope, build_rope_tables, rope_at, yarn_get_mscale
 
 

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from deepserve.engine.attention import AttentionMetadata
+from deepserve.kernels.attention_metadata import AttentionMetadata
 
 
 class MtpModel(Protocol):

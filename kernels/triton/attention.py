@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepserve.engine.attention import AttentionMetadata
+from deepserve.kernels.attention_metadata import AttentionMetadata
 from deepserve.kernels.triton.lang import cdiv, constexpr, jit, next_power_of_2, tl
 
 SPLIT = 512  # keys per split: fixed, whatever the context length or batch

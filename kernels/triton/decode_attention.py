@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from deepserve.engine.attention import AttentionMetadata
+from deepserve.kernels.attention_metadata import AttentionMetadata
 from deepserve.kernels.triton.lang import cdiv, constexpr, jit, next_power_of_2, tl
 
 BLOCK_H = 16  # query heads per program: the smallest row count of a tensor-core product

@@ -9,10 +9,10 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from deepserve.engine.attention import AttentionMetadata
-from deepserve.engine.errors import UnsupportedModelError
 from deepserve.kernels import reference
-from deepserve.kernels.registry import KernelSet
+from deepserve.kernels.attention_metadata import AttentionMetadata
+from deepserve.kernels.errors import KernelUnavailableError
+from deepserve.kernels.kernel_set import KernelSet
 from deepserve.kernels.triton import attention, fused_moe, matmul, mla, rows
 from deepserve.kernels.triton.decode_attention import decode_attention
 from deepserve.kernels.triton.lang import HAVE_TRITON
@@ -59,7 +59,7 @@ def fast_kernels() -> KernelSet | None:
 
 def triton_kernels() -> KernelSet:
     if not HAVE_TRITON:
-        raise UnsupportedModelError("--batch-invariant on a CUDA device needs the triton package")
+        raise KernelUnavailableError("--batch-invariant on a CUDA device needs the triton package")
     return KernelSet(
         name="batch_invariant_triton",
         linear=matmul.linear,

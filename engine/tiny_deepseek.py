@@ -163,7 +163,7 @@ def write_tiny_deepseek(out_dir: Path, seed: int = 0) -> Path:
     gen_config = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
     _write_json(out_dir / "tokenizer_config.json", tok_config)
     _write_json(out_dir / "generation_config.json", gen_config)
-    # config.json last: model_registry treats its presence as "the folder is complete"
+    # config.json last: builtin_models treats its presence as "the folder is complete"
     _write_json(out_dir / "config.json", config)
     return out_dir
 

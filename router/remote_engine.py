@@ -1,12 +1,11 @@
 """`RemoteEngine`: the frontend's generation backend when the engines run in worker processes.
 
-It offers the face of `engine.AsyncEngine` that server/ uses (`tokenizer`, `model_info`,
-`admit`, `generate`, `abort`, `load`, `shutdown`), so the same FastAPI app serves from an
-in-process engine or from remote workers. Requests go through `GenerationFlow` over a `Router`.
-The model card (ModelInfo fields and the tokenizer) comes from the workers themselves, so frontend
+It implements the `EngineClient` contract (engine/client.py) that `AsyncEngine` implements in
+process, so the same FastAPI app serves from an in-process engine or from remote workers. Requests go through `GenerationFlow` over a `Router`.
+The model card (`ModelCard` and the tokenizer) comes from the workers themselves, so frontend
 and workers can never disagree on the vocabulary, and the frontend never loads weights.
 
-Not here: routing (router/), the prefill/decode sequence (disagg/flow.py).
+Not here: routing (router/), the prefill/decode sequence (router/flow.py).
 """
 
 from __future__ import annotations
@@ -15,26 +14,27 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 from tokenizers import Tokenizer
 
 from deepserve.disagg.errors import NoWorkerError, WorkerRejectedError, WorkerUnavailableError
-from deepserve.disagg.flow import GenerationFlow
-from deepserve.engine.admission import AdmittedRequest, EngineLimits, check_request
+from deepserve.engine.admission import AdmittedRequest, check_request
+from deepserve.engine.client import ModelCard
 from deepserve.engine.outputs import EngineLoad, RequestOutput
 from deepserve.engine.sampling_params import SamplingParams
+from deepserve.router.flow import GenerationFlow
 from deepserve.router.router import Router
 
 
-async def fetch_model_card(router: Router, timeout: float) -> dict[str, Any]:
+async def fetch_model_card(router: Router, timeout: float) -> tuple[ModelCard, Tokenizer]:
     """The first model card any worker returns, waiting up to `timeout` for one to come up."""
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while time.monotonic() < deadline:
         for w in router.pool.workers():
             try:
-                return await w.client.model_card()
+                card = await w.client.model_card()
+                return ModelCard.from_json(card["card"]), Tokenizer.from_str(card["tokenizer"])
             except (WorkerUnavailableError, WorkerRejectedError) as e:
                 last = e
         await asyncio.sleep(0.5)
@@ -42,21 +42,18 @@ async def fetch_model_card(router: Router, timeout: float) -> dict[str, Any]:
 
 
 class RemoteEngine:
-    def __init__(
-        self, router: Router, model_info: Any, tokenizer: Tokenizer, limits: EngineLimits
-    ) -> None:
+    def __init__(self, router: Router, card: ModelCard, tokenizer: Tokenizer) -> None:
         self.router = router
-        self.model_info = model_info
+        self.card = card
         self.tokenizer = tokenizer
-        self.limits = limits
-        self.flow = GenerationFlow(router, model_info.max_model_len)
+        self.flow = GenerationFlow(router, card.limits.max_model_len)
 
     def admit(
         self, prompt_token_ids: list[int], params: SamplingParams, resume_token_ids=()
     ) -> AdmittedRequest:
         """The engine's own admission against the workers' limits; a worker compiles the
         output constraint (a bad one is its 400)."""
-        max_tokens = check_request(self.limits, prompt_token_ids, params, resume_token_ids)
+        max_tokens = check_request(self.card.limits, prompt_token_ids, params, resume_token_ids)
         return AdmittedRequest(list(prompt_token_ids), params, max_tokens, list(resume_token_ids))
 
     async def generate(

@@ -1,0 +1,125 @@
+"""`EngineClient`: the one contract between the serving layers and an engine. Torch-free.
+
+Implemented by the in-process `AsyncEngine` (engine/async_engine.py) and by the frontend's
+`RemoteEngine` over workers (router/remote_engine.py); server/ speaks only this. A worker
+(server/worker.py) serves one `EngineClient` behind the internal API.
+
+```python
+engine.card                      # ModelCard: ModelInfo, EngineLimits, batch_invariant, block_size
+engine.tokenizer                 # tokenizers.Tokenizer
+admitted = engine.admit(prompt_token_ids, params, resume_token_ids=())   # InvalidRequestError
+async for out in engine.generate(request_id, admitted): ...              # RequestOutput deltas
+await engine.abort(request_id)
+engine.load() -> EngineLoad
+await engine.shutdown()
+# the worker's side (an in-process engine only):
+engine.take_block_events()       # BlockStored / BlockRemoved since the last call
+await engine.hand_off_prompt(prompt_token_ids, timeout, cache_salt)  # KVHandOff (None: no shared tier):
+                                                          # the prompt's blocks for a decode worker
+engine.stats() -> EngineStats    # counters for Prometheus
+```
+
+Not here: the checks `admit` runs (engine/admission.py), the wire format (disagg/protocol.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+from deepserve.engine.admission import AdmittedRequest, EngineLimits
+from deepserve.engine.outputs import EngineLoad, RequestOutput
+from deepserve.engine.sampling_params import SamplingParams
+
+__all__ = [
+    "AdmittedRequest",
+    "EngineClient",
+    "EngineLimits",
+    "EngineStats",
+    "KVHandOff",
+    "ModelCard",
+    "ModelInfo",
+]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the loader found in the checkpoint."""
+
+    name: str
+    family: str  # "llama" | "deepseek_v3"
+    architecture: str
+    path: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    chat_template: str | None
+    fingerprint: str
+    num_mtp_layers: int
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """What a serving layer knows of an engine: the model, its admission limits and how it runs.
+    A worker publishes it on /internal/model, so a frontend reports what its workers run."""
+
+    info: ModelInfo
+    limits: EngineLimits
+    batch_invariant: bool
+    block_size: int
+    kv_block_bytes: int  # one KV block on every layer, as the tiers store it
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ModelCard:
+        return cls(
+            ModelInfo(**d["info"]),
+            EngineLimits(**d["limits"]),
+            d["batch_invariant"],
+            d["block_size"],
+            d["kv_block_bytes"],
+        )
+
+
+@dataclass(frozen=True)
+class KVHandOff:
+    """A prefill worker's result: whether the prompt's full blocks reached the shared tier, their
+    keys (empty when not), and how many blocks that was."""
+
+    flushed: bool
+    keys: list[str]
+    num_blocks: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters read at scrape time (server/component_metrics.py)."""
+
+    num_preemptions: int
+    spec_decode: Any | None  # engine/spec_decode/stats.py SpecDecodeStats; None when off
+    kv_registry: Any | None  # the KV tiers' prometheus CollectorRegistry; None without tiers
+
+
+class EngineClient(Protocol):
+    card: ModelCard
+    tokenizer: Any  # tokenizers.Tokenizer
+
+    def admit(
+        self, prompt_token_ids: list[int], params: SamplingParams, resume_token_ids=()
+    ) -> AdmittedRequest:
+        """Validate, resolve max_tokens, compile the output constraint: InvalidRequestError
+        before any work is queued. `generate` trusts what this returns."""
+
+    def generate(self, request_id: str, admitted: AdmittedRequest) -> AsyncIterator[RequestOutput]:
+        """Stream the request's deltas; leaving the iteration early aborts it."""
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def load(self) -> EngineLoad: ...
+
+    async def shutdown(self) -> None: ...

@@ -1,0 +1,58 @@
+"""Running an ASGI app under uvicorn, the same way for `serve`, `frontend` and `worker`.
+
+One place for the uvicorn settings (graceful shutdown bound, no access log) and for the event loop
+choice: "auto" takes uvloop and httptools when installed (a routed request crosses two HTTP stacks,
+so their per-request cost counts twice).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import uvicorn
+
+LOOPS = ("auto", "asyncio", "uvloop")
+HTTP_PARSERS = ("auto", "h11", "httptools")
+
+
+async def serve_http(
+    app: Any,
+    host: str,
+    port: int,
+    http: str = "auto",
+    log_level: str = "warning",
+    proxy_headers: bool = True,
+) -> None:
+    """Serve `app` on the running loop until SIGINT/SIGTERM."""
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=http,
+        log_level=log_level,
+        access_log=False,
+        proxy_headers=proxy_headers,
+        timeout_graceful_shutdown=5,
+    )
+    await uvicorn.Server(config).serve()
+
+
+def run_in_loop(main: Coroutine[Any, Any, None], loop: str = "auto") -> None:
+    """Run `main` on a new event loop of the kind uvicorn's `--loop` names."""
+    with asyncio.Runner(loop_factory=loop_factory(loop)) as runner:
+        runner.run(main)
+
+
+def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvicorn's loop choice for a loop we create ourselves (None: asyncio's default)."""
+    if name == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if name == "uvloop":
+            raise
+        return None
+    return uvloop.new_event_loop
