@@ -30,3 +30,6 @@ class Backend(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     def load(self) -> EngineLoad: ...
+
+    def unavailable(self) -> str | None:
+        """None while requests can be served; else why not (/health and /ready answer 503)."""
