@@ -219,6 +219,12 @@ def add_frontend_parser(sub) -> None:
         default=CacheAwareConfig.balance_rel,
         help="cache_aware: ... and the busier/less busy load ratio that must also be exceeded",
     )
+    g.add_argument(
+        "--cache-threshold",
+        type=float,
+        default=CacheAwareConfig.min_match_ratio,
+        help="cache_aware: share of a request's tokens its cached prefix must cover to pin it",
+    )
     g.add_argument("--kv-store", default=None, help="redis:// carrying the workers' KV events")
     g.add_argument(
         "--internal-token",
@@ -278,7 +284,9 @@ def frontend_config_from_args(args: argparse.Namespace):
             first_event=args.first_token_timeout, between_events=args.token_timeout
         ),
         cache_aware=CacheAwareConfig(
-            balance_abs=args.balance_abs_threshold, balance_rel=args.balance_rel_threshold
+            balance_abs=args.balance_abs_threshold,
+            balance_rel=args.balance_rel_threshold,
+            min_match_ratio=args.cache_threshold,
         ),
     )
     server = replace(server_config_from_args(args), role="frontend")
