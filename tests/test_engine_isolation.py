@@ -33,7 +33,7 @@ async def engine(loaded):
 
 async def tokens_of(engine: AsyncEngine, rid: str, prompt: list[int], params) -> list[int]:
     out: list[int] = []
-    async for delta in engine.generate(rid, prompt, params):
+    async for delta in engine.generate(rid, engine.admit(prompt, params)):
         out += [t for c in delta.outputs for t in c.token_ids]
     return out
 
