@@ -215,7 +215,7 @@ def write_both(loaded, tiers: KVTierConfig, victim: list[int], other: list[int])
 def test_forged_blocks_in_redis_are_misses_and_the_answer_stays_right(
     loaded, tok, redis_url, redis_server
 ):
-    victim, other = tok(PARAGRAPH * 2)[:100], tok(CAKE * 8)[:100]  # 6 full blocks each
+    victim, other = tok(PARAGRAPH * 3)[:100], tok(CAKE * 8)[:100]  # 6 full blocks each
     shared = KVTierConfig(store_url=redis_url, store_mac_key=SHARED_MAC)
     writer, expected = write_both(loaded, shared, victim, other)
     guess = derive_mac_key(b"a guessed secret")
@@ -234,7 +234,7 @@ def test_forged_blocks_would_rewrite_the_answer_for_a_reader_keyed_like_the_forg
     loaded, tok, redis_url, redis_server
 ):
     """The control for the test above: the same forgery, accepted, changes the answer."""
-    victim, other = tok(PARAGRAPH * 2)[:100], tok(CAKE * 8)[:100]
+    victim, other = tok(PARAGRAPH * 3)[:100], tok(CAKE * 8)[:100]
     guess = derive_mac_key(b"a guessed secret")
     keyed = KVTierConfig(store_url=redis_url, store_mac_key=guess)
     writer, expected = write_both(loaded, keyed, victim, other)
