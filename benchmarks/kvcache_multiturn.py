@@ -179,7 +179,8 @@ def measure_bulk_load(engine: LLMEngine, url: str, reps: int = 9) -> dict:
     keys = [k.decode().removeprefix("dskv:") for k in raw.keys("dskv:*")]
     metrics = KVCacheMetrics(CollectorRegistry())
     tiers = TieredKVCache(engine.kv_tiering.tiers.spec, metrics,
-                          store=RedisStore(RedisStoreConfig(url=url, timeout_s=5), metrics))  # fmt: skip
+                          store=RedisStore(RedisStoreConfig(url=url, timeout_s=5), metrics),
+                          store_mac_key=engine.kv_tiering.tiers.store_mac_key)  # fmt: skip
     nbytes = sum(raw.strlen(f"dskv:{k}") for k in keys)
     raw_times, ours_times, ours_copy_times = [], [], []
     cache = engine.runner.kv_cache  # the engine has finished its requests: scratch space now

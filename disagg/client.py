@@ -140,8 +140,11 @@ class _Events:
 
 
 def _raise_for_event_error(event: P.StreamEvent, started: bool) -> None:
-    if event.error is not None:
-        raise WorkerUnavailableError(f"worker error: {event.error}", started)
+    if event.error is None:
+        return
+    if event.rejected:  # the request failed for its own content: another worker would too
+        raise WorkerRejectedError(event.error)
+    raise WorkerUnavailableError(f"worker error: {event.error}", started)
 
 
 async def _raise_for_status(resp: httpx.Response) -> None:

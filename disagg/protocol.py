@@ -106,6 +106,7 @@ class StreamEvent(WireMessage):
     finished: bool = False
     kv_keys: list[str] = field(default_factory=list)  # prefill mode: keys of the stored blocks
     error: str | None = None  # set only on the last event of a stream that failed
+    rejected: bool = False  # with error: the request's own fault, not to be tried elsewhere
 
     @classmethod
     def from_output(cls, out: RequestOutput, kv_keys: list[str] | None = None) -> StreamEvent:

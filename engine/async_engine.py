@@ -5,7 +5,10 @@ talk to it through a locked inbox (adds and aborts) and receive `RequestOutput` 
 per-request asyncio queues, fed with `loop.call_soon_threadsafe`. The thread sleeps on a condition
 variable when there is nothing to run. Admission (`admit`: validation, max_tokens, grammar
 compilation) happens on the caller's side before anything is queued, so a bad request raises at
-once and never reaches the engine thread. Protocol conversion is server/'s job.
+once and never reaches the engine thread. A request that fails inside the engine gets
+`RequestFailedError` and the engine serves on; only an error the engine cannot blame on a request
+stops its thread, after which `unavailable()` says why (health checks report it). Protocol
+conversion is server/'s job.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from deepserve.engine.admission import AdmittedRequest, EngineLimits
 from deepserve.engine.block_manager import prompt_block_keys
 from deepserve.engine.client import EngineStats, KVHandOff
 from deepserve.engine.config import EngineConfig
-from deepserve.engine.errors import EngineError, InvalidRequestError
+from deepserve.engine.errors import EngineError, InvalidRequestError, RequestFailedError
 from deepserve.engine.llm_engine import LLMEngine
 from deepserve.engine.outputs import EngineLoad, RequestOutput
 from deepserve.engine.sampling_params import SamplingParams
+from deepserve.engine.step_isolation import is_fatal
 
 
 @dataclass
@@ -155,9 +159,16 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join)
         self.engine.close()
 
+    def unavailable(self) -> str | None:
+        """None while the engine serves; else why it cannot (crashed or shut down)."""
+        if self._stopping or not self._thread.is_alive() or self._error is not None:
+            return f"the engine is not running ({self._error or 'shut down'})"
+        return None
+
     def _raise_if_dead(self) -> None:
-        if self._stopping or not self._thread.is_alive():
-            raise EngineDeadError(f"the engine is not running ({self._error or 'shut down'})")
+        reason = self.unavailable()
+        if reason is not None:
+            raise EngineDeadError(reason)
 
     # ---- engine thread --------------------------------------------------------------------
 
@@ -217,8 +228,16 @@ class AsyncEngine:
             self.engine.add_admitted(add.request_id, add.admitted)
         except InvalidRequestError as e:  # e.g. a duplicate id racing another caller
             self._deliver_error(add.request_id, e)
+        except Exception as e:  # admission touched no shared state: only this request fails
+            if is_fatal(e):
+                raise
+            message = f"the engine could not admit this request: {type(e).__name__}: {e}"
+            self._deliver_error(add.request_id, RequestFailedError(message))
 
     def _deliver(self, out: RequestOutput) -> None:
+        if out.error is not None:
+            self._deliver_error(out.request_id, RequestFailedError(out.error))
+            return
         with self._cond:
             stream = self._streams.get(out.request_id)
             if out.finished:

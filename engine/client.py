@@ -122,4 +122,7 @@ class EngineClient(Protocol):
 
     def load(self) -> EngineLoad: ...
 
+    def unavailable(self) -> str | None:
+        """None while requests can be served; else why not (/health and /ready answer 503)."""
+
     async def shutdown(self) -> None: ...

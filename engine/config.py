@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from deepserve.kvcache.store import DEFAULT_TIMEOUT_S
 
@@ -25,6 +25,9 @@ class KVTierConfig:
     store_timeout_s: float = DEFAULT_TIMEOUT_S  # connect/read timeout of one L2 socket operation
     store_max_bytes: int = 8 * 2**30  # size cap for a file:// store (Redis uses its maxmemory)
     max_pending_bytes: int = 256 * 2**20  # background offload/write-through queue, each
+    # HMAC key of the L2 blocks (kvcache/codec.py): processes sharing a store need the same one.
+    # None: a random key of this process, so only it can read what it wrote.
+    store_mac_key: bytes | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry
 
 from deepserve.engine.config import KVTierConfig
 from deepserve.engine.models.base import KVCacheSpec
-from deepserve.kvcache.codec import BlockSpec
+from deepserve.kvcache.codec import BlockSpec, process_mac_key
 from deepserve.kvcache.disk_store import DiskStore
 from deepserve.kvcache.host_cache import HostCache
 from deepserve.kvcache.metrics import KVCacheMetrics
@@ -103,6 +103,7 @@ class KVTiering:
             host=host,
             store=open_store(config, metrics),
             max_pending_bytes=config.max_pending_bytes,
+            store_mac_key=config.store_mac_key or process_mac_key(),
         )
         return cls(tiers, registry, config.max_pending_bytes)
 

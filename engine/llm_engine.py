@@ -4,11 +4,14 @@
 each step's results: progress of every scheduled chunk, sampled tokens, stop conditions, and the
 per-request output deltas. It is single-threaded by design; `AsyncEngine` runs it on its own thread
 and `LLM` drives it in a loop. Requests are admitted (engine/admission.py) before anything is queued.
+A request whose own step raises is failed alone and the engine goes on serving the others
+(engine/step_isolation.py).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import secrets
 import threading
 import time
@@ -25,7 +28,10 @@ from deepserve.engine.outputs import CompletionOutput, EngineLoad, RequestOutput
 from deepserve.engine.request import Request, Sequence, derive_seed
 from deepserve.engine.sampling_params import SamplingParams
 from deepserve.engine.scheduler import Scheduler, SchedulerOutput
+from deepserve.engine.step_isolation import find_failing, is_fatal, only
 from deepserve.engine.threads import ThreadPolicy
+
+log = logging.getLogger(__name__)
 
 
 def thread_policy(config: EngineConfig) -> ThreadPolicy | None:
@@ -211,12 +217,42 @@ class LLMEngine:
             return []
         if self.threads is not None:
             self.threads.before_step()
-        result = self.runner.execute(out)
-        self._apply_progress(out)
-        touched = self._apply_samples(result)
-        if self.spec is not None:  # drafts for the next step
-            self.spec.propose(out, result.hidden, self.runner.kv_cache)
-        return [self._make_output(r) for r in touched]
+        result, out, failed = self._execute(out)
+        touched: list[Request] = []
+        if result is not None:
+            self._apply_progress(out)
+            touched = self._apply_samples(result)
+            if self.spec is not None:  # drafts for the next step
+                self.spec.propose(out, result.hidden, self.runner.kv_cache)
+        return [self._make_output(r) for r in [*failed, *touched]]
+
+    def _execute(
+        self, out: SchedulerOutput
+    ) -> tuple[StepResult | None, SchedulerOutput, list[Request]]:
+        """Run the step; if it raises, fail the requests that raise alone and run the rest.
+        Returns the result (None when no request is left), what ran, and the failed requests."""
+        try:
+            return self.runner.execute(out), out, []
+        except Exception as e:
+            if is_fatal(e):
+                raise
+            failing = find_failing(out, self.runner.execute)
+            if not failing:
+                raise
+        for request, error in failing.values():
+            self._fail(request, error)
+        rest = only(out, lambda r: id(r) not in failing)
+        result = None if rest.is_empty else self.runner.execute(rest)
+        return result, rest, [request for request, _ in failing.values()]
+
+    def _fail(self, request: Request, error: Exception) -> None:
+        """End a request the engine could not run; its blocks are freed now."""
+        log.warning("request %s failed in the engine: %r", request.request_id, error)
+        request.error = f"the engine could not run this request: {type(error).__name__}: {error}"
+        for seq in request.sequences:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "error")
+        request.forked = True  # samples never forked are finished too
 
     def _apply_progress(self, out: SchedulerOutput) -> None:
         for item in out.scheduled:
@@ -299,6 +335,7 @@ class LLMEngine:
             cached_tokens_by_tier=by_tier,
             finished=finished,
             queue_time=_queue_time(request),
+            error=request.error,
         )
 
     # ---- control --------------------------------------------------------------------------

@@ -19,7 +19,7 @@ class CompletionOutput:
     index: int
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"; None: running
     stop_token_id: int | None = None  # the token that ended it, when it was a stop/EOS token
 
 
@@ -32,6 +32,7 @@ class RequestOutput:
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # "device", "host", "store"
     finished: bool = False
     queue_time: float | None = None  # seconds from arrival to its first scheduled step
+    error: str | None = None  # set on the last output of a request that failed in the engine
 
 
 @dataclass

@@ -98,6 +98,7 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens served from cache on first admission; -1 unknown
     num_device_cached_tokens: int = 0  # of which from the device pool (the rest: lower tiers)
     forked: bool = False
+    error: str | None = None  # why the engine failed it (engine/step_isolation.py)
 
     @property
     def n(self) -> int:

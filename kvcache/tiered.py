@@ -8,8 +8,10 @@
 - `write_through(items)`: full prompt blocks go to L2 in the background (bounded queue); the store
   writes each key once.
 
-Payloads are raw block bytes (any buffer); framing and checks are codec.py's. What does not live
-here: which device blocks to evict or fill (the engine's block manager decides that).
+Payloads are raw block bytes (any buffer); framing and checks are codec.py's. L2 blocks carry an
+HMAC under `store_mac_key` (other processes can write there); L1 blocks, in this process's memory
+only, a checksum. What does not live here: which device blocks to evict or fill (the engine's
+block manager decides that).
 """
 
 from __future__ import annotations
@@ -48,8 +50,12 @@ class TieredKVCache:
         host: HostCache | None = None,
         store: BlockStore | None = None,
         max_pending_bytes: int = 256 * 2**20,
+        store_mac_key: bytes | None = None,
     ) -> None:
+        if store is not None and not store_mac_key:
+            raise ValueError("a shared KV store needs a MAC key (kvcache/codec.py)")
         self.spec = spec
+        self.store_mac_key = store_mac_key
         self.metrics = metrics
         self.host = host
         self.store = store
@@ -84,12 +90,12 @@ class TieredKVCache:
         """Validated payloads for the longest prefix of `keys` held by L1, then L2."""
         out: list[memoryview] = []
         if self.host is not None and keys:
-            out += self._fetch_tier(HOST, keys, self.host.get_many, self.host.delete)
+            out += self._fetch_tier(HOST, keys, self.host.get_many, self.host.delete, None)
         n_host = len(out)
         rest = keys[n_host:]
         if self.store is not None and rest:
-            found = self._fetch_tier(STORE, rest, self.store.get_many, self.store.delete)
-            out += found
+            store = self.store
+            out += self._fetch_tier(STORE, rest, store.get_many, store.delete, self.store_mac_key)
         return FetchedPrefix(out, n_host, len(out) - n_host)
 
     def _fetch_tier(
@@ -98,6 +104,7 @@ class TieredKVCache:
         keys: Sequence[str],
         get_many: Callable[[Sequence[str]], list[bytes | None]],
         delete: Callable[[Sequence[str]], None],
+        mac_key: bytes | None,
     ) -> list[memoryview]:
         start = time.perf_counter()
         values = get_many(keys)
@@ -106,14 +113,14 @@ class TieredKVCache:
             if value is None:
                 break
             try:
-                good.append((key, value, decode_block(self.spec, key, value)))
+                good.append((key, value, decode_block(self.spec, key, value, mac_key)))
             except BlockFormatError:
                 delete([key])
                 self.metrics.integrity_failures.labels(tier).inc()
                 break  # a chain with a gap is only usable up to the gap
         if tier == STORE and self.host is not None:
-            for key, value, _ in good:
-                self.host.put(key, value)
+            for key, _, view in good:  # L1 keeps its own (checksummed) framing
+                self.host.put(key, encode_block(self.spec, key, view))
         elif tier == HOST:
             self.metrics.bytes_in.labels(HOST).inc(sum(len(v) for _, v, _ in good))
         self.metrics.record_lookup(tier, len(keys), len(good))
@@ -138,7 +145,8 @@ class TieredKVCache:
     def _write_store(self, items: list[Item]) -> None:
         assert self.store is not None
         start = time.perf_counter()
-        self.store.put_many([(key, encode_block(self.spec, key, p)) for key, p in items])
+        mac = self.store_mac_key
+        self.store.put_many([(key, encode_block(self.spec, key, p, mac)) for key, p in items])
         self.metrics.latency.labels(STORE, "write_through").observe(time.perf_counter() - start)
 
     # -- lifecycle -----------------------------------------------------------------------------

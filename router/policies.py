@@ -2,7 +2,8 @@
 
 `round_robin`, `least_load` (queue depth, then KV usage), `power_of_two` (the less loaded of two
 random picks) and `cache_aware` (the worker holding the longest cached prefix of the request's whole
-token sequence, unless it is much busier than the least loaded one). Policies keep their own small
+token sequence, when that prefix is a large enough share of it and the holder is not much busier
+than the least loaded worker). Policies keep their own small
 state (a counter, a seeded RNG); health and retries are the router's business, not theirs.
 """
 
@@ -65,6 +66,12 @@ class CacheAwareConfig:
     # A gap of a few requests is the normal jitter of a handful of concurrent streams.
     balance_abs: float = 32.0
     balance_rel: float = 1.5
+    # A cached prefix pins a request to its holder only when it covers at least this share of
+    # the request's tokens. Every chat starts with its template (a default system prompt): a
+    # match of only that is cheap to recompute anywhere, and pinning on it sent every request to
+    # the first worker that served one. Below the share, the request goes where the least is
+    # running and cached, as a new prefix does (SGLang's router has the same cache threshold).
+    min_match_ratio: float = 0.5
 
 
 class CacheAware:
@@ -96,10 +103,11 @@ class CacheAware:
         for wid, n in self.recent.match_hashes(hashes, block_size).items():
             matched[wid] = max(n, matched.get(wid, 0))
         scored = [(n, w) for wid, n in matched.items() if (w := by_id.get(wid)) is not None]
-        if not scored:
+        best_n = max((n for n, _ in scored), default=0)
+        if best_n == 0 or best_n < self.config.min_match_ratio * len(token_ids):
             return self._emptiest(candidates, token_ids)
-        best_n = max(n for n, _ in scored)
-        best = min((w for n, w in scored if n == best_n), key=Worker.load_score)
+        # Equal matches (a prefix every worker holds) are shared out like a new prefix.
+        best = self._emptiest([w for n, w in scored if n == best_n], token_ids)
         if self._too_busy(best, candidates):
             return self._least.choose(candidates, token_ids)
         return best

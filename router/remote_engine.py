@@ -78,5 +78,13 @@ class RemoteEngine:
             num_free_blocks=sum(ld.num_free_blocks for ld in loads),
         )
 
+    def unavailable(self) -> str | None:
+        """Why no request can be served now, or None. A mixed or a decode worker can run a
+        whole request (the decode worker does the prefill when no prefill worker is left)."""
+        pool = self.router.pool
+        if pool.available("mixed") or pool.available("decode"):
+            return None
+        return "no healthy mixed or decode worker"
+
     async def shutdown(self) -> None:
         await self.router.close()

@@ -89,13 +89,19 @@ def _add_routes(app: FastAPI, state: AppState) -> None:
         }
         return {"object": "list", "data": [card]}
 
+    # Both report a backend that cannot serve (a crashed engine, no worker left), so a
+    # container's healthcheck or a load balancer stops sending it requests.
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "batch_invariant": state.metrics.batch_invariant}
+    async def health() -> Response:
+        if (reason := state.backend.unavailable()) is not None:
+            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+        return JSONResponse({"status": "ok", "batch_invariant": state.metrics.batch_invariant})
 
     @app.get("/ready")
     async def ready() -> Response:
         # The backend exists once the model is loaded; the app is only built after that.
+        if (reason := state.backend.unavailable()) is not None:
+            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
         return JSONResponse({"status": "ready", "model": state.config.served_model_name})
 
     @app.get("/metrics")

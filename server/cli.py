@@ -7,12 +7,15 @@ config objects.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import socket
 import sys
 
 from deepserve.engine.builtin_models import DEFAULT_MODEL
 from deepserve.engine.config import EngineConfig, KVTierConfig, SpeculativeConfig
+
+log = logging.getLogger(__name__)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -58,6 +61,12 @@ def add_kv_tier_args(p: argparse.ArgumentParser) -> None:
         default=KVTierConfig.store_timeout_s,
         help="L2 connect/read timeout in seconds",
     )
+    g.add_argument(
+        "--kv-secret-file",
+        default=None,
+        help="file holding the secret that authenticates L2 blocks (default: $DEEPSERVE_KV_SECRET,"
+        " else derived from the internal token; workers sharing a store need the same one)",
+    )
 
 
 def redis_url_from_env(url: str | None) -> str | None:
@@ -76,7 +85,31 @@ def kv_tier_config_from_args(args: argparse.Namespace) -> KVTierConfig | None:
         store_url=redis_url_from_env(args.kv_store),
         store_ttl_s=args.kv_store_ttl,
         store_timeout_s=args.kv_store_timeout,
+        store_mac_key=kv_mac_key(args) if args.kv_store else None,
     )
+
+
+def kv_mac_key(args: argparse.Namespace) -> bytes | None:
+    """The L2 block MAC key: from --kv-secret-file or $DEEPSERVE_KV_SECRET (never argv itself),
+    else derived from the internal token the workers already share. None: a random key of this
+    process, which then cannot share blocks with other processes."""
+    from deepserve.kvcache.codec import derive_mac_key
+
+    if args.kv_secret_file:
+        with open(args.kv_secret_file, "rb") as f:
+            secret = f.read().strip()
+        if not secret:
+            raise SystemExit(f"deepserve: --kv-secret-file {args.kv_secret_file} is empty")
+        return derive_mac_key(secret)
+    secret = os.environ.get("DEEPSERVE_KV_SECRET") or getattr(args, "internal_token", None)
+    if secret:
+        return derive_mac_key(secret.encode())
+    log.warning(
+        "no KV secret ($DEEPSERVE_KV_SECRET or --kv-secret-file): blocks in %s are signed with "
+        "a random key of this process, so no other process can use them",
+        args.kv_store.split("@")[-1],
+    )
+    return None
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -218,6 +251,12 @@ def add_frontend_parser(sub) -> None:
         default=CacheAwareConfig.balance_rel,
         help="cache_aware: ... and the busier/less busy load ratio that must also be exceeded",
     )
+    g.add_argument(
+        "--cache-threshold",
+        type=float,
+        default=CacheAwareConfig.min_match_ratio,
+        help="cache_aware: share of a request's tokens its cached prefix must cover to pin it",
+    )
     g.add_argument("--kv-store", default=None, help="redis:// carrying the workers' KV events")
     add_internal_token_arg(g)
     g.add_argument("--max-attempts", type=int, default=3, help="workers tried before 1st token")
@@ -270,7 +309,9 @@ def frontend_config_from_args(args: argparse.Namespace):
             first_event=args.first_token_timeout, between_events=args.token_timeout
         ),
         cache_aware=CacheAwareConfig(
-            balance_abs=args.balance_abs_threshold, balance_rel=args.balance_rel_threshold
+            balance_abs=args.balance_abs_threshold,
+            balance_rel=args.balance_rel_threshold,
+            min_match_ratio=args.cache_threshold,
         ),
     )
     server = replace(server_config_from_args(args), role="frontend")

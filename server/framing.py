@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
+from deepserve.engine.errors import InvalidRequestError
 from deepserve.server.errors import anthropic_error, openai_error
 from deepserve.server.protocols import MESSAGES, ProtocolSpec
 from deepserve.server.stream import GenerationJob
@@ -54,7 +55,8 @@ async def sse_body(
                         yield sse(None, json.dumps(_reindex(ch.to_json(), index, usage)))
         except Exception as e:  # a failure after headers went out: tell the client in-band
             log.exception("stream %s failed", info.request_id)
-            yield _error_event(info, str(e) or type(e).__name__)
+            status = 400 if isinstance(e, InvalidRequestError) else 500  # whose fault it was
+            yield _error_event(info, status, str(e) or type(e).__name__)
             return
     if info.n > 1 and info.include_usage:
         yield sse(None, json.dumps(_usage_chunk(info, usage)))
@@ -107,10 +109,10 @@ def _sum_usage(usages: list[dict]) -> dict | None:
     return total
 
 
-def _error_event(info: FrameInfo, message: str) -> bytes:
+def _error_event(info: FrameInfo, status: int, message: str) -> bytes:
     if info.spec is MESSAGES:
-        return sse("error", json.dumps(anthropic_error(500, message)))
-    return sse(None, json.dumps(openai_error(500, message)))
+        return sse("error", json.dumps(anthropic_error(status, message)))
+    return sse(None, json.dumps(openai_error(status, message)))
 
 
 async def collect(chunks: AsyncIterator[tuple[int, list]], info: FrameInfo) -> dict:

@@ -100,8 +100,8 @@ class Worker:
                     self._count_received(req, out)
                     first = False
                 self._count_generated(out)
-        except InvalidRequestError as e:  # raced validation (e.g. a duplicate id)
-            yield _error_event(req.request_id, str(e))
+        except InvalidRequestError as e:  # raced validation, or the request failed on its own
+            yield _error_event(req.request_id, str(e), rejected=True)
         except Exception as e:  # the stream must end with a reason, never silently
             log.exception("request %s failed", req.request_id)
             yield _error_event(req.request_id, f"{type(e).__name__}: {e}")
@@ -217,8 +217,9 @@ def _line(obj: dict) -> bytes:
     return (json.dumps(obj, separators=(",", ":")) + "\n").encode()
 
 
-def _error_event(request_id: str, message: str) -> dict:
-    return P.StreamEvent(request_id, [], finished=True, error=message).to_json()
+def _error_event(request_id: str, message: str, rejected: bool = False) -> dict:
+    event = P.StreamEvent(request_id, [], finished=True, error=message, rejected=rejected)
+    return event.to_json()
 
 
 async def _json_body(request: Request) -> dict:
@@ -348,7 +349,11 @@ def build_worker_app(engine: EngineClient, config: WorkerConfig) -> FastAPI:
             await worker.publisher.stop()
             await engine.shutdown()
 
-    app = FastAPI(title="deepserve worker", lifespan=lifespan)
+    # No /docs, /redoc or /openapi.json: the internal API is not published to whoever can reach
+    # the port (the secret guards /internal/*, and those pages are outside it).
+    app = FastAPI(
+        title="deepserve worker", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.worker = worker
     expected = f"Bearer {config.internal_token}".encode()
 
@@ -367,12 +372,17 @@ def build_worker_app(engine: EngineClient, config: WorkerConfig) -> FastAPI:
         await engine.abort(body["request_id"])
         return {"ok": True}
 
+    # A worker whose engine died answers 503 here, so the router's probes eject it.
     @app.get(P.LOAD_PATH)
     async def load():
+        if (reason := engine.unavailable()) is not None:
+            return _error(503, reason)
         return worker.load().to_json()
 
     @app.get(P.HEALTH_PATH)
     async def health():
+        if (reason := engine.unavailable()) is not None:
+            return _error(503, reason)
         return worker.health().to_json()
 
     @app.get(P.MODEL_PATH)

@@ -4,7 +4,13 @@ import os
 
 import pytest
 
-from deepserve.kvcache.codec import BlockFormatError, BlockSpec, decode_block, encode_block
+from deepserve.kvcache.codec import (
+    BlockFormatError,
+    BlockSpec,
+    decode_block,
+    derive_mac_key,
+    encode_block,
+)
 
 SPEC = BlockSpec(fingerprint="fp-smollm2", num_layers=3, block_size=4, width=8, dtype="float32")
 KEY = "a1b2c3"
@@ -94,3 +100,41 @@ def test_hostile_length_fields_do_not_decide_a_read_size():
 def test_encoding_a_payload_of_the_wrong_size_is_refused():
     with pytest.raises(BlockFormatError):
         encode_block(SPEC, KEY, b"\0" * (SPEC.payload_nbytes - 1))
+
+
+MAC = derive_mac_key(b"shared secret")
+
+
+def test_authenticated_round_trip_returns_the_same_payload():
+    payload = _payload()
+    blob = encode_block(SPEC, KEY, payload, MAC)
+    assert len(blob) == SPEC.encoded_nbytes(KEY, MAC)
+    assert bytes(decode_block(SPEC, KEY, blob, MAC)) == payload
+
+
+def test_block_authenticated_under_another_secret_is_rejected():
+    blob = encode_block(SPEC, KEY, _payload(), derive_mac_key(b"attacker's guess"))
+    with pytest.raises(BlockFormatError, match="MAC"):
+        decode_block(SPEC, KEY, blob, MAC)
+
+
+def test_checksummed_block_is_rejected_where_a_mac_is_expected_and_vice_versa():
+    with pytest.raises(BlockFormatError, match="version"):
+        decode_block(SPEC, KEY, encode_block(SPEC, KEY, _payload()) + b"\0" * 24, MAC)
+    with pytest.raises(BlockFormatError):
+        decode_block(SPEC, KEY, encode_block(SPEC, KEY, _payload(), MAC))
+
+
+@pytest.mark.parametrize("offset", [0, 8, 40, -40, -1])
+def test_a_flipped_byte_in_an_authenticated_block_is_detected(offset):
+    blob = bytearray(encode_block(SPEC, KEY, _payload(), MAC))
+    blob[offset] ^= 0x01
+    with pytest.raises(BlockFormatError):
+        decode_block(SPEC, KEY, bytes(blob), MAC)
+
+
+def test_derived_mac_key_differs_from_the_secret_and_is_stable():
+    assert derive_mac_key(b"s") == derive_mac_key(b"s") != derive_mac_key(b"t")
+    assert derive_mac_key(b"s") != b"s"
+    with pytest.raises(ValueError):
+        derive_mac_key(b"")

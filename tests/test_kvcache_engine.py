@@ -21,12 +21,15 @@ import pytest
 from deepserve.engine.config import EngineConfig, KVTierConfig
 from deepserve.engine.llm_engine import LLMEngine
 from deepserve.engine.sampling_params import SamplingParams
+from deepserve.kvcache.codec import derive_mac_key, encode_block
+from deepserve.server.worker import prompt_block_keys
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
 BATCH_INVARIANT = importlib.util.find_spec("deepserve.kernels.batch_invariant") is not None
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 BLOCK = 16
+SHARED_MAC = derive_mac_key(b"test kv secret")  # what --kv-secret-file gives every worker
 PARAGRAPH = (
     "The old lighthouse keeper climbed the spiral stairs every evening, counting the steps, "
     "listening to the sea, and writing the weather into a leather notebook that his grandfather "
@@ -114,7 +117,8 @@ def test_blocks_evicted_from_a_tiny_device_pool_come_back_from_host_ram(loaded, 
 
 def test_second_engine_process_sharing_only_redis_gets_the_prefix_from_l2(loaded, tok, redis_url):
     ids = tok(PARAGRAPH * 3)[:180]
-    writer = make_engine(loaded, KVTierConfig(store_url=redis_url))
+    tiers = KVTierConfig(store_url=redis_url, store_mac_key=SHARED_MAC)
+    writer = make_engine(loaded, tiers)
     expected = run(writer, "w", ids)[0]
     assert writer.kv_tiering.tiers.drain()
     script = textwrap.dedent(f"""
@@ -124,7 +128,8 @@ def test_second_engine_process_sharing_only_redis_gets_the_prefix_from_l2(loaded
         from deepserve.engine.llm_engine import LLMEngine
         from deepserve.engine.sampling_params import SamplingParams
         config = EngineConfig(batch_invariant={BATCH_INVARIANT}, num_kv_blocks=64,
-                              kv_tiers=KVTierConfig(store_url={redis_url!r}))
+                              kv_tiers=KVTierConfig(store_url={redis_url!r},
+                                                    store_mac_key={SHARED_MAC!r}))
         engine = LLMEngine(config)
         engine.add_request("r", {ids!r}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         tokens, last = [], None
@@ -150,15 +155,15 @@ def test_second_engine_process_sharing_only_redis_gets_the_prefix_from_l2(loaded
 def test_damaged_block_in_redis_is_a_counted_miss_and_output_is_unchanged(
     loaded, tok, redis_url, redis_server, damage
 ):
-    from deepserve.kvcache.codec import decode_block, encode_block
+    from deepserve.kvcache.codec import decode_block
 
     ids = tok(PARAGRAPH * 2)[:100]  # 6 full blocks
-    writer = make_engine(loaded, KVTierConfig(store_url=redis_url))
+    writer = make_engine(loaded, KVTierConfig(store_url=redis_url, store_mac_key=SHARED_MAC))
     expected = run(writer, "w", ids)[0]
     assert writer.kv_tiering.tiers.drain()
     first = writer.block_manager.blocks[0]  # the first block handed out: the prompt's first
     assert first.token_ids == tuple(ids[:BLOCK])
-    key, spec = first.key.hex(), writer.kv_tiering.tiers.spec
+    key, spec, mac = first.key.hex(), writer.kv_tiering.tiers.spec, SHARED_MAC
     name = f"dskv:{key}"
     raw = redis_server.client()
     blob = bytearray(raw.get(name))
@@ -167,12 +172,12 @@ def test_damaged_block_in_redis_is_a_counted_miss_and_output_is_unchanged(
     elif damage == "truncate":
         blob = blob[: len(blob) // 2]
     else:
-        payload = decode_block(spec, key, bytes(blob))
+        payload = decode_block(spec, key, bytes(blob), mac)
         other = dataclasses.replace(spec, fingerprint="x" * len(spec.fingerprint))
-        blob = bytearray(encode_block(other, key, payload))
+        blob = bytearray(encode_block(other, key, payload, mac))
     raw.set(name, bytes(blob))
 
-    reader = make_engine(loaded, KVTierConfig(store_url=redis_url))
+    reader = make_engine(loaded, KVTierConfig(store_url=redis_url, store_mac_key=SHARED_MAC))
     tokens, out = run(reader, "r", ids)
     assert tokens == expected
     assert out.cached_tokens_by_tier.get("store", 0) == 0  # the chain breaks at its first block
@@ -181,7 +186,62 @@ def test_damaged_block_in_redis_is_a_counted_miss_and_output_is_unchanged(
     )
     assert failures == 1
     assert reader.kv_tiering.tiers.drain()
-    decode_block(spec, key, raw.get(name))  # deleted, then written again, intact, by the reader
+    decode_block(spec, key, raw.get(name), mac)  # deleted, then written again, intact
+
+
+CAKE = "Preheat the oven, whisk the eggs with sugar and bake the cake. "
+
+
+def forge(writer: LLMEngine, raw, victim: list[int], other: list[int], macs) -> None:
+    """Rewrite `victim`'s blocks in Redis with the KV of `other`'s, as someone who can write to
+    Redis does (the format and fingerprint are readable from any stored block); block i is
+    framed under `macs(i)` (None: checksummed)."""
+    spec, fingerprint = writer.kv_tiering.tiers.spec, writer.model_info.fingerprint
+    keys = prompt_block_keys(fingerprint, victim, BLOCK)
+    others = prompt_block_keys(fingerprint, other, BLOCK)
+    for i, (key, other_key) in enumerate(zip(keys, others, strict=True)):
+        payload = raw.get(f"dskv:{other_key}")[-(spec.payload_nbytes + 32) : -32]  # sliced out
+        raw.set(f"dskv:{key}", encode_block(spec, key, payload, macs(i)))
+
+
+def write_both(loaded, tiers: KVTierConfig, victim: list[int], other: list[int]):
+    writer = make_engine(loaded, tiers)
+    expected = run(writer, "victim", victim)[0]
+    run(writer, "other", other)
+    assert writer.kv_tiering.tiers.drain()
+    return writer, expected
+
+
+def test_forged_blocks_in_redis_are_misses_and_the_answer_stays_right(
+    loaded, tok, redis_url, redis_server
+):
+    victim, other = tok(PARAGRAPH * 3)[:100], tok(CAKE * 8)[:100]  # 6 full blocks each
+    shared = KVTierConfig(store_url=redis_url, store_mac_key=SHARED_MAC)
+    writer, expected = write_both(loaded, shared, victim, other)
+    guess = derive_mac_key(b"a guessed secret")
+    forge(writer, redis_server.client(), victim, other, lambda i: guess if i % 2 else None)
+    reader = make_engine(loaded, shared)
+    tokens, out = run(reader, "reader", victim)
+    assert tokens == expected
+    assert out.cached_tokens_by_tier.get("store", 0) == 0
+    failures = reader.kv_tiering.metrics.value(
+        "deepserve:kv_tier_integrity_failures_total", tier="store"
+    )
+    assert failures == 1  # the chain breaks at its first block
+
+
+def test_forged_blocks_would_rewrite_the_answer_for_a_reader_keyed_like_the_forger(
+    loaded, tok, redis_url, redis_server
+):
+    """The control for the test above: the same forgery, accepted, changes the answer."""
+    victim, other = tok(PARAGRAPH * 3)[:100], tok(CAKE * 8)[:100]
+    guess = derive_mac_key(b"a guessed secret")
+    keyed = KVTierConfig(store_url=redis_url, store_mac_key=guess)
+    writer, expected = write_both(loaded, keyed, victim, other)
+    forge(writer, redis_server.client(), victim, other, lambda i: guess)
+    tokens, out = run(make_engine(loaded, keyed), "reader", victim)
+    assert out.cached_tokens_by_tier.get("store", 0) == 6 * BLOCK
+    assert tokens != expected
 
 
 def test_redis_dying_under_concurrent_requests_fails_none_and_hits_resume_after_restart(

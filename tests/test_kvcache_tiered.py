@@ -6,7 +6,7 @@ import os
 import pytest
 from prometheus_client import CollectorRegistry
 
-from deepserve.kvcache.codec import BlockSpec, encode_block
+from deepserve.kvcache.codec import BlockSpec, derive_mac_key, encode_block
 from deepserve.kvcache.disk_store import DiskStore
 from deepserve.kvcache.host_cache import HostCache
 from deepserve.kvcache.metrics import KVCacheMetrics
@@ -16,13 +16,14 @@ from deepserve.kvcache.tiered import TieredKVCache
 SPEC = BlockSpec(fingerprint="fp-test", num_layers=2, block_size=4, width=8, dtype="float32")
 KEYS = [f"{i:032x}" for i in range(8)]
 PAYLOADS = {k: os.urandom(SPEC.payload_nbytes) for k in KEYS}
+MAC = derive_mac_key(b"test kv secret")
 
 
 def _tiers(redis_url: str | None, host_bytes: int = 1 << 20) -> TieredKVCache:
     metrics = KVCacheMetrics(CollectorRegistry())
     host = HostCache(host_bytes, metrics) if host_bytes else None
     store = RedisStore(RedisStoreConfig(url=redis_url), metrics) if redis_url else None
-    return TieredKVCache(SPEC, metrics, host=host, store=store)
+    return TieredKVCache(SPEC, metrics, host=host, store=store, store_mac_key=MAC)
 
 
 def _hits(t: TieredKVCache, tier: str) -> float:
@@ -60,6 +61,42 @@ def test_store_hits_are_kept_in_host_ram_for_next_time(redis_url):
     assert (again.host_blocks, again.store_blocks) == (3, 0)
 
 
+@pytest.mark.parametrize("forgery", ["checksummed", "other key", "other key's block"])
+def test_forged_store_block_is_a_counted_miss_and_is_deleted(redis_url, redis_server, forgery):
+    t = _tiers(redis_url, host_bytes=0)
+    _write_store(t, KEYS[:4])
+    raw = redis_server.client()
+    name = f"dskv:{KEYS[2]}"
+    # Another block's payload under this key, framed as a writer without the secret can.
+    if forgery == "checksummed":
+        blob = encode_block(SPEC, KEYS[2], PAYLOADS[KEYS[3]])
+    elif forgery == "other key":
+        blob = encode_block(SPEC, KEYS[2], PAYLOADS[KEYS[3]], derive_mac_key(b"guess"))
+    else:  # a genuine block, moved under another key
+        blob = raw.get(f"dskv:{KEYS[3]}")
+    raw.set(name, blob)
+    got = t.fetch_prefix(KEYS[:4])
+    assert [bytes(p) for p in got.payloads] == [PAYLOADS[k] for k in KEYS[:2]]
+    assert t.metrics.value("deepserve:kv_tier_integrity_failures_total", tier="store") == 1
+    assert raw.exists(name) == 0
+
+
+def test_shared_store_without_a_mac_key_is_refused(redis_url):
+    metrics = KVCacheMetrics(CollectorRegistry())
+    with pytest.raises(ValueError, match="MAC key"):
+        TieredKVCache(SPEC, metrics, store=RedisStore(RedisStoreConfig(url=redis_url), metrics))
+
+
+def test_store_hit_is_kept_in_host_ram_and_read_back_from_there(redis_url):
+    writer = _tiers(redis_url, host_bytes=0)
+    _write_store(writer, KEYS[:3])
+    reader = _tiers(redis_url)
+    assert reader.fetch_prefix(KEYS[:3]).store_blocks == 3
+    again = reader.fetch_prefix(KEYS[:3])
+    assert again.host_blocks == 3
+    assert [bytes(p) for p in again.payloads] == [PAYLOADS[k] for k in KEYS[:3]]
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "fingerprint"])
 def test_damaged_store_block_is_a_counted_miss_and_is_deleted(redis_url, redis_server, damage):
     t = _tiers(redis_url, host_bytes=0)
@@ -73,7 +110,7 @@ def test_damaged_store_block_is_a_counted_miss_and_is_deleted(redis_url, redis_s
         blob = blob[:-100]
     else:
         other = BlockSpec("fp-evil", SPEC.num_layers, SPEC.block_size, SPEC.width, SPEC.dtype)
-        blob = bytearray(encode_block(other, KEYS[2], PAYLOADS[KEYS[2]]))
+        blob = bytearray(encode_block(other, KEYS[2], PAYLOADS[KEYS[2]], MAC))
     raw.set(name, bytes(blob))
     got = t.fetch_prefix(KEYS[:4])
     assert got.store_blocks == 2
@@ -87,7 +124,7 @@ def test_write_through_sends_each_key_once(redis_url):
     _write_store(t, KEYS[:3])
     _write_store(t, KEYS[:3])
     written = t.metrics.value("deepserve:kv_tier_written_bytes_total", tier="store")
-    assert written == 3 * SPEC.encoded_nbytes(KEYS[0])
+    assert written == 3 * SPEC.encoded_nbytes(KEYS[0], MAC)
 
 
 def test_full_background_queue_drops_writes_instead_of_blocking():
@@ -109,7 +146,8 @@ def test_no_store_configured_means_misses_only():
 
 def test_disk_store_works_behind_the_same_facade(tmp_path):
     metrics = KVCacheMetrics(CollectorRegistry())
-    t = TieredKVCache(SPEC, metrics, store=DiskStore(tmp_path, 1 << 20, metrics))
+    store = DiskStore(tmp_path, 1 << 20, metrics)
+    t = TieredKVCache(SPEC, metrics, store=store, store_mac_key=MAC)
     _write_store(t, KEYS[:3])
     got = t.fetch_prefix(KEYS)
     assert got.store_blocks == 3

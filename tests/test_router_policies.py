@@ -23,12 +23,12 @@ def worker(name: str, inflight: int = 0, kv: float = 0.0) -> Worker:
     return w
 
 
-def stored(tokens: list[int]) -> list[BlockEvent]:
+def stored(tokens: list[int], bs: int = BS) -> list[BlockEvent]:
     """Events for every full block of `tokens`, keyed by the token prefix itself."""
     events, parent = [], None
-    for start in range(0, len(tokens) - BS + 1, BS):
-        key = "k" + ",".join(map(str, tokens[: start + BS]))
-        events.append(BlockEvent("stored", key, parent, tokens[start : start + BS]))
+    for start in range(0, len(tokens) - bs + 1, bs):
+        key = "k" + ",".join(map(str, tokens[: start + bs]))
+        events.append(BlockEvent("stored", key, parent, tokens[start : start + bs]))
         parent = key
     return events
 
@@ -153,3 +153,33 @@ def test_cache_aware_sends_a_new_prefix_to_the_worker_caching_least():
     index.apply("a", stored(list(range(100, 140))))
     policy = CacheAware(index, CacheAwareConfig(block_size=BS))
     assert policy.choose([worker("a"), worker("b")], list(range(900, 940))).url == "http://b"
+
+
+def test_cache_aware_spreads_chats_that_share_only_the_template():
+    """Every chat starts with the template's system prompt; distinct user prompts after it must
+    not all follow that one shared block to the first worker that cached it."""
+    bs, index = 16, PrefixIndex()
+    ws = [worker("a"), worker("b")]
+    for w in ws:
+        w.block_size = bs
+    template = list(range(7000, 7024))  # one full block and a bit
+    policy = CacheAware(index, CacheAwareConfig(block_size=bs))
+    served = {"a": 0, "b": 0}
+    for i in range(40):
+        prompt = template + [100 + i * 50 + j for j in range(24)]
+        chosen = policy.choose(ws, prompt)
+        served[chosen.worker_id] += 1
+        index.apply(chosen.worker_id, stored(prompt, bs))  # what the worker publishes
+    assert max(served.values()) <= 2 * min(served.values()), served
+
+
+def test_cache_aware_keeps_a_long_shared_prefix_on_its_holder_among_others():
+    bs, index = 16, PrefixIndex()
+    a, b = worker("a"), worker("b")
+    for w in (a, b):
+        w.block_size = bs
+    tenant = list(range(3000, 3000 + 20 * bs))  # a tenant's long system prompt
+    index.apply("a", stored(tenant + [1, 2, 3], bs))
+    index.apply("b", stored(list(range(9000, 9000 + 40 * bs)), bs))  # b caches more
+    policy = CacheAware(index, CacheAwareConfig(block_size=bs))
+    assert all(policy.choose([a, b], tenant + [50 + i] * 12) is a for i in range(5))

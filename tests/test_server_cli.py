@@ -114,3 +114,29 @@ def test_every_layer_defaults_to_one_kv_store_timeout():
     assert (
         tiers.store_timeout_s == KVTierConfig().store_timeout_s == RedisStoreConfig("x").timeout_s
     )
+
+
+def _store_mac(argv: list[str]) -> bytes | None:
+    args = build_parser().parse_args([*argv, "--kv-store", "redis://127.0.0.1:1/0"])
+    return engine_config_from_args(args).kv_tiers.store_mac_key
+
+
+def test_kv_secret_comes_from_the_environment_or_a_file_never_argv(monkeypatch, tmp_path):
+    from deepserve.kvcache.codec import derive_mac_key
+
+    monkeypatch.setenv("DEEPSERVE_KV_SECRET", "from-env")
+    assert _store_mac(["serve"]) == derive_mac_key(b"from-env")
+    secret = tmp_path / "kv-secret"
+    secret.write_text("from-file\n")
+    assert _store_mac(["serve", "--kv-secret-file", str(secret)]) == derive_mac_key(b"from-file")
+    args = build_parser().parse_args(["serve", "--kv-store", "redis://127.0.0.1:1/0"])
+    assert repr(derive_mac_key(b"from-env")) not in repr(engine_config_from_args(args))
+
+
+def test_workers_without_a_kv_secret_share_one_derived_from_the_internal_token(monkeypatch):
+    from deepserve.kvcache.codec import derive_mac_key
+
+    monkeypatch.delenv("DEEPSERVE_KV_SECRET", raising=False)
+    worker = _store_mac(["worker", "--internal-token", "tok"])
+    assert worker == derive_mac_key(b"tok") == _store_mac(["worker", "--internal-token", "tok"])
+    assert _store_mac(["serve"]) is None  # a random key of the process (kv_tiering)
