@@ -1,18 +1,36 @@
 """The `deepserve` command line: parses flags into config objects and hands them to the subcommand.
 
 This is the only place that reads the process environment or argv; everything below gets explicit
-config objects.
+config objects. Secrets come from the environment, never from argv (`ps` shows argv to every user
+of the host): each `DEEPSERVE_<NAME>` may instead name a file as `DEEPSERVE_<NAME>_FILE` (Docker and
+Kubernetes secrets are mounted files; an environment variable's value shows in `docker inspect`).
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
+import secrets
 import socket
 import sys
 
 from deepserve.engine.config import EngineConfig, KVTierConfig, SpeculativeConfig
 from deepserve.engine.model_registry import DEFAULT_MODEL
+
+
+def env_secret(name: str) -> str | None:
+    """`$name`, else the contents of the file `$name_FILE` (one trailing newline dropped)."""
+    if os.environ.get(name):
+        return os.environ[name]
+    path = os.environ.get(f"{name}_FILE")
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            return f.read().removesuffix("\n") or None
+    except OSError as e:
+        raise SystemExit(f"deepserve: cannot read {name}_FILE ({path}): {e}") from e
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -61,7 +79,7 @@ def redis_url_from_env(url: str | None) -> str | None:
     Secret can reach Redis without appearing on argv (docs/deploy.md)."""
     from deepserve.kvcache.redis_url import with_password
 
-    return url and with_password(url, os.environ.get("DEEPSERVE_REDIS_PASSWORD"))
+    return url and with_password(url, env_secret("DEEPSERVE_REDIS_PASSWORD"))
 
 
 def kv_tier_config_from_args(args: argparse.Namespace) -> KVTierConfig | None:
@@ -105,7 +123,7 @@ def add_worker_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8100)
     p.add_argument(
         "--internal-token",
-        default=os.environ.get("DEEPSERVE_INTERNAL_TOKEN"),
+        default=env_secret("DEEPSERVE_INTERNAL_TOKEN"),
         help="shared secret every internal call must carry (default: $DEEPSERVE_INTERNAL_TOKEN)",
     )
     p.add_argument("--worker-id", default=None, help="name in published KV events (unique)")
@@ -152,7 +170,11 @@ def add_frontend_parser(sub) -> None:
     p.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("DEEPSERVE_API_KEY"))
+    p.add_argument(
+        "--api-key",
+        default=env_secret("DEEPSERVE_API_KEY"),
+        help="required on /v1/* (default: $DEEPSERVE_API_KEY; generated when binding beyond loopback)",
+    )
     p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger bodies get 413")
     g = p.add_argument_group("workers and routing (docs/router.md)")
     g.add_argument("--workers", nargs="+", default=[], metavar="URL", help="mixed workers")
@@ -189,7 +211,7 @@ def add_frontend_parser(sub) -> None:
     g.add_argument("--kv-store", default=None, help="redis:// carrying the workers' KV events")
     g.add_argument(
         "--internal-token",
-        default=os.environ.get("DEEPSERVE_INTERNAL_TOKEN"),
+        default=env_secret("DEEPSERVE_INTERNAL_TOKEN"),
         help="shared secret sent on every worker call (default: $DEEPSERVE_INTERNAL_TOKEN)",
     )
     g.add_argument("--max-attempts", type=int, default=3, help="workers tried before 1st token")
@@ -264,8 +286,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
         "--api-key",
-        default=os.environ.get("DEEPSERVE_API_KEY"),
-        help="required as Bearer or x-api-key on /v1/* (default: $DEEPSERVE_API_KEY; none: open)",
+        default=env_secret("DEEPSERVE_API_KEY"),
+        help="required as Bearer or x-api-key on /v1/* (default: $DEEPSERVE_API_KEY; none: open "
+        "on loopback, generated and printed once when binding beyond it)",
     )
     p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger bodies get 413")
 
@@ -277,9 +300,32 @@ def server_config_from_args(args: argparse.Namespace):
         served_model_name=args.served_model_name or args.model,
         host=args.host,
         port=args.port,
-        api_key=args.api_key or None,
+        api_key=args.api_key or api_key_for(args.host),
         max_body_bytes=args.max_body_bytes,
     )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a hostname: it may resolve beyond this machine
+        return False
+
+
+def api_key_for(host: str) -> str | None:
+    """No key on loopback; beyond it, a server never runs open: a fresh key, printed once."""
+    if is_loopback(host):
+        return None
+    key = secrets.token_urlsafe(32)
+    print(
+        f"deepserve: {host} is reachable beyond this machine and no API key was given "
+        f"(DEEPSERVE_API_KEY or --api-key); generated one for this run:\n  {key}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return key
 
 
 def add_bench_parser(sub) -> None:
@@ -294,7 +340,7 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--input-len", type=int, default=32, help="approximate prompt words")
     b.add_argument("--output-len", type=int, default=128)
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--api-key", default=os.environ.get("DEEPSERVE_API_KEY"))
+    b.add_argument("--api-key", default=env_secret("DEEPSERVE_API_KEY"))
     b.add_argument("--json-schema", default=None, help="constrain chat output (file path)")
     b.add_argument("--result-file", default=None)
 

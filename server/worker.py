@@ -2,7 +2,9 @@
 
 Routes: generate (NDJSON stream of `StreamEvent`s), abort, load, health, model card, and Prometheus
 /metrics. Every /internal route needs the shared secret; /metrics is left open so Prometheus can
-scrape it (it holds counters only, and the worker binds 127.0.0.1 unless told otherwise).
+scrape it (it holds counters only, and the worker binds 127.0.0.1 unless told otherwise), and so
+are GET /health and /ready for orchestrators' probes (they say only that the worker is up and which
+kernels it runs).
 
 A worker also publishes its device cache's block events (stored/removed keys with their token ids)
 on Redis pub/sub, which is how a cache-aware router learns who holds which prefix. In prefill mode
@@ -35,6 +37,7 @@ from deepserve.engine.async_engine import AsyncEngine
 from deepserve.engine.block_manager import block_key
 from deepserve.engine.errors import InvalidRequestError
 from deepserve.engine.outputs import RequestOutput
+from deepserve.kernels.cpu_native import kernels_in_use
 from deepserve.server.component_metrics import EngineCollector
 from deepserve.server.metrics import CONTENT_TYPE, ServerMetrics
 
@@ -409,6 +412,17 @@ def build_worker_app(engine: AsyncEngine, config: WorkerConfig) -> FastAPI:
     @app.get(P.HEALTH_PATH)
     async def health():
         return worker.health().to_json()
+
+    kernels = kernels_in_use(engine.config.device, engine.config.batch_invariant)
+
+    @app.get("/health")
+    async def open_health():
+        return {"status": "ok", "kernels": kernels}
+
+    @app.get("/ready")
+    async def ready():
+        # The app is built once the engine has loaded: answering means requests can be served.
+        return {"status": "ready"}
 
     @app.get(P.MODEL_PATH)
     async def model():
