@@ -286,7 +286,7 @@ def test_dockerfile_runs_as_non_root_and_bakes_the_model():
     assert users and users[-1] not in {"root", "0"}
     assert any(kw == "HEALTHCHECK" for kw, _ in instructions)
     assert any(kw == "RUN" and "deepserve fetch-model" in rest for kw, rest in instructions)
-    assert any(kw == "RUN" and "cpu_native --prebuild" in rest for kw, rest in instructions)
+    assert any(kw == "RUN" and "cpu_native.py --prebuild" in rest for kw, rest in instructions)
     assert ("ENTRYPOINT", '["deepserve"]') in instructions
 
 
@@ -464,3 +464,16 @@ def test_non_editable_install_ships_every_module_and_the_cli(tmp_path):
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "deepserve = deepserve.server.cli:main" in text
+
+
+def test_generated_secrets_are_random_and_kept_across_restarts(tmp_path):
+    folder = make_secrets(tmp_path / "a")
+    (folder / "api_key").write_text("chosen-by-the-operator")
+    make_secrets(folder)  # a restart
+    other = make_secrets(tmp_path / "b")
+    assert read_secret(folder, "api_key") == "chosen-by-the-operator"
+    for name in ("internal_token", "redis_password", "grafana_admin_password"):
+        assert len(read_secret(folder, name)) >= 43
+        assert read_secret(folder, name) != read_secret(other, name), name
+    password = read_secret(folder, "redis_password")
+    assert (folder / "redis.conf").read_text() == f"requirepass {password}\n"
