@@ -178,10 +178,15 @@ def test_the_project_is_named_deepserve_from_either_file():
     assert yaml.safe_load(COMPOSE_FILE.read_text())["name"] == "deepserve"
 
 
-def test_built_services_are_never_pulled(compose):
-    for name, service in _services(compose).items():
-        if "build" in service:
-            assert service.get("pull_policy") == "build", name
+def test_the_image_is_built_once_and_never_pulled(compose):
+    services = _services(compose)
+    built = [name for name, service in services.items() if "build" in service]
+    assert built == ["secrets"] and services["secrets"]["pull_policy"] == "build"
+    image = services["secrets"]["image"]
+    for name, service in services.items():
+        if service.get("image") == image and name != "secrets":
+            assert service["pull_policy"] == "never", name
+            assert "secrets" in _dependencies(services, name), f"{name} may start before the build"
 
 
 def test_deepserve_commands_build_their_configs_with_the_real_cli(compose, monkeypatch, tmp_path):
