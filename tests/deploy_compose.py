@@ -235,12 +235,15 @@ def _start_order(services: dict[str, Any], names: list[str]) -> list[str]:
 def run_healthcheck(service: LocalService, timeout_s: float = 5.0) -> bool:
     """The image's HEALTHCHECK (docker/healthcheck.py) with the service's environment."""
     env = {**os.environ, **service.env}
-    result = subprocess.run(
-        [sys.executable, str(HEALTHCHECK_SCRIPT)],
-        env=env,
-        capture_output=True,
-        timeout=timeout_s,
-    )
+    try:
+        result = subprocess.run(
+            [sys.executable, str(HEALTHCHECK_SCRIPT)],
+            env=env,
+            capture_output=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:  # as Docker counts a probe past its timeout: unhealthy
+        return False
     return result.returncode == 0
 
 
