@@ -70,6 +70,7 @@ class ModelCard:
     batch_invariant: bool
     block_size: int
     kv_block_bytes: int  # one KV block on every layer, as the tiers store it
+    kernels: str = "torch"  # "native" when the C++ CPU kernels run (kernels/cpu_native.py)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,6 +83,7 @@ class ModelCard:
             d["batch_invariant"],
             d["block_size"],
             d["kv_block_bytes"],
+            d.get("kernels", "torch"),
         )
 
 

@@ -30,6 +30,7 @@ from deepserve.engine.sampling_params import SamplingParams
 from deepserve.engine.scheduler import Scheduler, SchedulerOutput
 from deepserve.engine.step_isolation import find_failing, is_fatal, only
 from deepserve.engine.threads import ThreadPolicy
+from deepserve.kernels.cpu_native import kernels_in_use
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,7 @@ class LLMEngine:
             self.config.batch_invariant,
             self.config.block_size,
             cache[:, 0].numel() * cache.element_size(),
+            kernels_in_use(self.config.device),
         )
 
     def stats(self) -> EngineStats:

@@ -18,10 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import xgrammar as xgr
 
 from deepserve.engine.errors import InvalidRequestError
 from deepserve.engine.sampling_params import StructuredOutput
+from deepserve.engine.xgrammar_import import xgrammar as xgr
 
 # An unbounded compile cache grows with every distinct schema a client sends (CVE-2025-32381).
 DEFAULT_CACHE_BYTES = 64 * 2**20

@@ -1,12 +1,20 @@
 """Builds and loads deepserve's native CPU kernels: the C++ sources in kernels/csrc/ (and the
-headers they share), compiled once per machine with the system compiler (AVX2 + FMA, OpenMP
-through torch's own thread pool) into `torch.ops.deepserve_cpu.*`.
+headers they share), compiled with the system compiler (AVX2 + FMA, OpenMP through torch's own
+thread pool) into `torch.ops.deepserve_cpu.*`.
 
 Each source file registers its ops with `TORCH_LIBRARY_FRAGMENT(deepserve_cpu, m)`, so kernels
-live in separate files and this module only compiles and loads them. `make setup` builds them, so
-a server or a test run finds them already compiled (torch keeps the build keyed by the sources'
-hash and rebuilds only when they change). What does not live here: when a model uses a native op
-(kernels/reference.py decides) and the ops themselves (kernels/csrc/).
+live in separate files and this module only compiles and loads them. Two ways to get the library:
+
+- compiled on demand (`make setup` does it once per machine): torch keeps the build under
+  TORCH_EXTENSIONS_DIR keyed by the sources' hash and rebuilds only when they change; this needs a
+  compiler and a writable build folder (torch takes a lock file there).
+- prebuilt (`python -m deepserve.kernels.cpu_native --prebuild`, what the Docker image does at build
+  time): the library is copied next to this module under a name carrying the sources' digest, and
+  `load()` then only maps it. No compiler, no lock, no write: a read-only install and a non-root
+  user load it. A prebuilt library of other sources is never loaded.
+
+What does not live here: when a model uses a native op (kernels/reference.py decides) and the ops
+themselves (kernels/csrc/).
 """
 
 from __future__ import annotations
@@ -14,6 +22,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import shutil
+import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -21,6 +32,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
+PREBUILT = Path(__file__).parent / "prebuilt"
 NAME = "deepserve_cpu"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17"]
 
@@ -30,32 +42,80 @@ def supported() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-@functools.cache
-def load() -> bool:
-    """Compile (when the sources changed) and load the ops; True when `torch.ops.deepserve_cpu`
-    is usable. False, with a warning, on a CPU without AVX2 or a machine without a compiler:
-    callers then keep torch's own ops."""
-    if not supported():
-        return False
-    from torch.utils import cpp_extension
+def _sources() -> list[str]:
+    return sorted(str(p) for p in CSRC.glob("*.cpp"))
 
-    sources = sorted(str(p) for p in CSRC.glob("*.cpp"))
+
+def _headers_digest() -> str:
     # torch rebuilds when the sources or flags change, not when a header does: the headers'
     # digest goes into the flags.
     headers = b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.h")))
-    digest = hashlib.sha256(headers).hexdigest()[:16]
+    return hashlib.sha256(headers).hexdigest()[:16]
+
+
+def _cflags() -> list[str]:
+    return [*FLAGS, f"-DDEEPSERVE_HEADERS_DIGEST={_headers_digest()}"]
+
+
+def prebuilt_path() -> Path:
+    """Where the prebuilt library of exactly these sources, flags and torch release lives."""
+    h = hashlib.sha256(torch.__version__.encode())
+    for flag in _cflags():
+        h.update(flag.encode())
+    for path in [*_sources(), *sorted(map(str, CSRC.glob("*.h")))]:
+        h.update(Path(path).name.encode())
+        h.update(Path(path).read_bytes())
+    return PREBUILT / f"{NAME}-{h.hexdigest()[:16]}.so"
+
+
+def _compile(build_directory: str | None = None) -> None:
+    from torch.utils import cpp_extension
+
+    cpp_extension.load(
+        NAME,
+        _sources(),
+        extra_cflags=_cflags(),
+        build_directory=build_directory,
+        is_python_module=False,
+        verbose=False,
+    )
+
+
+@functools.cache
+def load() -> bool:
+    """Load the ops, prebuilt when there is a matching library, else compiled (when the sources
+    changed); True when `torch.ops.deepserve_cpu` is usable. False, with a warning, on a CPU
+    without AVX2 or a machine without a compiler: callers then keep torch's own ops."""
+    if not supported():
+        return False
+    prebuilt = prebuilt_path()
     try:
-        cpp_extension.load(
-            NAME,
-            sources,
-            extra_cflags=[*FLAGS, f"-DDEEPSERVE_HEADERS_DIGEST={digest}"],
-            is_python_module=False,
-            verbose=False,
-        )
+        if prebuilt.is_file():
+            torch.ops.load_library(str(prebuilt))
+        else:
+            _compile()
     except (OSError, RuntimeError, ImportError) as e:
         log.warning("native CPU kernels unavailable, using torch's ops: %s", e)
         return False
     return True
+
+
+def kernels_in_use(device: str) -> str:
+    """Which kernels an engine runs: "native" (kernels/csrc/: the CPU sets, default and
+    batch-invariant, when the library loads) or "torch" (torch's own ops; Triton on CUDA).
+    Reported on /health."""
+    return "native" if device == "cpu" and load() else "torch"
+
+
+def prebuild() -> Path:
+    """Compile into a scratch folder and install the library as `prebuilt_path()`."""
+    target = prebuilt_path()
+    with tempfile.TemporaryDirectory() as build:
+        _compile(build)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(Path(build) / f"{NAME}.so", target)
+    target.chmod(0o644)
+    return target
 
 
 def ops():
@@ -70,6 +130,17 @@ def op(name: str) -> torch._ops.OpOverload:
     return getattr(ops(), name).default
 
 
-if __name__ == "__main__":  # `python -m deepserve.kernels.cpu_native`: build now (make setup)
+def main(argv: list[str]) -> int:
+    """`python -m deepserve.kernels.cpu_native`: compile now (make setup); with `--prebuild`,
+    install the prebuilt library (the Docker image's build stage)."""
     logging.basicConfig(level=logging.INFO)
-    raise SystemExit(0 if load() or not supported() else 1)
+    if not supported():
+        return 0
+    if argv == ["--prebuild"]:
+        print(prebuild())
+        return 0
+    return 0 if load() else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,14 +1,18 @@
 """The `deepserve` command line: parses flags into config objects and hands them to the subcommand.
 
 This is the only place that reads the process environment or argv; everything below gets explicit
-config objects.
+config objects. Secrets come from the environment, never from argv (`ps` shows argv to every user
+of the host): each `DEEPSERVE_<NAME>` may instead name a file as `DEEPSERVE_<NAME>_FILE` (Docker and
+Kubernetes secrets are mounted files; an environment variable's value shows in `docker inspect`).
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
+import secrets
 import socket
 import sys
 
@@ -16,6 +20,20 @@ from deepserve.engine.builtin_models import DEFAULT_MODEL
 from deepserve.engine.config import EngineConfig, KVTierConfig, SpeculativeConfig
 
 log = logging.getLogger(__name__)
+
+
+def env_secret(name: str) -> str | None:
+    """`$name`, else the contents of the file `$name_FILE` (one trailing newline dropped)."""
+    if os.environ.get(name):
+        return os.environ[name]
+    path = os.environ.get(f"{name}_FILE")
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            return f.read().removesuffix("\n") or None
+    except OSError as e:
+        raise SystemExit(f"deepserve: cannot read {name}_FILE ({path}): {e}") from e
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -74,7 +92,7 @@ def redis_url_from_env(url: str | None) -> str | None:
     Secret can reach Redis without appearing on argv (docs/deploy.md)."""
     from deepserve.kvcache.redis_url import with_password
 
-    return url and with_password(url, os.environ.get("DEEPSERVE_REDIS_PASSWORD"))
+    return url and with_password(url, env_secret("DEEPSERVE_REDIS_PASSWORD"))
 
 
 def kv_tier_config_from_args(args: argparse.Namespace) -> KVTierConfig | None:
@@ -101,7 +119,7 @@ def kv_mac_key(args: argparse.Namespace) -> bytes | None:
         if not secret:
             raise SystemExit(f"deepserve: --kv-secret-file {args.kv_secret_file} is empty")
         return derive_mac_key(secret)
-    secret = os.environ.get("DEEPSERVE_KV_SECRET") or getattr(args, "internal_token", None)
+    secret = env_secret("DEEPSERVE_KV_SECRET") or getattr(args, "internal_token", None)
     if secret:
         return derive_mac_key(secret.encode())
     log.warning(
@@ -158,7 +176,7 @@ def add_http_server_args(p: argparse.ArgumentParser) -> None:
 def add_internal_token_arg(g) -> None:
     g.add_argument(
         "--internal-token",
-        default=os.environ.get("DEEPSERVE_INTERNAL_TOKEN"),
+        default=env_secret("DEEPSERVE_INTERNAL_TOKEN"),
         help="shared secret of every worker call (default: $DEEPSERVE_INTERNAL_TOKEN)",
     )
 
@@ -334,7 +352,8 @@ def add_auth_args(p: argparse.ArgumentParser) -> None:
         action="append",
         default=None,
         help="a key required as Bearer or x-api-key on /v1/*; repeat for several keys (default: "
-        "$DEEPSERVE_API_KEY, comma-separated; none: open)",
+        "$DEEPSERVE_API_KEY, comma-separated; none: open on loopback, generated and printed once "
+        "when binding beyond it)",
     )
     p.add_argument(
         "--cache-salt-by-api-key",
@@ -345,7 +364,7 @@ def add_auth_args(p: argparse.ArgumentParser) -> None:
 
 
 def api_keys_from_args(args: argparse.Namespace) -> tuple[str, ...]:
-    keys = args.api_key or os.environ.get("DEEPSERVE_API_KEY", "").split(",")
+    keys = args.api_key or (env_secret("DEEPSERVE_API_KEY") or "").split(",")
     return tuple(k for k in keys if k)
 
 
@@ -356,10 +375,33 @@ def server_config_from_args(args: argparse.Namespace):
         served_model_name=args.served_model_name or args.model,
         host=args.host,
         port=args.port,
-        api_keys=api_keys_from_args(args),
+        api_keys=api_keys_from_args(args) or api_key_for(args.host),
         cache_salt_by_api_key=args.cache_salt_by_api_key,
         max_body_bytes=args.max_body_bytes,
     )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a hostname: it may resolve beyond this machine
+        return False
+
+
+def api_key_for(host: str) -> tuple[str, ...]:
+    """No key on loopback; beyond it, a server never runs open: a fresh key, printed once."""
+    if is_loopback(host):
+        return ()
+    key = secrets.token_urlsafe(32)
+    print(
+        f"deepserve: {host} is reachable beyond this machine and no API key was given "
+        f"(DEEPSERVE_API_KEY or --api-key); generated one for this run:\n  {key}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return (key,)
 
 
 def add_bench_parser(sub) -> None:
@@ -380,7 +422,7 @@ def add_bench_parser(sub) -> None:
     )
     b.add_argument("--output-len", type=int, default=128)
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--api-key", default=os.environ.get("DEEPSERVE_API_KEY"))
+    b.add_argument("--api-key", default=env_secret("DEEPSERVE_API_KEY"))
     b.add_argument("--json-schema", default=None, help="constrain chat output (file path)")
     b.add_argument("--result-file", default=None)
 

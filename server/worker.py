@@ -2,7 +2,9 @@
 
 Routes: generate (NDJSON stream of `StreamEvent`s), abort, load, health, model card, and Prometheus
 /metrics. Every /internal route needs the shared secret; /metrics is left open so Prometheus can
-scrape it (it holds counters only, and the worker binds 127.0.0.1 unless told otherwise).
+scrape it (it holds counters only, and the worker binds 127.0.0.1 unless told otherwise), and so
+are GET /health and /ready for orchestrators' probes (they say only that the worker is up and which
+kernels it runs).
 
 A worker also publishes its device cache's block events (stored/removed keys with their token ids)
 on Redis pub/sub, which is how a cache-aware router learns who holds which prefix. In prefill mode
@@ -384,6 +386,20 @@ def build_worker_app(engine: EngineClient, config: WorkerConfig) -> FastAPI:
         if (reason := engine.unavailable()) is not None:
             return _error(503, reason)
         return worker.health().to_json()
+
+    # Open probes for orchestrators: they reveal no more than that the worker serves, and how.
+    @app.get("/health")
+    async def open_health():
+        if engine.unavailable() is not None:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return {"status": "ok", "kernels": worker.card.kernels}
+
+    @app.get("/ready")
+    async def ready():
+        # The app is built once the engine has loaded: answering means requests can be served.
+        if engine.unavailable() is not None:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return {"status": "ready"}
 
     @app.get(P.MODEL_PATH)
     async def model():

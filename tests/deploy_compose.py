@@ -31,8 +31,11 @@ HEALTHCHECK_SCRIPT = DOCKER_DIR / "healthcheck.py"
 DASHBOARD_FILE = DOCKER_DIR / "grafana" / "dashboards" / "deepserve.json"
 DATASOURCE_FILE = DOCKER_DIR / "grafana" / "provisioning" / "datasources" / "prometheus.yml"
 
+SECRETS_SCRIPT = DOCKER_DIR / "gen_secrets.py"
+
 DEEPSERVE_IMAGE = "deepserve"
 REDIS_PORT = 6379
+SECRETS_MOUNT = "/run/deepserve-secrets"  # the `secrets` volume, in every container that reads it
 
 # ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?error}, ${VAR?error}, $VAR and the $$ escape.
 _VAR = re.compile(
@@ -98,7 +101,23 @@ def as_env_dict(environment: Any) -> dict[str, str]:
 
 
 def is_deepserve(service: dict[str, Any]) -> bool:
-    return "build" in service or str(service.get("image", "")).startswith(DEEPSERVE_IMAGE + ":")
+    """A service that runs a `deepserve` process (the image's entrypoint; the `secrets` service
+    runs another program of the same image)."""
+    image = "build" in service or str(service.get("image", "")).startswith(DEEPSERVE_IMAGE + ":")
+    return image and "entrypoint" not in service
+
+
+def make_secrets(folder: Path) -> Path:
+    """What the `secrets` service does on first start, into a local folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [sys.executable, str(SECRETS_SCRIPT), str(folder)], check=True, capture_output=True
+    )
+    return folder
+
+
+def read_secret(folder: Path, name: str) -> str:
+    return (folder / name).read_text().strip()
 
 
 def container_port(name: str, service: dict[str, Any]) -> int:
@@ -131,10 +150,12 @@ class LocalService:
 
 
 class LoopbackMap:
-    """Rewrites `service:port` addresses in compose values to `127.0.0.1:<free port>`."""
+    """Rewrites `service:port` addresses in compose values to `127.0.0.1:<free port>`, and the
+    secrets volume's mount point to a local folder."""
 
-    def __init__(self, ports: dict[str, tuple[int, int]]) -> None:
+    def __init__(self, ports: dict[str, tuple[int, int]], secrets: Path) -> None:
         self.ports = ports  # service -> (container port, local port)
+        self.secrets = secrets  # the local folder standing for the secrets volume
         names = "|".join(re.escape(n) for n in sorted(ports, key=len, reverse=True))
         self._remote = re.compile(rf"(?<![\w.-])({names}):(\d+)(?![\w.-])")
 
@@ -145,7 +166,7 @@ class LoopbackMap:
         def sub(m: re.Match[str]) -> str:
             return f"127.0.0.1:{self.local_port(m.group(1))}"
 
-        text = self._remote.sub(sub, text)
+        text = self._remote.sub(sub, text).replace(SECRETS_MOUNT, str(self.secrets))
         if own is not None:
             inner, local = self.ports[own]
             text = re.sub(rf"(127\.0\.0\.1|localhost):{inner}\b", f"127.0.0.1:{local}", text)
@@ -164,10 +185,12 @@ class LoopbackMap:
 
 
 def local_topology(compose: dict[str, Any], bin_dir: Path, data_dir: Path) -> list[LocalService]:
-    """Redis and the deepserve services of the compose file as local processes, in start order."""
+    """Redis and the deepserve services of the compose file as local processes, in start order;
+    their secrets generated into `data_dir`/secrets as the `secrets` service would."""
     services = compose["services"]
     wanted = [n for n, s in services.items() if n == "redis" or is_deepserve(s)]
-    loopback = LoopbackMap({n: (container_port(n, services[n]), free_port()) for n in wanted})
+    ports = {n: (container_port(n, services[n]), free_port()) for n in wanted}
+    loopback = LoopbackMap(ports, make_secrets(data_dir / "secrets"))
     out = []
     for name in _start_order(services, wanted):
         svc = services[name]
@@ -212,12 +235,15 @@ def _start_order(services: dict[str, Any], names: list[str]) -> list[str]:
 def run_healthcheck(service: LocalService, timeout_s: float = 5.0) -> bool:
     """The image's HEALTHCHECK (docker/healthcheck.py) with the service's environment."""
     env = {**os.environ, **service.env}
-    result = subprocess.run(
-        [sys.executable, str(HEALTHCHECK_SCRIPT)],
-        env=env,
-        capture_output=True,
-        timeout=timeout_s,
-    )
+    try:
+        result = subprocess.run(
+            [sys.executable, str(HEALTHCHECK_SCRIPT)],
+            env=env,
+            capture_output=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:  # as Docker counts a probe past its timeout: unhealthy
+        return False
     return result.returncode == 0
 
 

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -28,3 +34,45 @@ def test_process_keeps_one_openmp_runtime():
     with open("/proc/self/maps") as maps:
         gomps = {line.split()[-1] for line in maps if "libgomp" in line}
     assert len(gomps) <= 1, gomps
+
+
+def _compiled_library() -> Path:
+    from torch.utils import cpp_extension
+
+    assert cpu_native.load()
+    return Path(cpp_extension._get_build_directory(cpu_native.NAME, False)) / "deepserve_cpu.so"
+
+
+def test_prebuilt_library_loads_without_compiler_or_writable_build_folder(tmp_path):
+    """What the Docker image does: a non-root user, no compiler, an install it cannot write."""
+    prebuilt = tmp_path / "prebuilt"
+    prebuilt.mkdir()
+    name = cpu_native.prebuilt_path().name
+    shutil.copyfile(_compiled_library(), prebuilt / name)
+    prebuilt.chmod(0o555)
+    script = (
+        "import sys; from pathlib import Path; from deepserve.kernels import cpu_native as c;"
+        "c.PREBUILT = Path(sys.argv[1]); ok = c.load();"
+        "print(ok, c.ops().abi_version() if ok else None)"
+    )
+    env = {
+        **os.environ,
+        "PATH": str(tmp_path / "no-bin"),  # no c++, no ninja
+        "CXX": str(tmp_path / "no-bin" / "c++"),
+        "TORCH_EXTENSIONS_DIR": str(tmp_path / "missing" / "extensions"),
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(prebuilt)], env=env, capture_output=True, text=True
+    )
+    assert result.stdout.split() == ["True", "1"], result.stderr
+    assert not (tmp_path / "missing").exists()
+
+
+def test_prebuilt_name_changes_with_the_sources(tmp_path, monkeypatch):
+    before = cpu_native.prebuilt_path().name
+    csrc = tmp_path / "csrc"
+    shutil.copytree(cpu_native.CSRC, csrc)
+    with open(next(csrc.glob("*.cpp")), "a") as f:
+        f.write("\n// changed\n")
+    monkeypatch.setattr(cpu_native, "CSRC", csrc)
+    assert cpu_native.prebuilt_path().name != before

@@ -23,12 +23,15 @@ from deploy_compose import (
     DOCKER_DIR,
     PROMETHEUS_FILE,
     REPO,
+    SECRETS_MOUNT,
     as_env_dict,
     compose_variables,
     container_port,
     interpolate,
     is_deepserve,
     load_compose,
+    make_secrets,
+    read_secret,
 )
 
 from deepserve.server.cli import build_parser
@@ -125,40 +128,95 @@ def test_every_variable_has_a_default():
         assert uses and all(op for op in uses), f"${{{name}}} has no default"
 
 
-def test_secrets_come_from_the_environment():
-    env = {"DEEPSERVE_INTERNAL_TOKEN": "tok-123", "DEEPSERVE_REDIS_PASSWORD": "pw-456"}
-    services = load_compose(env=env)["services"]
-    for name in (*WORKERS, "frontend"):
-        command = services[name]["command"]
-        assert services[name]["environment"]["DEEPSERVE_INTERNAL_TOKEN"] == "tok-123", name
-        assert "tok-123" not in command, f"{name}: the token must not show on argv"
-        assert command[command.index("--kv-store") + 1].startswith("redis://:pw-456@redis:"), name
-    assert "pw-456" in services["redis"]["command"]
-    assert services["redis"]["environment"]["REDISCLI_AUTH"] == "pw-456"
+def test_no_secret_is_on_a_command_line_or_in_an_environment(compose):
+    """Secrets are files in the `secrets` volume: what compose passes is only their paths."""
+    services = _services(compose)
+    for name, service in services.items():
+        command = " ".join(str(a) for a in service.get("command") or [])
+        assert "@" not in command and "requirepass" not in command, name
+        for key, value in as_env_dict(service.get("environment")).items():
+            if re.search(r"TOKEN|PASSWORD|SECRET|KEY", key):
+                assert key.endswith("_FILE"), f"{name}: {key}"
+                assert value.startswith(SECRETS_MOUNT + "/"), f"{name}: {key}"
+    assert services["redis"]["command"][1] == f"{SECRETS_MOUNT}/redis.conf"
 
 
-def test_deepserve_commands_build_their_configs_with_the_real_cli(compose, monkeypatch):
+def _dependencies(services: dict[str, dict], name: str) -> set[str]:
+    """Every service `name` waits for, directly or through others."""
+    out: set[str] = set()
+    todo = list(services[name].get("depends_on") or [])
+    while todo:
+        dep = todo.pop()
+        if dep not in out:
+            out.add(dep)
+            todo += list(services[dep].get("depends_on") or [])
+    return out
+
+
+def test_every_service_reading_secrets_mounts_the_volume_read_only(compose):
+    services = _services(compose)
+    for name, service in services.items():
+        text = json.dumps(service)
+        if SECRETS_MOUNT not in text or name == "secrets":
+            continue
+        assert f"secrets:{SECRETS_MOUNT}:ro" in service["volumes"], name
+        assert "secrets" in _dependencies(services, name), f"{name} may start before its secrets"
+    assert services["secrets"]["volumes"] == [f"secrets:{SECRETS_MOUNT}"]
+    assert services["redis"]["depends_on"]["secrets"]["condition"] == (
+        "service_completed_successfully"
+    )
+
+
+def test_the_secrets_service_generates_every_file_the_services_read(compose, tmp_path):
+    folder = make_secrets(tmp_path / "secrets")
+    referenced = set(re.findall(rf"{SECRETS_MOUNT}/([\w.]+)", json.dumps(compose)))
+    assert referenced and all((folder / name).is_file() for name in referenced), referenced
+
+
+def test_the_project_is_named_deepserve_from_either_file():
+    assert yaml.safe_load((REPO / "compose.yaml").read_text())["name"] == "deepserve"
+    assert yaml.safe_load(COMPOSE_FILE.read_text())["name"] == "deepserve"
+
+
+def test_the_image_is_built_once_and_never_pulled(compose):
+    services = _services(compose)
+    built = [name for name, service in services.items() if "build" in service]
+    assert built == ["secrets"] and services["secrets"]["pull_policy"] == "build"
+    image = services["secrets"]["image"]
+    for name, service in services.items():
+        if service.get("image") == image and name != "secrets":
+            assert service["pull_policy"] == "never", name
+            assert "secrets" in _dependencies(services, name), f"{name} may start before the build"
+
+
+def test_deepserve_commands_build_their_configs_with_the_real_cli(compose, monkeypatch, tmp_path):
     """Each command parses, and its config builds under the service's compose environment (the
-    CLI takes the internal token from DEEPSERVE_INTERNAL_TOKEN there)."""
+    CLI reads the internal token and the Redis password from the files it names there)."""
     from deepserve.server import cli
 
+    folder = make_secrets(tmp_path / "secrets")
     for name, service in _services(compose).items():
         if not is_deepserve(service):
             continue
         with monkeypatch.context() as m:
             for key, value in as_env_dict(service.get("environment")).items():
-                m.setenv(key, value)
+                m.setenv(key, value.replace(SECRETS_MOUNT, str(folder)))
             args = cli.build_parser().parse_args([str(a) for a in service["command"]])
-            assert args.internal_token, name
+            assert args.internal_token == read_secret(folder, "internal_token"), name
+            password = read_secret(folder, "redis_password")
             if args.command == "worker":
                 assert cli.worker_config_from_args(args).role == args.role
+                store = cli.engine_config_from_args(args).kv_tiers.store_url
+                assert f":{password}@redis:" in store, name
             else:
                 assert args.command == "frontend", name
+                assert args.api_key == read_secret(folder, "api_key")
                 config = cli.frontend_config_from_args(args)
                 assert set(config.router.workers["decode"]) == {
                     "http://decode-1:8100",
                     "http://decode-2:8100",
                 }
+                assert f":{password}@redis:" in config.router.kv_events_url
 
 
 def test_interpolation_follows_compose_rules():
@@ -225,16 +283,28 @@ def test_dockerfile_copies_every_package_root():
     assert {"pyproject.toml", "setup.py", "README.md"} <= copied
 
 
-def test_dockerfile_variants_runs_as_non_root_and_bakes_the_model():
+def test_dockerfile_runs_as_non_root_and_bakes_the_model():
     instructions = _dockerfile_instructions()
     stages = {rest.split(" AS ")[-1].strip() for kw, rest in instructions if kw == "FROM"}
-    assert {"base-cpu", "base-cuda", "build", "runtime"} <= stages
-    assert ("ARG", "VARIANT=cpu") in instructions
+    assert stages == {"base", "build", "runtime"}
     users = [rest for kw, rest in instructions if kw == "USER"]
     assert users and users[-1] not in {"root", "0"}
     assert any(kw == "HEALTHCHECK" for kw, _ in instructions)
     assert any(kw == "RUN" and "deepserve fetch-model" in rest for kw, rest in instructions)
+    assert any(kw == "RUN" and "cpu_native.py --prebuild" in rest for kw, rest in instructions)
     assert ("ENTRYPOINT", '["deepserve"]') in instructions
+
+
+def test_dockerfile_cpu_build_names_no_cuda_image_and_fetches_no_frontend():
+    """The legacy builder builds every stage: a CPU build must not need the CUDA base image, and a
+    `# syntax=` line would make BuildKit fetch a frontend image from a registry."""
+    assert not DOCKERFILE.read_text().lstrip().lower().startswith("# syntax")
+    instructions = _dockerfile_instructions()
+    froms = [rest for kw, rest in instructions if kw == "FROM"]
+    assert froms[0] == "${BASE_IMAGE} AS base"
+    assert all(not f.startswith("nvidia/") for f in froms)
+    assert ("ARG", "BASE_IMAGE=python:3.11-slim-bookworm") in instructions
+    assert ("ARG", "TORCH_INDEX=cpu") in instructions
 
 
 def test_dockerfile_default_command_parses_with_the_real_cli():
@@ -399,3 +469,16 @@ def test_non_editable_install_ships_every_module_and_the_cli(tmp_path):
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "deepserve = deepserve.server.cli:main" in text
+
+
+def test_generated_secrets_are_random_and_kept_across_restarts(tmp_path):
+    folder = make_secrets(tmp_path / "a")
+    (folder / "api_key").write_text("chosen-by-the-operator")
+    make_secrets(folder)  # a restart
+    other = make_secrets(tmp_path / "b")
+    assert read_secret(folder, "api_key") == "chosen-by-the-operator"
+    for name in ("internal_token", "redis_password", "grafana_admin_password"):
+        assert len(read_secret(folder, name)) >= 43
+        assert read_secret(folder, name) != read_secret(other, name), name
+    password = read_secret(folder, "redis_password")
+    assert (folder / "redis.conf").read_text() == f"requirepass {password}\n"

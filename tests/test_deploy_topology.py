@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import shutil
 import signal
 import subprocess
@@ -35,6 +34,7 @@ from deploy_compose import (
     http_ok,
     load_compose,
     local_topology,
+    read_secret,
     redis_ping,
     run_healthcheck,
     wait_until,
@@ -62,14 +62,15 @@ class Stack:
     services: dict[str, LocalService]
     procs: dict[str, subprocess.Popen]
     prometheus_url: str
-    env: dict[str, str]
+    secrets: Path  # the local stand-in for the compose `secrets` volume
 
     @property
     def frontend(self) -> LocalService:
         return self.services["frontend"]
 
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.frontend.url}/v1", api_key="unused", max_retries=0)
+        key = read_secret(self.secrets, "api_key")
+        return openai.OpenAI(base_url=f"{self.frontend.url}/v1", api_key=key, max_retries=0)
 
     def worker_metrics(self, name: str) -> dict[str, float]:
         return scrape(self.services[name])
@@ -153,21 +154,18 @@ def _start_prometheus(
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[Stack]:
     work = tmp_path_factory.mktemp("compose")
-    env = {
-        "DEEPSERVE_INTERNAL_TOKEN": secrets.token_hex(16),
-        "DEEPSERVE_REDIS_PASSWORD": secrets.token_hex(16),
-    }
-    compose = load_compose(env=env)
     services = {
-        s.name: s for s in local_topology(compose, Path(sys.executable).parent, data_dir=work)
+        s.name: s
+        for s in local_topology(load_compose(), Path(sys.executable).parent, data_dir=work)
     }
+    password = read_secret(work / "secrets", "redis_password")
     procs: dict[str, subprocess.Popen] = {}
     try:
         for service in services.values():
             procs[service.name] = _start(service, work)
-            _wait_ready(service, procs[service.name], env["DEEPSERVE_REDIS_PASSWORD"])
+            _wait_ready(service, procs[service.name], password)
         procs["prometheus"], prom_url = _start_prometheus(services, work)
-        yield Stack(services, procs, prom_url, env)
+        yield Stack(services, procs, prom_url, work / "secrets")
     except Exception:
         for log in sorted(work.glob("*.log")):
             print(f"---- {log.name}\n{log.read_text(errors='replace')[-4000:]}", file=sys.stderr)

@@ -58,6 +58,15 @@ def test_internal_routes_refuse_calls_without_the_secret(worker):
     assert r.status_code == 401
 
 
+def test_health_and_ready_are_open_and_reveal_only_status_and_kernels(worker):
+    health = httpx.get(worker.url + "/health", timeout=5)
+    ready = httpx.get(worker.url + "/ready", timeout=5)
+    assert health.status_code == 200 and ready.status_code == 200
+    assert set(health.json()) == {"status", "kernels"}
+    assert health.json()["kernels"] in {"native", "torch"}
+    assert ready.json() == {"status": "ready"}
+
+
 def test_generate_streams_tokens_then_reports_the_prompt_as_cached(worker):
     sampling = {"max_tokens": 5, "temperature": 0.0, "logprobs": 0}
     first = run(generate(worker, P.GenerateRequest("g1", PROMPT, sampling)))
