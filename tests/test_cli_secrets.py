@@ -60,7 +60,7 @@ def test_secrets_are_read_from_the_files_the_environment_names(monkeypatch, tmp_
         monkeypatch.setenv(f"DEEPSERVE_{name}_FILE", str(tmp_path / name))
     args = cli.build_parser().parse_args(["frontend", "--workers", "http://w:8100"])
     config = cli.frontend_config_from_args(args)
-    assert (config.router.internal_token, config.server.api_key) == ("tok", "key")
+    assert (config.router.internal_token, config.server.api_keys) == ("tok", ("key",))
     assert cli.env_secret("DEEPSERVE_REDIS_PASSWORD") == "pw"
 
 
@@ -72,18 +72,18 @@ def test_a_missing_secret_file_stops_the_command(monkeypatch, tmp_path):
 
 def test_server_beyond_loopback_without_a_key_generates_one_and_prints_it(capsys):
     args = cli.build_parser().parse_args(["serve", "--host", "0.0.0.0"])
-    key = cli.server_config_from_args(args).api_key
-    assert key and len(key) >= 32
+    (key,) = cli.server_config_from_args(args).api_keys
+    assert len(key) >= 32
     assert key in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost"])
 def test_server_on_loopback_without_a_key_stays_open(host):
     args = cli.build_parser().parse_args(["serve", "--host", host])
-    assert cli.server_config_from_args(args).api_key is None
+    assert cli.server_config_from_args(args).api_keys == ()
 
 
 def test_given_key_is_used_beyond_loopback(monkeypatch):
     monkeypatch.setenv("DEEPSERVE_API_KEY", "chosen")
     args = cli.build_parser().parse_args(["serve", "--host", "0.0.0.0"])
-    assert cli.server_config_from_args(args).api_key == "chosen"
+    assert cli.server_config_from_args(args).api_keys == ("chosen",)

@@ -210,8 +210,8 @@ def test_deepserve_commands_build_their_configs_with_the_real_cli(compose, monke
                 assert f":{password}@redis:" in store, name
             else:
                 assert args.command == "frontend", name
-                assert args.api_key == read_secret(folder, "api_key")
                 config = cli.frontend_config_from_args(args)
+                assert config.server.api_keys == (read_secret(folder, "api_key"),)
                 assert set(config.router.workers["decode"]) == {
                     "http://decode-1:8100",
                     "http://decode-2:8100",
