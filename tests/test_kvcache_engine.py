@@ -18,11 +18,11 @@ import time
 
 import pytest
 
+from deepserve.engine.block_manager import prompt_block_keys
 from deepserve.engine.config import EngineConfig, KVTierConfig
 from deepserve.engine.llm_engine import LLMEngine
 from deepserve.engine.sampling_params import SamplingParams
 from deepserve.kvcache.codec import derive_mac_key, encode_block
-from deepserve.server.worker import prompt_block_keys
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
