@@ -25,6 +25,7 @@ from deepserve.engine.sampling_params import StructuredOutput
 
 # An unbounded compile cache grows with every distinct schema a client sends (CVE-2025-32381).
 DEFAULT_CACHE_BYTES = 64 * 2**20
+_ANY_OBJECT = '{"type": "object"}'
 _EOS_SPELLINGS = ("<|im_end|>", "<｜end▁of▁sentence｜>", "<|endoftext|>", "</s>", "<|eot_id|>")
 
 
@@ -104,7 +105,10 @@ class GrammarCache:
 
     def _compile(self, s: StructuredOutput) -> xgr.CompiledGrammar:
         if s.kind == "json_object":
-            return self._compiler.compile_builtin_json_grammar()
+            # OpenAI's json_object is an object: the builtin JSON grammar with an object root.
+            return self._compiler.compile_json_schema(
+                _ANY_OBJECT, any_whitespace=False, strict_mode=False
+            )
         if s.kind == "json_schema":
             _check_json(s.spec, "json_schema")
             # Compact JSON: free whitespace lets a small model loop on blanks until max_tokens.
@@ -193,27 +197,28 @@ def apply_bitmask(
 
 def tool_call_constraint(
     model_format: str,
-    tools_json: str,
+    tools: list[dict],
     *,
     required: bool,
     opened_in_prompt: bool,
     parallel: bool = True,
+    reasoning: bool = False,
     max_whitespace: int = 4,
 ) -> StructuredOutput:
-    """A structural tag for DeepSeek DSML tool calls from the recipe's OutputConstraint.
+    """A structural tag for DeepSeek DSML tool calls, arguments held to each tool's parameters.
 
-    model_format: xgrammar's builtin name ("deepseek_v4" or "deepseek_v4_1"). tools_json: the
-    recipe's compact JSON array of Chat Completions function tools. When the prompt already ends
-    with the tool-calls opener (tool_choice "required"), the grammar starts after it. Whitespace
-    runs between parameters are bounded: unbounded ones let a model loop on blanks.
+    model_format: xgrammar's builtin name ("deepseek_v4" or "deepseek_v4_1"). tools: Chat
+    Completions function tools. When the prompt already ends with the tool-calls opener
+    (tool_choice "required"), the grammar starts after it. reasoning: the output starts inside
+    the model's reasoning, which stays free until `</think>`. Whitespace runs between parameters
+    are bounded: unbounded ones let a model loop on blanks.
     """
     try:
-        tools = json.loads(tools_json)
         tag = xgr.get_builtin_structural_tag(
             model_format,
             tools=tools,
             tool_choice="required" if required else "auto",
-            reasoning=False,
+            reasoning=reasoning,
             parallel_tool_calls=parallel,
             max_whitespace_cnt=max_whitespace,
         )
@@ -232,3 +237,47 @@ def _after_opener(fmt: dict) -> dict:
         rest = elements[1:]
         return rest[0] if len(rest) == 1 else {**fmt, "elements": rest}
     return fmt
+
+
+def after_reasoning(
+    structured: StructuredOutput, reasoning_end: str, reasoning_tokens: Sequence[str]
+) -> StructuredOutput:
+    """`structured` applied once the reasoning ends, as vLLM does for reasoning models.
+
+    The reasoning is any tokens but the reasoning markers, up to the `reasoning_end` token itself
+    (the token, not its spelling in plain tokens, since the output parser also splits on the
+    token); the answer after it is held to the constraint, with the same grammar it would get
+    alone. A tool-call structural tag already handles reasoning (tool_call_constraint).
+    """
+    answer = {"type": "grammar", "grammar": str(_answer_grammar(structured))}
+    spec = {
+        "type": "structural_tag",
+        "format": {
+            "type": "sequence",
+            "elements": [
+                {"type": "any_tokens", "exclude_tokens": list(reasoning_tokens)},
+                {"type": "token", "token": reasoning_end},
+                answer,
+            ],
+        },
+    }
+    return StructuredOutput("structural_tag", json.dumps(spec))
+
+
+def _answer_grammar(s: StructuredOutput) -> xgr.Grammar:
+    """The grammar GrammarCache compiles for `s` alone, as an xgrammar Grammar."""
+    try:
+        if s.kind == "json_object":
+            return xgr.Grammar.from_json_schema(
+                _ANY_OBJECT, any_whitespace=False, strict_mode=False
+            )
+        if s.kind == "json_schema":
+            _check_json(s.spec, "json_schema")
+            return xgr.Grammar.from_json_schema(s.spec, any_whitespace=False, strict_mode=True)
+        if s.kind == "regex":
+            return xgr.Grammar.from_regex(s.spec)
+        if s.kind == "ebnf":
+            return xgr.Grammar.from_ebnf(s.spec)
+    except (RuntimeError, ValueError, TypeError, KeyError) as e:
+        raise InvalidRequestError(f"invalid {s.kind} constraint: {e}") from e
+    raise InvalidRequestError(f"a {s.kind} constraint cannot follow the reasoning")

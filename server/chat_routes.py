@@ -14,7 +14,7 @@ import json
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -105,9 +105,12 @@ def prepare(spec: ProtocolSpec, body: dict, state: AppState) -> Prepared:
     _check_tool_constraint(prompt.tools, extras)
     options = recipe_options(conv.inference_options, extras)
     params = sampling_params(body, options, extras, prompt.structured)
+    answer = state.family.answer_constraint(conv, params.structured)
+    if answer is not params.structured:
+        params = replace(params, structured=answer)
     admitted = admit(state, prompt.token_ids, params)
     job = GenerationJob(parsed.request_id, admitted, prompt.parsing, parsed.make_generator)
-    if params.structured is not None and params.structured.kind == "structural_tag":
+    if prompt.push_text:
         job.text_tokenizer = state.backend.tokenizer
         if params.logprobs is not None:
             job.logprob_feed = _logprob_feed(spec)

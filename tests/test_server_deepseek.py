@@ -4,10 +4,13 @@ grammar, the recipe's thinking-mode rules, reasoning output. Checked with the op
 from __future__ import annotations
 
 import json
+import re
+from typing import Literal
 
 import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel
 from server_harness import engine_for, running_server
 
 MODEL = "tiny-deepseek"
@@ -149,3 +152,92 @@ def test_responses_tool_request_with_logprobs_is_rejected(client):
             max_output_tokens=8,
             extra_body=NO_THINKING,
         )
+
+
+# Enum-bounded: a random-weight model closes an unbounded string or number only by chance.
+ENUM_PARAMS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome"]},
+        "days": {"type": "integer", "enum": [1, 2, 3]},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+THINK_END = 128822  # "</think>" in the V4 tokenizer
+
+
+def _enum_tools(strict: bool, *, with_other: bool) -> list[dict]:
+    fns = [{"name": "get_weather", "description": "Weather", "parameters": ENUM_PARAMS}]
+    if with_other:
+        fns.append({"name": "get_time", "parameters": {"type": "object", "properties": {}}})
+    # The recipe wants every tool strict or none.
+    return [{"type": "function", "function": {**fn, "strict": strict}} for fn in fns]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize(
+    ("tool_choice", "strict", "with_other"), [("required", True, False), (NAMED, False, True)]
+)
+def test_enforced_tool_call_arguments_match_the_client_schema(
+    client, seed, tool_choice, strict, with_other
+):
+    # strict: true once let the recipe's strict rewrite drop the integer enum, and strict: false
+    # left the arguments free (xgrammar's reading of a non-strict tool).
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=_enum_tools(strict, with_other=with_other),
+        tool_choice=tool_choice,
+        parallel_tool_calls=False,
+        temperature=0.7,
+        seed=seed,
+        max_tokens=400,
+        extra_body=NO_THINKING,
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), ENUM_PARAMS)
+
+
+def _parse_after_thinking(client, seed: int, **kwargs):
+    # The reasoning is free; a bias on `</think>` makes a random-weight model end it soon.
+    return client.chat.completions.parse(
+        model=MODEL,
+        messages=ASK,
+        seed=seed,
+        max_tokens=400,
+        logit_bias={str(THINK_END): 12},
+        **kwargs,
+    )
+
+
+class Weather(BaseModel):
+    city: Literal["Paris", "Rome"]
+    days: Literal[1, 2, 3]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_json_schema_in_thinking_mode_constrains_the_answer_after_the_reasoning(client, seed):
+    r = _parse_after_thinking(client, seed, response_format=Weather)
+    message = r.choices[0].message
+    assert r.choices[0].finish_reason == "stop"
+    assert message.model_extra.get("reasoning_content") is not None
+    assert isinstance(message.parsed, Weather)
+
+
+def test_regex_in_thinking_mode_constrains_the_content(client):
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        seed=4,
+        max_tokens=400,
+        logit_bias={str(THINK_END): 12},
+        response_format={"type": "regex", "regex": "(Paris|Rome) in [1-3] days"},
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop"
+    assert re.fullmatch("(Paris|Rome) in [1-3] days", choice.message.content)
