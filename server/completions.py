@@ -202,10 +202,10 @@ async def _generate(state: AppState, rid: str, job: _Job) -> AsyncIterator[_Even
                 if finished or all(c.done for c in choices):
                     break
     finally:
-        if not finished:
-            await asyncio.shield(state.backend.abort(rid))
         state.metrics.e2e.observe(time.perf_counter() - timing.arrival)
         state.metrics.request_finished(reason)
+        if not finished:  # last: a cut stream's cancel scope makes this await raise again
+            await asyncio.shield(state.backend.abort(rid))
 
 
 def _advance(
