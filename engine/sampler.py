@@ -68,7 +68,9 @@ class SamplingBatch:
         top_k = top_p = min_p = None
         if not all_greedy:
             if any(p.top_k > 0 for p in params):
-                top_k = col([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64)
+                # A k past the vocabulary keeps every token; clamped, it always fits int64.
+                ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+                top_k = col(ks, torch.int64)
             if any(p.top_p < 1.0 for p in params):
                 top_p = col([p.top_p for p in params], torch.float32)[:, None]
             if any(p.min_p > 0.0 for p in params):

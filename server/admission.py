@@ -4,8 +4,10 @@ Every generation endpoint (chat completions, responses, messages, completions) a
 (in-process engine, remote workers) pass through here, so one bad field gets one error wherever it
 is sent:
 
-1. `check_fields(body)` checks the sampling fields the endpoints share, by one table of rules,
-   before any protocol conversion sees them.
+1. `check_fields(body)` refuses integers no 64-bit field holds, anywhere in the body, and
+   checks the sampling fields the endpoints share, by one table of rules, before any protocol
+   conversion sees them; `check_protocol(endpoint, body)` applies the protocol rules the recipe
+   does not, and refuses the fields this server does not serve (docs/server.md lists them).
 2. `pop_extras(body, allow_n)` takes out what the recipe would refuse but the server serves (n,
    json_object, vLLM-style constraint fields, tool schemas).
 3. `sampling_params(body, options, extras, structured)` builds `SamplingParams` from the checked
@@ -91,10 +93,101 @@ def bad_field(name: str, message: str) -> HTTPError:
 
 def check_fields(body: dict) -> None:
     """Check the shared sampling fields present in `body` (HTTPError 400 naming the field)."""
+    check_integers(body)
     for name, rule in FIELD_RULES.items():
         rule.check(name, body.get(name))
     parse_logit_bias(body.get("logit_bias"))
     parse_int_list(body.get("stop_token_ids"), "stop_token_ids")
+
+
+# Any integer a 64-bit field can hold, signed or not (seeds are unsigned). A larger one would
+# overflow the recipe's conversion, the engine's tensors or a worker's wire format.
+INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
+
+
+def check_integers(body: dict) -> None:
+    """Refuse any integer outside 64 bits, wherever it is (HTTPError 400 naming its path)."""
+    stack: list[tuple[str, object]] = [("", body)]
+    while stack:  # a loop, not recursion: nesting depth is not this check's business
+        path, value = stack.pop()
+        if isinstance(value, dict):
+            stack += [(f"{path}.{k}" if path else str(k), v) for k, v in value.items()]
+        elif isinstance(value, list):
+            stack += [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+        elif isinstance(value, int) and not INT64_MIN <= value <= UINT64_MAX:
+            raise bad_field(path, f"{path} is an integer outside the 64-bit range")
+
+
+_NOT_SERVED_PARTS = {
+    "chat": ("image_url", "input_audio", "file"),
+    "responses": ("input_image", "input_file", "input_audio"),
+    "messages": ("image", "document"),
+    "count_tokens": ("image", "document"),  # Anthropic's /v1/messages/count_tokens
+}
+_TEXT_ONLY = "this server reads text only"
+
+
+def check_protocol(endpoint: str, body: dict) -> None:
+    """The protocol's own rules the recipe does not apply, and the fields not served: each a 400
+    that says so, rather than an answer that silently ignores what was asked."""
+    if endpoint in ("chat", "responses"):
+        _tool_choice_needs_tools(body)
+    if endpoint == "chat":
+        _chat_extensions(body)
+    if endpoint in ("messages", "count_tokens"):
+        _anthropic_messages(body, needs_max_tokens=endpoint == "messages")
+    streaming = bool(body.get("stream"))
+    if endpoint == "completions" and body.get("stream_options") is not None and not streaming:
+        raise bad_field("stream_options", "stream_options is only allowed when stream is true")
+    parts = _NOT_SERVED_PARTS.get(endpoint, ())
+    kind = next((k for k in _content_part_types(endpoint, body) if k in parts), None)
+    if kind is not None:
+        where = "input" if endpoint == "responses" else "messages"
+        raise bad_field(where, f"{kind} content parts are not served: {_TEXT_ONLY}")
+
+
+def _chat_extensions(body: dict) -> None:
+    """vLLM's chat extensions this server does not serve."""
+    if body.get("continue_final_message"):
+        raise bad_field("continue_final_message", "continue_final_message is not served")
+    so = body.get("structured_outputs")
+    if (isinstance(so, dict) and so.get("choice") is not None) or "guided_choice" in body:
+        raise bad_field(
+            "structured_outputs",
+            "structured_outputs.choice is not served; a regex of the choices does the same",
+        )
+
+
+def _tool_choice_needs_tools(body: dict) -> None:
+    choice = body.get("tool_choice")
+    if choice is not None and choice != "none" and not body.get("tools"):
+        raise bad_field("tool_choice", "tool_choice is only allowed when tools are specified")
+
+
+def _anthropic_messages(body: dict, needs_max_tokens: bool) -> None:
+    if needs_max_tokens and body.get("max_tokens") is None:
+        raise bad_field("max_tokens", "max_tokens: Field required")
+    for i, message in enumerate(body.get("messages") or []):
+        if isinstance(message, dict) and message.get("role") == "system":
+            raise bad_field(
+                f"messages[{i}].role",
+                'messages: Unexpected role "system". The Messages API accepts a top-level '
+                '`system` parameter, not "system" as an input message role.',
+            )
+
+
+def _content_part_types(endpoint: str, body: dict) -> list[str]:
+    """The `type` of every content part of the request's messages (Responses: input items)."""
+    items = body.get("input") if endpoint == "responses" else body.get("messages")
+    if not isinstance(items, list):
+        return []
+    types = []
+    for item in items:
+        content = item.get("content") if isinstance(item, dict) else None
+        for part in content if isinstance(content, list) else [item]:
+            if isinstance(part, dict) and isinstance(part.get("type"), str):
+                types.append(part["type"])
+    return types
 
 
 @dataclass(frozen=True)

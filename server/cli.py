@@ -186,7 +186,11 @@ def add_frontend_parser(sub) -> None:
         default=CacheAwareConfig.balance_rel,
         help="cache_aware: ... and the busier/less busy load ratio that must also be exceeded",
     )
-    g.add_argument("--kv-store", default=None, help="redis:// carrying the workers' KV events")
+    g.add_argument(
+        "--kv-store",
+        default=None,
+        help="redis:// carrying the workers' KV events (and stored Responses)",
+    )
     g.add_argument(
         "--internal-token",
         default=os.environ.get("DEEPSERVE_INTERNAL_TOKEN"),
@@ -279,7 +283,12 @@ def server_config_from_args(args: argparse.Namespace):
         port=args.port,
         api_key=args.api_key or None,
         max_body_bytes=args.max_body_bytes,
+        response_store_url=_redis_url(getattr(args, "kv_store", None)),
     )
+
+
+def _redis_url(url: str | None) -> str | None:
+    return url if (url or "").startswith(("redis://", "rediss://")) else None
 
 
 def add_bench_parser(sub) -> None:

@@ -27,6 +27,7 @@ from deepserve.engine.sampling_params import SamplingParams
 from deepserve.server.admission import (
     admit,
     check_fields,
+    check_protocol,
     completion_options,
     pop_extras,
     sampling_params,
@@ -116,6 +117,7 @@ def _prepare(body: dict, state: AppState) -> _Job:
     if unknown:
         raise HTTPError(400, f"unknown field {unknown[0]!r}", param=unknown[0])
     check_fields(body)
+    check_protocol("completions", body)
     prompt, prompt_ids = _encode_prompt(body.get("prompt"), state)
     stops = body.get("stop") or []
     stops = [stops] if isinstance(stops, str) else stops

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -21,6 +21,7 @@ from deepserve.server.protocols import CHAT, MESSAGES, ProtocolSpec
 from deepserve.server.stream import GenerationJob
 
 log = logging.getLogger(__name__)
+_FINAL_EVENTS = ("response.completed", "response.incomplete")  # the whole response, once
 
 
 @dataclass
@@ -31,6 +32,8 @@ class FrameInfo:
     n: int
     include_usage: bool  # Chat Completions stream_options.include_usage (the usage chunk)
     job: GenerationJob  # its prompt counts are known once the first chunk arrived
+    # Responses: called with the finished response object (to store it for previous_response_id)
+    on_response: Callable[[dict], Awaitable[None]] | None = None
 
 
 def sse(event: str | None, data: str) -> bytes:
@@ -52,6 +55,8 @@ async def sse_body(
                         continue
                     name = cls.sse_event_name(ch)
                     yield sse(name, ch.to_json())
+                    if name in _FINAL_EVENTS and info.on_response is not None:
+                        await info.on_response(json.loads(ch.to_json())["response"])
                     if name == "response.incomplete":
                         yield _completed_after_incomplete(ch.to_json())
         except Exception as e:  # a failure after headers went out: tell the client in-band
