@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel
-from server_harness import engine_for, running_server
+from server_harness import engine_for, running_frontend, running_server, running_worker
 
 MODEL = "tiny-deepseek"
 PARAMS = {
@@ -33,10 +33,33 @@ ASK = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
 NO_THINKING = {"thinking": {"type": "disabled"}}
 
 
+def _sdk(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=300)
+
+
 @pytest.fixture(scope="module")
-def client():
-    with engine_for(MODEL) as engine, running_server(engine, MODEL) as srv:
-        yield openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=300)
+def engine():
+    with engine_for(MODEL) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    with running_server(engine, MODEL) as srv:
+        yield _sdk(srv.base_url)
+
+
+@pytest.fixture(scope="module")
+def pd_client(engine):
+    """`deepserve frontend` over a prefill and a decode worker (in-process, the same engine):
+    the decode worker resumes the grammar after the prefill worker's first token."""
+    token = "deepseek-test-token"
+    with (
+        running_worker(engine, "prefill", token) as prefill,
+        running_worker(engine, "decode", token) as decode,
+        running_frontend({"prefill": (prefill,), "decode": (decode,)}, MODEL, token) as front,
+    ):
+        yield _sdk(front.base_url)
 
 
 @pytest.mark.parametrize(("temperature", "seed"), [(0.0, None), (1.0, 7)])
@@ -176,15 +199,28 @@ def _enum_tools(strict: bool, *, with_other: bool) -> list[dict]:
     return [{"type": "function", "function": {**fn, "strict": strict}} for fn in fns]
 
 
+CASES = [("required", True, False), (NAMED, False, True)]  # tool_choice, strict, a second tool
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
-@pytest.mark.parametrize(
-    ("tool_choice", "strict", "with_other"), [("required", True, False), (NAMED, False, True)]
-)
+@pytest.mark.parametrize(("tool_choice", "strict", "with_other"), CASES)
 def test_enforced_tool_call_arguments_match_the_client_schema(
     client, seed, tool_choice, strict, with_other
 ):
     # strict: true once let the recipe's strict rewrite drop the integer enum, and strict: false
     # left the arguments free (xgrammar's reading of a non-strict tool).
+    _check_enforced_call(client, seed, tool_choice, strict, with_other)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize(("tool_choice", "strict", "with_other"), CASES)
+def test_disaggregated_tool_call_arguments_match_the_client_schema(
+    pd_client, seed, tool_choice, strict, with_other
+):
+    _check_enforced_call(pd_client, seed, tool_choice, strict, with_other)
+
+
+def _check_enforced_call(client, seed, tool_choice, strict, with_other) -> None:
     r = client.chat.completions.create(
         model=MODEL,
         messages=ASK,
@@ -227,6 +263,12 @@ def test_json_schema_in_thinking_mode_constrains_the_answer_after_the_reasoning(
     assert r.choices[0].finish_reason == "stop"
     assert message.model_extra.get("reasoning_content") is not None
     assert isinstance(message.parsed, Weather)
+
+
+def test_disaggregated_json_schema_in_thinking_mode_parses(pd_client):
+    r = _parse_after_thinking(pd_client, 1, response_format=Weather)
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(r.choices[0].message.parsed, Weather)
 
 
 def test_regex_in_thinking_mode_constrains_the_content(client):
