@@ -107,7 +107,7 @@ class GrammarCache:
         if s.kind == "json_object":
             # OpenAI's json_object is an object: the builtin JSON grammar with an object root.
             return self._compiler.compile_json_schema(
-                _ANY_OBJECT, any_whitespace=False, strict_mode=False
+                _ANY_OBJECT, any_whitespace=True, strict_mode=False
             )
         if s.kind == "json_schema":
             _check_json(s.spec, "json_schema")
@@ -269,7 +269,7 @@ def _answer_grammar(s: StructuredOutput) -> xgr.Grammar:
     try:
         if s.kind == "json_object":
             return xgr.Grammar.from_json_schema(
-                _ANY_OBJECT, any_whitespace=False, strict_mode=False
+                _ANY_OBJECT, any_whitespace=True, strict_mode=False
             )
         if s.kind == "json_schema":
             _check_json(s.spec, "json_schema")
