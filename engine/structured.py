@@ -268,9 +268,7 @@ def _answer_grammar(s: StructuredOutput) -> xgr.Grammar:
     """The grammar GrammarCache compiles for `s` alone, as an xgrammar Grammar."""
     try:
         if s.kind == "json_object":
-            return xgr.Grammar.from_json_schema(
-                _ANY_OBJECT, any_whitespace=True, strict_mode=False
-            )
+            return xgr.Grammar.from_json_schema(_ANY_OBJECT, any_whitespace=True, strict_mode=False)
         if s.kind == "json_schema":
             _check_json(s.spec, "json_schema")
             return xgr.Grammar.from_json_schema(s.spec, any_whitespace=False, strict_mode=True)
