@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from deepserve.engine.errors import InvalidRequestError
@@ -12,13 +13,29 @@ class StructuredOutput:
     """An output constraint compiled to an xgrammar grammar by engine/structured.py.
 
     kind: "json_schema" (spec = schema as JSON text), "json_object" (spec ignored), "regex",
-    "ebnf" (spec = grammar text), "structural_tag" (spec = xgrammar structural-tag JSON), or
+    "ebnf" (spec = grammar text), "structural_tag" (spec = xgrammar structural-tag JSON),
     "dsml_tool_calls" (DeepSeek tool calls; spec described at engine/structured.py
-    `dsml_structural_tag`).
+    `dsml_structural_tag`) or "after_reasoning" (another constraint applied once the reasoning
+    ends; `after_reasoning` below, compiled by `after_reasoning_tag`). The server builds specs
+    only as JSON: xgrammar loads torch, which the frontend process never does.
     """
 
     kind: str
     spec: str = ""
+
+
+def after_reasoning(
+    inner: StructuredOutput, reasoning_end: str, reasoning_tokens: tuple[str, ...]
+) -> StructuredOutput:
+    """`inner` applied once the model's reasoning ends at the token `reasoning_end`; the
+    reasoning before it is free but for the markers `reasoning_tokens`."""
+    spec = {
+        "kind": inner.kind,
+        "spec": inner.spec,
+        "end": reasoning_end,
+        "exclude": list(reasoning_tokens),
+    }
+    return StructuredOutput("after_reasoning", json.dumps(spec))
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from deepserve.engine.xgrammar_import import xgrammar as xgr
 
 # An unbounded compile cache grows with every distinct schema a client sends (CVE-2025-32381).
 DEFAULT_CACHE_BYTES = 64 * 2**20
+_ANY_OBJECT = '{"type": "object"}'
 _EOS_SPELLINGS = ("<|im_end|>", "<｜end▁of▁sentence｜>", "<|endoftext|>", "</s>", "<|eot_id|>")
 
 
@@ -104,7 +105,10 @@ class GrammarCache:
 
     def _compile(self, s: StructuredOutput) -> xgr.CompiledGrammar:
         if s.kind == "json_object":
-            return self._compiler.compile_builtin_json_grammar()
+            # OpenAI's json_object is an object: the builtin JSON grammar with an object root.
+            return self._compiler.compile_json_schema(
+                _ANY_OBJECT, any_whitespace=True, strict_mode=False
+            )
         if s.kind == "json_schema":
             _check_json(s.spec, "json_schema")
             # Compact JSON: free whitespace lets a small model loop on blanks until max_tokens.
@@ -120,6 +124,8 @@ class GrammarCache:
             return self._compiler.compile_structural_tag(s.spec)
         if s.kind == "dsml_tool_calls":
             return self._compiler.compile_structural_tag(dsml_structural_tag(s.spec))
+        if s.kind == "after_reasoning":
+            return self._compiler.compile_structural_tag(after_reasoning_tag(s.spec))
         raise InvalidRequestError(f"unknown structured output kind {s.kind!r}")
 
 
@@ -190,14 +196,16 @@ def apply_bitmask(
 
 
 def dsml_structural_tag(spec: str, max_whitespace: int = 4) -> str:
-    """The xgrammar structural tag for a "dsml_tool_calls" constraint (DeepSeek DSML tool calls).
+    """The xgrammar structural tag for a "dsml_tool_calls" constraint (DeepSeek DSML tool calls),
+    arguments held to each tool's parameters.
 
     spec: JSON with "format" (xgrammar's builtin name, "deepseek_v4" or "deepseek_v4_1"), "tools"
-    (the recipe's compact JSON array of Chat Completions function tools), "required", "parallel",
-    and "opened_in_prompt" (the prompt already ends with the tool-calls opener, tool_choice
-    "required": the grammar starts after it). Whitespace runs between parameters are bounded:
-    unbounded ones let a model loop on blanks. Built here, not by the server, because xgrammar
-    loads torch and the frontend process never does.
+    (a JSON array of Chat Completions function tools, parameters as the client sent them),
+    "required", "parallel", "opened_in_prompt" (the prompt already ends with the tool-calls opener,
+    tool_choice "required": the grammar starts after it) and "reasoning" (the output starts inside
+    the model's reasoning, which stays free until `</think>`). Whitespace runs between parameters
+    are bounded: unbounded ones let a model loop on blanks. Built here, not by the server, because
+    xgrammar loads torch and the frontend process never does.
     """
     try:
         d = json.loads(spec)
@@ -205,7 +213,7 @@ def dsml_structural_tag(spec: str, max_whitespace: int = 4) -> str:
             d["format"],
             tools=json.loads(d["tools"]),
             tool_choice="required" if d["required"] else "auto",
-            reasoning=False,
+            reasoning=d.get("reasoning", False),
             parallel_tool_calls=d.get("parallel", True),
             max_whitespace_cnt=max_whitespace,
         )
@@ -224,3 +232,52 @@ def _after_opener(fmt: dict) -> dict:
         rest = elements[1:]
         return rest[0] if len(rest) == 1 else {**fmt, "elements": rest}
     return fmt
+
+
+def after_reasoning_tag(spec: str) -> str:
+    """The structural tag of an "after_reasoning" constraint: its inner constraint applied once
+    the reasoning ends, as vLLM does for reasoning models.
+
+    spec: JSON with "kind" and "spec" (the inner StructuredOutput), "end" (the token that ends the
+    reasoning) and "exclude" (the reasoning markers). The reasoning is any tokens but the markers,
+    up to the end token itself (the token, not its spelling in plain tokens, since the output
+    parser also splits on the token); the answer after it is held to the inner constraint, with
+    the grammar it would get alone. A tool-call constraint handles reasoning itself
+    (dsml_structural_tag).
+    """
+    try:
+        d = json.loads(spec)
+        inner = StructuredOutput(d["kind"], d.get("spec", ""))
+        end, exclude = d["end"], list(d["exclude"])
+    except (ValueError, TypeError, KeyError) as e:
+        raise InvalidRequestError(f"invalid after_reasoning constraint: {e}") from e
+    answer = {"type": "grammar", "grammar": str(_answer_grammar(inner))}
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "sequence",
+            "elements": [
+                {"type": "any_tokens", "exclude_tokens": exclude},
+                {"type": "token", "token": end},
+                answer,
+            ],
+        },
+    }
+    return json.dumps(tag)
+
+
+def _answer_grammar(s: StructuredOutput) -> xgr.Grammar:
+    """The grammar GrammarCache compiles for `s` alone, as an xgrammar Grammar."""
+    try:
+        if s.kind == "json_object":
+            return xgr.Grammar.from_json_schema(_ANY_OBJECT, any_whitespace=True, strict_mode=False)
+        if s.kind == "json_schema":
+            _check_json(s.spec, "json_schema")
+            return xgr.Grammar.from_json_schema(s.spec, any_whitespace=False, strict_mode=True)
+        if s.kind == "regex":
+            return xgr.Grammar.from_regex(s.spec)
+        if s.kind == "ebnf":
+            return xgr.Grammar.from_ebnf(s.spec)
+    except (RuntimeError, ValueError, TypeError, KeyError) as e:
+        raise InvalidRequestError(f"invalid {s.kind} constraint: {e}") from e
+    raise InvalidRequestError(f"a {s.kind} constraint cannot follow the reasoning")

@@ -7,7 +7,9 @@ is sent:
 1. `check_fields(body, max_text_chars, endpoint)` checks the body's shape (depth, 64-bit integers,
    finite numbers, valid Unicode, total text; server/body_checks.py), the declared types of its
    fields, and the sampling fields the endpoints share by one table of rules, before any
-   protocol conversion sees them. `cache_salt` then takes out the request's prefix-cache salt.
+   protocol conversion sees them; `check_protocol(endpoint, body)` applies the protocol rules the
+   recipe does not, and refuses the fields this server does not serve (docs/server.md lists
+   them). `cache_salt` then takes out the request's prefix-cache salt.
 2. `pop_extras(body, allow_n)` takes out what the recipe would refuse but the server serves (n,
    json_object, vLLM-style constraint fields, tool schemas).
 3. `sampling_params(body, options, extras, structured)` builds `SamplingParams` from the checked
@@ -121,6 +123,78 @@ def cache_salt(body: dict, config: ServerConfig, tenant: str | None) -> str | No
     (server/cache_salt.py), the tenant's too when salting by API key."""
     by_key = tenant if config.cache_salt_by_api_key else None
     return request_salt(body.pop("cache_salt", None), by_key)
+
+
+_NOT_SERVED_PARTS = {
+    "chat": ("image_url", "input_audio", "file"),
+    "responses": ("input_image", "input_file", "input_audio"),
+    "messages": ("image", "document"),
+    "count_tokens": ("image", "document"),  # Anthropic's /v1/messages/count_tokens
+}
+_TEXT_ONLY = "this server reads text only"
+
+
+def check_protocol(endpoint: str, body: dict) -> None:
+    """The protocol's own rules the recipe does not apply, and the fields not served: each a 400
+    that says so, rather than an answer that silently ignores what was asked."""
+    if endpoint in ("chat", "responses"):
+        _tool_choice_needs_tools(body)
+    if endpoint == "chat":
+        _chat_extensions(body)
+    if endpoint in ("messages", "count_tokens"):
+        _anthropic_messages(body, needs_max_tokens=endpoint == "messages")
+    streaming = bool(body.get("stream"))
+    if endpoint == "completions" and body.get("stream_options") is not None and not streaming:
+        raise bad_field("stream_options", "stream_options is only allowed when stream is true")
+    parts = _NOT_SERVED_PARTS.get(endpoint, ())
+    kind = next((k for k in _content_part_types(endpoint, body) if k in parts), None)
+    if kind is not None:
+        where = "input" if endpoint == "responses" else "messages"
+        raise bad_field(where, f"{kind} content parts are not served: {_TEXT_ONLY}")
+
+
+def _chat_extensions(body: dict) -> None:
+    """vLLM's chat extensions this server does not serve."""
+    if body.get("continue_final_message"):
+        raise bad_field("continue_final_message", "continue_final_message is not served")
+    so = body.get("structured_outputs")
+    if (isinstance(so, dict) and so.get("choice") is not None) or "guided_choice" in body:
+        raise bad_field(
+            "structured_outputs",
+            "structured_outputs.choice is not served; a regex of the choices does the same",
+        )
+
+
+def _tool_choice_needs_tools(body: dict) -> None:
+    choice = body.get("tool_choice")
+    if choice is not None and choice != "none" and not body.get("tools"):
+        raise bad_field("tool_choice", "tool_choice is only allowed when tools are specified")
+
+
+def _anthropic_messages(body: dict, needs_max_tokens: bool) -> None:
+    if needs_max_tokens and body.get("max_tokens") is None:
+        raise bad_field("max_tokens", "max_tokens: Field required")
+    for i, message in enumerate(body.get("messages") or []):
+        if isinstance(message, dict) and message.get("role") == "system":
+            raise bad_field(
+                f"messages[{i}].role",
+                'messages: Unexpected role "system". The Messages API accepts a top-level '
+                '`system` parameter, not "system" as an input message role.',
+            )
+
+
+def _content_part_types(endpoint: str, body: dict) -> list[str]:
+    """The `type` of every content part of the request's messages (Responses: input items)."""
+    items = body.get("input") if endpoint == "responses" else body.get("messages")
+    if not isinstance(items, list):
+        return []
+    types = []
+    for item in items:
+        content = item.get("content") if isinstance(item, dict) else None
+        for part in content if isinstance(content, list) else [item]:
+            if isinstance(part, dict) and isinstance(part.get("type"), str):
+                types.append(part["type"])
+    return types
 
 
 @dataclass(frozen=True)

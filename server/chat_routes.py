@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions, /v1/responses and /v1/messages: one request path for all three.
+"""POST /v1/chat/completions, /v1/responses and /v1/messages: one request path for all three
+(and Anthropic's /v1/messages/count_tokens, which stops after rendering the prompt).
 
 Read the body, check the model name, then off the event loop: check the shared sampling fields,
 convert with the recipe, render and encode the prompt (model family), and admit the request
@@ -14,7 +15,8 @@ import json
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -24,13 +26,15 @@ from deepserve.server.admission import (
     admit,
     cache_salt,
     check_fields,
+    check_protocol,
     pop_extras,
     recipe_options,
     sampling_params,
 )
 from deepserve.server.errors import HTTPError
 from deepserve.server.framing import FrameInfo, collect, sse_body
-from deepserve.server.protocols import CHAT, ProtocolSpec, parse_request
+from deepserve.server.protocols import CHAT, MESSAGES, RESPONSES, ProtocolSpec, parse_request
+from deepserve.server.response_store import expand, input_items, keep
 from deepserve.server.state import (
     AppState,
     ClientDisconnected,
@@ -57,6 +61,7 @@ class Prepared:
 async def handle(request: Request, spec: ProtocolSpec, state: AppState) -> Response:
     body = await read_json(request, state.config.max_body_bytes)
     check_model(body, state.config.served_model_name)
+    stored = await _conversation(spec, body, state) if spec is RESPONSES else None
     prepared = await prepare_off_loop(request, body, prepare, spec, body, state, tenant_of(request))
     job = prepared.job
     chunks = stream_chunks(state.backend, job, state.family.recipe_tokenizer, state.metrics)
@@ -67,6 +72,7 @@ async def handle(request: Request, spec: ProtocolSpec, state: AppState) -> Respo
         job.params.n,
         prepared.include_usage,
         job,
+        None if stored is None else partial(keep, state.responses, stored),
     )
     if prepared.stream:
         body = sse_body(chunks, info)
@@ -83,7 +89,35 @@ async def handle(request: Request, spec: ProtocolSpec, state: AppState) -> Respo
         _set_logprobs(result, job.logprob_feed)
     if prepared.tools is not None:
         rewrite_result(result, prepared.tools)
+    if info.on_response is not None:
+        await info.on_response(result)
     return JSONResponse(result)
+
+
+async def _conversation(spec: ProtocolSpec, body: dict, state: AppState) -> list[dict] | None:
+    """Responses: put a previous response's conversation in front of the input; return the
+    input to store with the answer (None with `store: false`)."""
+    await expand(body, state.responses)
+    return None if body.get("store") is False else input_items(body)
+
+
+async def count_tokens(request: Request, state: AppState) -> Response:
+    """Anthropic's POST /v1/messages/count_tokens: the prompt a Messages body would render to."""
+    body = await read_json(request, state.config.max_body_bytes)
+    check_model(body, state.config.served_model_name)
+    n = await prepare_off_loop(request, body, _count_tokens, body, state)
+    return JSONResponse({"input_tokens": n})
+
+
+def _count_tokens(body: dict, state: AppState) -> int:
+    check_fields(body, state.max_prompt_chars)
+    check_protocol("count_tokens", body)
+    extras = pop_extras(body, MESSAGES.allows_n, MESSAGES.max_tokens_fields)
+    parsed = parse_request(
+        MESSAGES, body, state.family.conversion_options, state.config.served_model_name
+    )
+    prompt = state.family.prepare(parsed.conversation, extras.parallel_tool_calls, extras.tools)
+    return len(prompt.token_ids)
 
 
 def prepare(spec: ProtocolSpec, body: dict, state: AppState, tenant: str | None = None) -> Prepared:
@@ -91,6 +125,7 @@ def prepare(spec: ProtocolSpec, body: dict, state: AppState, tenant: str | None 
     check_fields(body, state.max_prompt_chars)
     salt = cache_salt(body, state.config, tenant)
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    check_protocol(spec.name, body)
     extras = pop_extras(body, spec.allows_n, spec.max_tokens_fields)
     parsed = parse_request(
         spec, body, state.family.conversion_options, state.config.served_model_name
@@ -108,9 +143,12 @@ def prepare(spec: ProtocolSpec, body: dict, state: AppState, tenant: str | None 
     _check_tool_constraint(prompt.tools, extras)
     options = recipe_options(conv.inference_options, extras)
     params = sampling_params(body, options, extras, prompt.structured, salt)
+    answer = state.family.answer_constraint(conv, params.structured)
+    if answer is not params.structured:
+        params = replace(params, structured=answer)
     admitted = admit(state, prompt.token_ids, params)
     job = GenerationJob(parsed.request_id, admitted, prompt.parsing, parsed.make_generator)
-    if params.structured is not None and params.structured.kind == "dsml_tool_calls":
+    if prompt.push_text:
         job.text_tokenizer = state.backend.tokenizer
         if params.logprobs is not None:
             job.logprob_feed = _logprob_feed(spec)

@@ -275,7 +275,11 @@ def add_frontend_parser(sub) -> None:
         default=CacheAwareConfig.min_match_ratio,
         help="cache_aware: share of a request's tokens its cached prefix must cover to pin it",
     )
-    g.add_argument("--kv-store", default=None, help="redis:// carrying the workers' KV events")
+    g.add_argument(
+        "--kv-store",
+        default=None,
+        help="redis:// carrying the workers' KV events (and stored Responses)",
+    )
     add_internal_token_arg(g)
     g.add_argument("--max-attempts", type=int, default=3, help="workers tried before 1st token")
     g.add_argument("--health-interval", type=float, default=1.0, help="seconds between probes")
@@ -378,6 +382,7 @@ def server_config_from_args(args: argparse.Namespace):
         api_keys=api_keys_from_args(args) or api_key_for(args.host),
         cache_salt_by_api_key=args.cache_salt_by_api_key,
         max_body_bytes=args.max_body_bytes,
+        response_store_url=_redis_url(redis_url_from_env(getattr(args, "kv_store", None))),
     )
 
 
@@ -402,6 +407,10 @@ def api_key_for(host: str) -> tuple[str, ...]:
         flush=True,
     )
     return (key,)
+
+
+def _redis_url(url: str | None) -> str | None:
+    return url if (url or "").startswith(("redis://", "rediss://")) else None
 
 
 def add_bench_parser(sub) -> None:

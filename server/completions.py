@@ -28,6 +28,7 @@ from deepserve.server.admission import (
     admit,
     cache_salt,
     check_fields,
+    check_protocol,
     completion_options,
     pop_extras,
     sampling_params,
@@ -120,6 +121,7 @@ def _prepare(body: dict, state: AppState, tenant: str | None = None) -> _Job:
     unknown = sorted(set(body) - _ALLOWED)
     if unknown:
         raise HTTPError(400, f"unknown field {unknown[0]!r}", param=unknown[0])
+    check_protocol("completions", body)
     salt = cache_salt(body, state.config, tenant)
     prompt, prompt_ids = _encode_prompt(body.get("prompt"), state)
     stops = body.get("stop") or []
@@ -207,10 +209,10 @@ async def _generate(state: AppState, rid: str, job: _Job) -> AsyncIterator[_Even
                 if finished or all(c.done for c in choices):
                     break
     finally:
-        if not finished:
-            await asyncio.shield(state.backend.abort(rid))
         state.metrics.e2e.observe(time.perf_counter() - timing.arrival)
         state.metrics.request_finished(reason)
+        if not finished:  # last: a cut stream's cancel scope makes this await raise again
+            await asyncio.shield(state.backend.abort(rid))
 
 
 def _advance(

@@ -18,3 +18,5 @@ class ServerConfig:
     max_body_bytes: int = 8 * 2**20  # larger bodies get 413 before they are parsed
     role: str = "mixed"  # metrics label: "mixed" | "frontend" | "prefill" | "decode"
     stream_keepalive_s: float = 15.0
+    # Stored Responses (previous_response_id) also go to this Redis when set (--kv-store).
+    response_store_url: str | None = None

@@ -20,7 +20,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from deepserve.engine.errors import InvalidRequestError, UnsupportedModelError
-from deepserve.engine.sampling_params import StructuredOutput
+from deepserve.engine.sampling_params import StructuredOutput, after_reasoning
 from deepserve.server.tool_calls import (
     ToolPlan,
     ToolRequest,
@@ -41,6 +41,9 @@ class PreparedPrompt:
     parsing: dr.ParsingOptions
     structured: StructuredOutput | None
     tools: ToolPlan | None = None  # set when tool calls are parsed out of plain text
+    # Set under a DSML tool-call grammar: xgrammar may spell a marker from plain tokens, which
+    # the recipe parses only as text, so the output is pushed to it decoded.
+    push_text: bool = False
 
 
 class ModelFamily:
@@ -59,7 +62,10 @@ class ModelFamily:
         raise NotImplementedError
 
     def constraint(
-        self, request: dr.ConversationRequest, parallel_tools: bool = True
+        self,
+        request: dr.ConversationRequest,
+        parallel_tools: bool = True,
+        tools: ToolRequest | None = None,
     ) -> StructuredOutput | None:
         """The json / regex constraint of a converted request (tool calls: see subclasses)."""
         oc = request.inference_options.output_constraint
@@ -69,17 +75,51 @@ class ModelFamily:
             return StructuredOutput("json_schema", oc.schema) if oc.schema else _JSON_OBJECT
         if oc.kind == "regex":
             return StructuredOutput("regex", oc.schema)
-        return self.tool_constraint(request, oc, parallel_tools)
+        return self.tool_constraint(request, oc, parallel_tools, tools or ToolRequest())
 
     def tool_constraint(
-        self, request: dr.ConversationRequest, oc: dr.OutputConstraint, parallel: bool
+        self,
+        request: dr.ConversationRequest,
+        oc: dr.OutputConstraint,
+        parallel: bool,
+        tools: ToolRequest,
     ) -> StructuredOutput | None:
         if oc.kind == "tool_call_required":
             raise InvalidRequestError(f"model family {self.name} does not support tool calls")
         return None
 
+    def answer_constraint(
+        self, request: dr.ConversationRequest, structured: StructuredOutput | None
+    ) -> StructuredOutput | None:
+        """The request's final output constraint as the engine must apply it (see DeepSeek)."""
+        return structured
+
 
 _JSON_OBJECT = StructuredOutput("json_object")
+THINK_START, THINK_END = "<think>", "</think>"  # DeepSeek V4's reasoning markers (one token each)
+
+
+def _in_reasoning(request: dr.ConversationRequest) -> bool:
+    stage = request.parsing_options.thinking_initial_stage
+    return stage is not None and stage.starts_in_reasoning()
+
+
+def enforced_tools(recipe_tools: str, tools: ToolRequest) -> list[dict]:
+    """The tools the grammar holds the calls to, each with the client's own parameters.
+
+    The recipe's list (already narrowed to a named tool_choice) carries `strict` as sent, and with
+    strict true its parameters rewritten to OpenAI's strict subset, which drops `enum` on numbers,
+    `maxLength` and other bounds. xgrammar leaves the arguments of a non-strict tool free. A named
+    or required tool_choice promises arguments that match the schema, so every tool is enforced,
+    with its parameters as the client sent them.
+    """
+    enforced = []
+    for tool in json.loads(recipe_tools):
+        fn = dict(tool["function"])
+        fn.pop("strict", None)
+        fn["parameters"] = tools.parameters.get(fn["name"]) or fn.get("parameters")
+        enforced.append({**tool, "function": fn})
+    return enforced
 
 
 class DeepSeekFamily(ModelFamily):
@@ -109,25 +149,45 @@ class DeepSeekFamily(ModelFamily):
         parallel_tools: bool = True,
         tools: ToolRequest | None = None,
     ) -> PreparedPrompt:
-        structured = self.constraint(request, parallel_tools)
+        structured = self.constraint(request, parallel_tools, tools)
         try:
             ids = self.encoding.encode(request.conversation)
         except RuntimeError as e:
             raise InvalidRequestError(f"cannot encode the conversation: {e}") from e
-        return PreparedPrompt(ids, request.parsing_options, structured)
+        push_text = structured is not None and structured.kind == "dsml_tool_calls"
+        return PreparedPrompt(ids, request.parsing_options, structured, push_text=push_text)
 
     def tool_constraint(
-        self, request: dr.ConversationRequest, oc: dr.OutputConstraint, parallel: bool
+        self,
+        request: dr.ConversationRequest,
+        oc: dr.OutputConstraint,
+        parallel: bool,
+        tools: ToolRequest,
     ) -> StructuredOutput | None:
         spec = {
             "format": _XGRAMMAR_FORMATS[self.version],
-            "tools": oc.schema,
+            "tools": json.dumps(enforced_tools(oc.schema, tools)),
             "required": oc.kind == "tool_call_required",
             "opened_in_prompt": request.parsing_options.starts_in_tool_calls,
             "parallel": parallel,
+            "reasoning": _in_reasoning(request),
         }
         # The engine builds the structural tag (engine/structured.py): xgrammar loads torch.
         return StructuredOutput("dsml_tool_calls", json.dumps(spec))
+
+    def answer_constraint(
+        self, request: dr.ConversationRequest, structured: StructuredOutput | None
+    ) -> StructuredOutput | None:
+        """In thinking mode a json / regex / grammar constraint holds only after `</think>`.
+
+        Applied from the first token it would force the answer into the reasoning, and leave
+        `content` empty; the tool-call tags carry their own reasoning part.
+        """
+        if structured is None or structured.kind == "dsml_tool_calls":
+            return structured
+        if not _in_reasoning(request):
+            return structured
+        return after_reasoning(structured, THINK_END, (THINK_START, THINK_END))
 
 
 class ChatMLFamily(ModelFamily):

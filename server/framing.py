@@ -1,7 +1,9 @@
 """HTTP framing of recipe protocol chunks: SSE for streams, accumulated JSON otherwise.
 
 With n > 1 (Chat Completions only) each choice has its own StreamProcessor, whose chunks all say
-`index: 0`; here they get their real index, and usage is summed over the choices.
+`index: 0`; here they get their real index, and usage is summed over the choices. A Chat
+Completions stream carries usage only in a final `choices: []` chunk, when
+`stream_options.include_usage` asks for it.
 Not here: producing the chunks (server/stream.py).
 """
 
@@ -10,16 +12,17 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
 from deepserve.engine.errors import InvalidRequestError
 from deepserve.server.errors import anthropic_error, openai_error
-from deepserve.server.protocols import MESSAGES, ProtocolSpec
+from deepserve.server.protocols import CHAT, MESSAGES, ProtocolSpec
 from deepserve.server.stream import GenerationJob
 
 log = logging.getLogger(__name__)
+_FINAL_EVENTS = ("response.completed", "response.incomplete")  # the whole response, once
 
 
 @dataclass
@@ -28,8 +31,10 @@ class FrameInfo:
     request_id: str
     model: str
     n: int
-    include_usage: bool  # Chat Completions stream_options.include_usage (n > 1 usage chunk)
+    include_usage: bool  # Chat Completions stream_options.include_usage (the usage chunk)
     job: GenerationJob  # its prompt counts are known once the first chunk arrived
+    # Responses: called with the finished response object (to store it for previous_response_id)
+    on_response: Callable[[dict], Awaitable[None]] | None = None
 
 
 def sse(event: str | None, data: str) -> bytes:
@@ -46,23 +51,37 @@ async def sse_body(
         try:
             async for index, items in chunks:
                 for ch in items:
-                    if info.n == 1:
-                        name = cls.sse_event_name(ch)
-                        yield sse(name, ch.to_json())
-                        if name == "response.incomplete":
-                            yield _completed_after_incomplete(ch.to_json())
-                    else:
-                        yield sse(None, json.dumps(_reindex(ch.to_json(), index, usage)))
+                    if info.spec is CHAT:
+                        yield _chat_event(ch.to_json(), index, info.n, usage)
+                        continue
+                    name = cls.sse_event_name(ch)
+                    yield sse(name, ch.to_json())
+                    if name in _FINAL_EVENTS and info.on_response is not None:
+                        await info.on_response(json.loads(ch.to_json())["response"])
+                    if name == "response.incomplete":
+                        yield _completed_after_incomplete(ch.to_json())
         except Exception as e:  # a failure after headers went out: tell the client in-band
             log.exception("stream %s failed", info.request_id)
             status = 400 if isinstance(e, InvalidRequestError) else 500  # whose fault it was
             yield _error_event(info, status, str(e) or type(e).__name__)
             return
-    if info.n > 1 and info.include_usage:
+    if info.spec is CHAT and info.include_usage:
         yield sse(None, json.dumps(_usage_chunk(info, usage)))
     done = cls.sse_done_data()
     if done:
         yield sse(None, done)
+
+
+def _chat_event(data: str, index: int, n: int, usage: dict[int, dict]) -> bytes:
+    """One Chat Completions chunk, usage held back for the final `choices: []` chunk.
+
+    OpenAI sends usage only when `stream_options.include_usage` asks, and then in a chunk of
+    its own after the last choice chunk; the recipe puts it on the last choice chunk. Only a
+    chunk that carries usage (or a choice to re-index) is parsed.
+    """
+    if n == 1 and '"usage":null' in data:
+        return sse(None, data)
+    return sse(None, json.dumps(_reindex(data, index, usage)))
 
 
 def _completed_after_incomplete(event_json: str) -> bytes:

@@ -22,6 +22,7 @@ KNOWN_ENDPOINTS = (
     "/v1/completions",
     "/v1/responses",
     "/v1/messages",
+    "/v1/messages/count_tokens",
     "/v1/models",
     "/health",
     "/ready",

@@ -20,6 +20,7 @@ from deepserve.server.config import ServerConfig
 from deepserve.server.errors import HTTPError
 from deepserve.server.family import ModelFamily
 from deepserve.server.metrics import ServerMetrics
+from deepserve.server.response_store import ResponseStore, ResponseStoreConfig
 
 T = TypeVar("T")
 
@@ -30,6 +31,7 @@ class AppState:
     family: ModelFamily
     config: ServerConfig
     metrics: ServerMetrics
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(ResponseStoreConfig()))
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     # More characters of text than this cannot fit the context as tokens, so a body holding more
     # is refused before the slow tokenization (computed at start-up, from the vocabulary).

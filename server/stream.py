@@ -98,12 +98,14 @@ async def stream_chunks(
                     reason = reason if engine_done else "stop"
                     break
     finally:
-        if not engine_done:
-            await asyncio.shield(backend.abort(job.request_id))
         for p in processors:
             p.close()
         metrics.e2e.observe(time.perf_counter() - timing.arrival)
         metrics.request_finished(reason)
+        # Last: when the client cut the stream, the server's cancel scope makes every await
+        # here raise again, and anything after it would be skipped.
+        if not engine_done:
+            await asyncio.shield(backend.abort(job.request_id))
 
 
 def _ready(out: RequestOutput) -> dr.InferenceChunk:

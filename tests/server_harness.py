@@ -151,7 +151,10 @@ def running_worker(engine: AsyncEngine, role: str, token: str) -> Iterator[str]:
 
 @contextlib.contextmanager
 def running_frontend(
-    workers: dict[str, tuple[str, ...]], served_name: str, token: str
+    workers: dict[str, tuple[str, ...]],
+    served_name: str,
+    token: str,
+    response_store_url: str | None = None,
 ) -> Iterator[RunningServer]:
     """A `deepserve frontend` over the given workers (role -> URLs), in-process."""
     from deepserve.router.router import RouterConfig
@@ -160,7 +163,9 @@ def running_frontend(
     port = free_port()
     config = FrontendConfig(
         RouterConfig(workers=workers, internal_token=token),
-        ServerConfig(served_model_name=served_name, port=port),
+        ServerConfig(
+            served_model_name=served_name, port=port, response_store_url=response_store_url
+        ),
         served_name,
         startup_timeout_s=30,
     )

@@ -18,7 +18,7 @@ import xgrammar as xgr
 from tokenizers import Tokenizer
 
 from deepserve.engine.errors import InvalidRequestError
-from deepserve.engine.sampling_params import StructuredOutput
+from deepserve.engine.sampling_params import StructuredOutput, after_reasoning
 from deepserve.engine.structured import (
     GrammarCache,
     GrammarMatcherState,
@@ -105,6 +105,32 @@ def test_json_object_accepts_an_object_and_refuses_prose(cache, tokenizer):
     assert state.accept(cache.stop_token_ids[0]) and state.is_terminated()
     fresh = GrammarMatcherState(compiled)
     assert not fresh.accept(tokenizer.encode("Hello", add_special_tokens=False).ids[0])
+
+
+def test_json_object_refuses_an_array_at_the_root(cache, tokenizer):
+    state = GrammarMatcherState(cache.compile(StructuredOutput("json_object")))
+    assert not state.accept(tokenizer.encode("[", add_special_tokens=False).ids[0])
+
+
+def _accepts(cache, structured: StructuredOutput, ids: list[int]) -> bool:
+    state = GrammarMatcherState(cache.compile(structured))
+    return all(state.accept(t) for t in ids) and state.accept(cache.stop_token_ids[0])
+
+
+def test_after_reasoning_leaves_the_reasoning_free_and_holds_the_answer(cache, tokenizer):
+    gated = after_reasoning(
+        StructuredOutput("json_schema", json.dumps(SCHEMA)), "</think>", ["<think>", "</think>"]
+    )
+
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
+    end = tokenizer.token_to_id("</think>")
+    assert _accepts(cache, gated, ids("[free text") + [end] + ids('{"name": "x", "age": 3}'))
+    assert not _accepts(cache, gated, ids("free") + [end] + ids('{"name": "x"}'))
+    # Only the reasoning token ends the reasoning (the output parser splits on it too).
+    plain = ids("</") + ids("think>") + ids('{"name": "x", "age": 3}')
+    assert not _accepts(cache, gated, plain)
 
 
 def test_bitmask_matches_xgrammar_matcher(cache, vocab_size):
