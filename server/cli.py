@@ -382,7 +382,7 @@ def server_config_from_args(args: argparse.Namespace):
         api_keys=api_keys_from_args(args) or api_key_for(args.host),
         cache_salt_by_api_key=args.cache_salt_by_api_key,
         max_body_bytes=args.max_body_bytes,
-        response_store_url=_redis_url(redis_url_from_env(getattr(args, "kv_store", None))),
+        response_store_url=_response_store_url(redis_url_from_env(getattr(args, "kv_store", None))),
     )
 
 
@@ -409,8 +409,12 @@ def api_key_for(host: str) -> tuple[str, ...]:
     return (key,)
 
 
-def _redis_url(url: str | None) -> str | None:
-    return url if (url or "").startswith(("redis://", "rediss://")) else None
+def _response_store_url(url: str | None) -> str | None:
+    """The Redis that keeps stored Responses: --kv-store when it names one Redis node (the store
+    speaks plain redis-py, not RedisCluster)."""
+    from deepserve.kvcache.redis_url import is_cluster_url, is_redis_url
+
+    return url if is_redis_url(url) and not is_cluster_url(url) else None
 
 
 def add_bench_parser(sub) -> None:
