@@ -48,6 +48,10 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     kv_tiers: KVTierConfig | None = None  # None: device prefix cache only
     seed: int = 0  # model init seed for generated checkpoints; not the sampling seed
+    # Tensor parallelism over this many rank processes (engine/parallel/, docs/parallel.md);
+    # expert parallelism splits the routed experts across the same ranks instead of their columns.
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_tiers is not None and not self.enable_prefix_caching:
@@ -56,4 +60,12 @@ class EngineConfig:
             raise ValueError(
                 "KV tiers (--kv-host-bytes / --kv-store) need prefix caching; "
                 "drop --no-prefix-caching or the tier flags"
+            )
+        if self.tensor_parallel_size < 1:
+            raise ValueError("--tensor-parallel-size must be at least 1")
+        if self.tensor_parallel_size > 1 and (self.kv_tiers or self.speculative):
+            # Both read or write rank 0's KV cache (or run the MTP layer) outside the step that
+            # rank 0 broadcasts, which the other ranks would never see.
+            raise ValueError(
+                "--tensor-parallel-size > 1 does not combine with KV tiers or speculative decoding"
             )

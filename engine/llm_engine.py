@@ -365,6 +365,9 @@ class LLMEngine:
 
     def close(self) -> None:
         self.runner.close()
+        stop_ranks = getattr(self.model, "close", None)  # tensor parallel: ranks 1..N-1
+        if stop_ranks is not None:
+            stop_ranks()
         if self.kv_tiering is not None:
             self.kv_tiering.close()
 

@@ -5,7 +5,7 @@ to the class the architecture names (engine/models/architectures.py)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -20,6 +20,7 @@ from deepserve.engine.errors import UnsupportedModelError
 from deepserve.engine.models.architectures import architecture_of, model_class
 from deepserve.engine.models.base import CausalLM
 from deepserve.engine.models.common import WeightStore
+from deepserve.engine.parallel.plan import ModelShard
 from deepserve.kernels.errors import KernelUnavailableError
 from deepserve.kernels.kernel_set import get_kernels
 
@@ -41,20 +42,36 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
+def load_model(config: EngineConfig, shard: ModelShard | None = None) -> LoadedModel:
+    """The model on one process; with `tensor_parallel_size > 1`, rank 0's driver of the ranks
+    (engine/parallel/launch.py). `shard`: one rank's share, loaded by that rank."""
+    if shard is None and config.tensor_parallel_size > 1:
+        from deepserve.engine.parallel.launch import load_parallel_model
+
+        return load_parallel_model(config)
     path = resolve_model(config.model)
     dtype = torch_dtype(config.dtype)
     ckpt = _read_checkpoint(path)
     arch = architecture_of(ckpt.config)
     cls = model_class(arch)
     fingerprint = model_fingerprint(ckpt.config, ckpt.files)
-    store = WeightStore(ckpt.weights, torch.device(config.device), dtype, ckpt.quantized)
+    model_config = ckpt.config
+    device = torch.device(config.device)
+    if shard is None:
+        store = WeightStore(ckpt.weights, device, dtype, ckpt.quantized)
+    else:
+        from deepserve.engine.parallel.plan import shard_config
+        from deepserve.engine.parallel.sharded_weights import ShardedWeightStore
+
+        model_config = shard_config(arch, ckpt.config, shard.plan)
+        store = ShardedWeightStore(ckpt.weights, device, dtype, arch, ckpt.config, shard.plan)
+        shard = replace(shard, experts=store.experts)
     try:
         kernels = get_kernels(config.device, config.batch_invariant)
     except KernelUnavailableError as e:
         raise UnsupportedModelError(str(e)) from e
     with torch.inference_mode():
-        model = cls(ckpt.config, store, kernels, fingerprint)
+        model = cls(model_config, store, kernels, fingerprint, parallel=shard)
     leftover = store.unused()
     if leftover:
         raise UnsupportedModelError(

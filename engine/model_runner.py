@@ -205,6 +205,9 @@ class ModelRunner:
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
         self.kv_cache[:, dst] = self.kv_cache[:, src]
+        copy_elsewhere = getattr(self.model, "copy_blocks", None)  # tensor parallel: other ranks
+        if copy_elsewhere is not None:
+            copy_elsewhere(copies)
 
     # ---- structured outputs ---------------------------------------------------------------
 

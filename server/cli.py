@@ -58,6 +58,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="CPU compute threads (default: the cores the host's other work leaves idle, "
         "re-checked as it changes; chosen once at start with --batch-invariant)",
     )
+    g.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="rank processes sharing the model (docs/parallel.md); gloo on cpu, nccl on cuda",
+    )
+    g.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="split the routed experts across the tensor-parallel ranks instead of their columns",
+    )
     g.add_argument("--speculative", choices=["mtp", "ngram"], default=None)
     g.add_argument("--num-speculative-tokens", type=int, default=3)
     add_kv_tier_args(p)
@@ -154,6 +165,8 @@ def _engine_config(args: argparse.Namespace, spec: SpeculativeConfig | None) -> 
         enable_prefix_caching=not args.no_prefix_caching,
         batch_invariant=args.batch_invariant,
         num_threads=args.num_threads,
+        tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
         speculative=spec,
         kv_tiers=kv_tier_config_from_args(args),
     )

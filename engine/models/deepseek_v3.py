@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from deepserve.engine.errors import UnsupportedModelError
 from deepserve.engine.models.base import KVCacheSpec
 from deepserve.engine.models.common import WeightStore, require, swiglu
+from deepserve.engine.parallel.plan import ModelShard
 from deepserve.kernels.attention_metadata import AttentionMetadata
 from deepserve.kernels.attention_ref import write_kv
 from deepserve.kernels.kernel_set import KernelSet
@@ -174,10 +175,16 @@ class DeepseekV3ForCausalLM:
     family = "deepseek_v3"
 
     def __init__(
-        self, config: dict, weights: WeightStore, kernels: KernelSet, fingerprint: str
+        self,
+        config: dict,
+        weights: WeightStore,
+        kernels: KernelSet,
+        fingerprint: str,
+        parallel: ModelShard | None = None,  # tensor/expert parallel: this rank's share
     ) -> None:
         a = self.args = DeepseekV3Args.from_hf(config)
         self.k = kernels
+        self.parallel = parallel
         self.fingerprint = fingerprint
         self.vocab_size = a.vocab_size
         self.max_position_embeddings = a.max_position_embeddings
@@ -316,13 +323,17 @@ class DeepseekV3ForCausalLM:
         cache: torch.Tensor,
     ) -> torch.Tensor:
         k, eps = self.k, self.args.rms_norm_eps
-        h = h + self._attention(
-            layer.attn, k.rms_norm(h, layer.attn_norm, eps), cos, sin, attn, cache
+        h = h + self._sum_ranks(
+            self._attention(layer.attn, k.rms_norm(h, layer.attn_norm, eps), cos, sin, attn, cache)
         )
         x = k.rms_norm(h, layer.mlp_norm, eps)
         if isinstance(layer.mlp, _MoE):
-            return h + self._moe(layer.mlp, x)
-        return h + swiglu(k, x, layer.mlp.gate_up, layer.mlp.down)
+            return h + self._sum_ranks(self._moe(layer.mlp, x))
+        return h + self._sum_ranks(swiglu(k, x, layer.mlp.gate_up, layer.mlp.down))
+
+    def _sum_ranks(self, partial: torch.Tensor) -> torch.Tensor:
+        """Tensor/expert parallel: every rank's partial output summed (nothing on one process)."""
+        return partial if self.parallel is None else self.parallel.all_reduce(partial)
 
     def _attention(
         self,
@@ -375,6 +386,8 @@ class DeepseekV3ForCausalLM:
 
     def _moe(self, w: _MoE, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self._route(w, x)
+        if self.parallel is not None:  # expert parallel: other ranks' experts masked out
+            weights, experts = self.parallel.own_experts(weights, experts, self.k.moe is not None)
         if self.k.moe is not None:  # all experts in one fused op, no host sync
             out = self.k.moe(x, w.gate_up, w.down, weights, experts)
             if w.shared is not None:
@@ -382,6 +395,8 @@ class DeepseekV3ForCausalLM:
             return out
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
+            if e < 0:  # held by another rank (expert parallel)
+                continue
             rows, slot = torch.where(experts == e)
             y = swiglu(self.k, x[rows], w.gate_up[e], w.down[e])
             out.index_add_(0, rows, (y * weights[rows, slot, None]).to(x.dtype))

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from deepserve.engine.models.base import KVCacheSpec
 from deepserve.engine.models.common import WeightStore, add_rms_norm, require, swiglu
+from deepserve.engine.parallel.plan import ModelShard
 from deepserve.kernels import cpu_ops, reference
 from deepserve.kernels.attention_metadata import AttentionMetadata
 from deepserve.kernels.attention_ref import write_kv
@@ -77,10 +78,16 @@ class LlamaForCausalLM:
     family = "llama"
 
     def __init__(
-        self, config: dict, weights: WeightStore, kernels: KernelSet, fingerprint: str
+        self,
+        config: dict,
+        weights: WeightStore,
+        kernels: KernelSet,
+        fingerprint: str,
+        parallel: ModelShard | None = None,  # tensor parallel: this rank's share (engine/parallel/)
     ) -> None:
         a = self.args = LlamaArgs.from_hf(config)
         self.k = kernels
+        self.parallel = parallel
         self.fingerprint = fingerprint
         self.vocab_size = a.vocab_size
         self.max_position_embeddings = a.max_position_embeddings
@@ -129,7 +136,10 @@ class LlamaForCausalLM:
         for i, layer in enumerate(self.layers):
             for field, names in self._matmul_names(i).items():
                 setattr(layer, field, pack(getattr(layer, field), w.quantized(names)))
-            layer.native = cpu_ops.pack_llama_layer([layer.qkv, layer.o, layer.gate_up, layer.down])
+            if self.parallel is None:  # the fused layer has no all-reduce between its matmuls
+                layer.native = cpu_ops.pack_llama_layer(
+                    [layer.qkv, layer.o, layer.gate_up, layer.down]
+                )
         self.lm_head = pack(self.lm_head, w.quantized([head]))
 
     def forward(
@@ -155,11 +165,15 @@ class LlamaForCausalLM:
                 if fused is not None:
                     x = fused
                     continue
-            h, x = add_rms_norm(
-                k, h, self._attention(layer, x, cos, sin, attn, cache), layer.mlp_norm, eps
-            )
-            h, x = add_rms_norm(k, h, swiglu(k, x, layer.gate_up, layer.down), next_norm, eps)
+            delta = self._sum_ranks(self._attention(layer, x, cos, sin, attn, cache))
+            h, x = add_rms_norm(k, h, delta, layer.mlp_norm, eps)
+            delta = self._sum_ranks(swiglu(k, x, layer.gate_up, layer.down))
+            h, x = add_rms_norm(k, h, delta, next_norm, eps)
         return x
+
+    def _sum_ranks(self, partial: torch.Tensor) -> torch.Tensor:
+        """Tensor parallel: every rank's row-parallel output summed (nothing on one process)."""
+        return partial if self.parallel is None else self.parallel.all_reduce(partial)
 
     def _attention(
         self,
