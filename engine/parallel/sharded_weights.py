@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from deepserve.engine.errors import UnsupportedModelError
-from deepserve.engine.models.common import WeightStore, Weights, require
+from deepserve.engine.models.common import Weights, WeightStore, require
 from deepserve.engine.parallel.plan import (
     ShardPlan,
     even_ranges,

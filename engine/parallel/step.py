@@ -31,7 +31,9 @@ class StepMessage:
         num_blocks: int,
         block_copies: list[tuple[int, int]],
     ) -> StepMessage:
-        return cls(input_ids.cpu(), positions.cpu(), _attn_to(attn, "cpu"), num_blocks, block_copies)
+        return cls(
+            input_ids.cpu(), positions.cpu(), _attn_to(attn, "cpu"), num_blocks, block_copies
+        )
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         return self.input_ids.to(device), self.positions.to(device), _attn_to(self.attn, device)
