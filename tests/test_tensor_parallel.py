@@ -20,7 +20,7 @@ import torch
 from openai import OpenAI
 from server_harness import free_port, running_server
 
-from deepserve.engine.config import EngineConfig
+from deepserve.engine.config import EngineConfig, KVTierConfig, SpeculativeConfig
 from deepserve.engine.llm import LLM
 from deepserve.engine.loader import load_model
 from deepserve.engine.parallel.plan import ShardPlan, llama_heads
@@ -143,6 +143,13 @@ def test_llama_kv_heads_are_replicated_when_ranks_outnumber_them() -> None:
     plans = [llama_heads(9, 3, ShardPlan(r, 4)) for r in range(4)]
     assert [p.heads for p in plans] == [range(0, 3), range(3, 5), range(5, 7), range(7, 9)]
     assert [p.kv_heads for p in plans] == [(0,), (1, 1), (1, 2), (2, 2)]
+
+
+def test_ranks_refuse_speculative_decoding_and_kv_tiers() -> None:
+    with pytest.raises(ValueError, match="tensor-parallel-size"):
+        EngineConfig(tensor_parallel_size=2, speculative=SpeculativeConfig("mtp"))
+    with pytest.raises(ValueError, match="tensor-parallel-size"):
+        EngineConfig(tensor_parallel_size=2, kv_tiers=KVTierConfig(host_bytes=2**20))
 
 
 # ---- over HTTP ----------------------------------------------------------------------------------
