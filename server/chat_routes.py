@@ -31,18 +31,17 @@ from deepserve.server.admission import (
     recipe_options,
     sampling_params,
 )
+from deepserve.server.disconnect import ClientDisconnected, until_disconnect
 from deepserve.server.errors import HTTPError
 from deepserve.server.framing import FrameInfo, collect, sse_body
 from deepserve.server.protocols import CHAT, MESSAGES, RESPONSES, ProtocolSpec, parse_request
 from deepserve.server.response_store import expand, input_items, keep
 from deepserve.server.state import (
     AppState,
-    ClientDisconnected,
     check_model,
     prepare_off_loop,
     read_json,
     tenant_of,
-    until_disconnect,
 )
 from deepserve.server.stream import GenerationJob, stream_chunks
 from deepserve.server.tool_calls import ToolPlan, rewrite_result, rewrite_stream
@@ -82,7 +81,7 @@ async def handle(request: Request, spec: ProtocolSpec, state: AppState) -> Respo
             body = rewrite_stream(body, prepared.tools)
         return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
     try:
-        result = await until_disconnect(request, collect(chunks, info))
+        result = await until_disconnect(request.receive, collect(chunks, info))
     except ClientDisconnected:
         return Response(status_code=499)
     if job.logprob_feed is not None:

@@ -33,17 +33,16 @@ from deepserve.server.admission import (
     pop_extras,
     sampling_params,
 )
+from deepserve.server.disconnect import ClientDisconnected, until_disconnect
 from deepserve.server.errors import HTTPError
 from deepserve.server.family import encode_text
 from deepserve.server.framing import sse
 from deepserve.server.state import (
     AppState,
-    ClientDisconnected,
     check_model,
     prepare_off_loop,
     read_json,
     tenant_of,
-    until_disconnect,
 )
 from deepserve.server.stream import Timing, record_prompt, record_tokens
 
@@ -110,7 +109,7 @@ async def handle(request: Request, state: AppState) -> Response:
         return StreamingResponse(sse_events, media_type="text/event-stream")
     try:
         collected = _collect(events, rid, state, job.admitted.params, n_prompt)
-        result = await until_disconnect(request, collected)
+        result = await until_disconnect(request.receive, collected)
     except ClientDisconnected:
         return Response(status_code=499)
     return JSONResponse(result)

@@ -1,15 +1,15 @@
 """`AppState`: the objects every route needs, built once by the app factory and passed explicitly.
 
-Also the request-level helpers every route shares: reading a JSON body within the size limit,
-preparing a request off the event loop when it is large, and running work that ends early when
-the client disconnects.
+Also the request-level helpers every route shares: reading a JSON body within the size limit and
+preparing a request off the event loop when it is large. Not here: the disconnect watcher
+(server/disconnect.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -56,10 +56,6 @@ def longest_token_chars(tokenizer) -> int:
 def tenant_of(request: Request) -> str | None:
     """Who sent the request, as the front middleware recorded it (None without API keys)."""
     return request.scope.get("state", {}).get("tenant")
-
-
-class ClientDisconnected(Exception):
-    """The client went away before the answer was ready."""
 
 
 # Preparing a request this small (render, encode, validate) takes a fraction of a millisecond, less
@@ -130,52 +126,3 @@ def check_model(body: dict, served_name: str) -> None:
             f"the model {model!r} does not exist; this server serves {served_name!r}",
             param="model",
         )
-
-
-# A disconnect is looked for only once a request has run this long: most short requests end
-# first and never start the watcher's task (two task steps a request). A client that leaves
-# sooner is noticed at this point, so the engine stops at most this much later.
-DISCONNECT_WATCH_AFTER_S = 0.05
-
-
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`; cancel it and raise ClientDisconnected if the client leaves first.
-
-    `work` runs in this task and a watcher's done-callback cancels it: a second task for the work
-    and the wake-up through `asyncio.wait` when it ends cost ~0.1 ms a request on a 2-core box."""
-    task = asyncio.current_task()
-    ended = gone = False
-    watcher: asyncio.Future | None = None
-
-    def on_disconnect(watched: asyncio.Future) -> None:
-        nonlocal gone
-        # `ended`: the work may finish in the same loop turn; never cancel what follows it.
-        if ended or watched.cancelled() or watched.exception() is not None:
-            return
-        gone = True
-        task.cancel()
-
-    def watch() -> None:
-        nonlocal watcher
-        watcher = asyncio.ensure_future(_wait_disconnect(request))
-        watcher.add_done_callback(on_disconnect)
-
-    timer = asyncio.get_running_loop().call_later(DISCONNECT_WATCH_AFTER_S, watch)
-    try:
-        return await work
-    except asyncio.CancelledError:
-        if not gone:
-            raise
-        task.uncancel()
-        raise ClientDisconnected() from None
-    finally:
-        ended = True
-        timer.cancel()
-        if watcher is not None:
-            watcher.cancel()
-
-
-async def _wait_disconnect(request: Request) -> None:
-    # The body is already read, so the next ASGI message can only be the disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
