@@ -1,22 +1,21 @@
 """The worker's internal API as plain data: what the router sends a worker and what comes back.
 
 Token ids in; streamed token deltas, logprobs, finish reason and cached-token counts out. Every
-message is a dataclass deriving `WireMessage`, whose `to_json()` / `from_json()` follow its fields,
-so both ends agree on one shape. HTTP
-routes and the shared-secret header live here too, because they are part of the contract.
+message is a dataclass deriving `WireMessage`, whose `to_json()` / `from_json()` follow its fields
+(engine/dataclass_json.py, which also carries SamplingParams and CompletionOutput inside them), so
+both ends agree on one shape. HTTP routes and the shared-secret header live here too, because they
+are part of the contract.
 
 Not here: the HTTP client (disagg/client.py), the worker app (server/worker.py), routing (router/).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from dataclasses import dataclass, field
 from typing import Any
 
-from deepserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from deepserve.engine.sampling_params import SamplingParams, StructuredOutput
+from deepserve.engine.dataclass_json import from_json, to_json
+from deepserve.engine.outputs import CompletionOutput, RequestOutput
 
 GENERATE_PATH = "/internal/generate"
 ABORT_PATH = "/internal/abort"
@@ -38,50 +37,23 @@ def bearer(token: str) -> dict[str, str]:
     return {AUTH_HEADER: f"Bearer {token}"}
 
 
-def sampling_to_dict(params: SamplingParams) -> dict[str, Any]:
-    # Field by field: dataclasses.asdict deep-copies every value, tens of microseconds a request.
-    d = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
-    if params.structured is not None:
-        d["structured"] = dataclasses.asdict(params.structured)
-    # JSON object keys are strings; the worker turns them back into token ids.
-    d["logit_bias"] = {str(k): v for k, v in (params.logit_bias or {}).items()} or None
-    d["stop_token_ids"] = list(params.stop_token_ids)
-    d["extra"] = {k: v for k, v in params.extra.items() if _is_json_scalar(v)}
-    return d
-
-
-def sampling_from_dict(d: dict[str, Any]) -> SamplingParams:
-    d = dict(d)
-    if d.get("structured") is not None:
-        d["structured"] = StructuredOutput(**d["structured"])
-    if d.get("logit_bias") is not None:
-        d["logit_bias"] = {int(k): float(v) for k, v in d["logit_bias"].items()}
-    d["stop_token_ids"] = tuple(d.get("stop_token_ids") or ())
-    known = {f.name for f in dataclasses.fields(SamplingParams)}
-    return SamplingParams(**{k: v for k, v in d.items() if k in known})
-
-
-def _is_json_scalar(v: Any) -> bool:
-    return v is None or isinstance(v, str | int | float | bool)
-
-
 class WireMessage:
-    """JSON by the dataclass's own fields. Fields must already be JSON values (or, for a nested
-    message, are converted by the subclass); unknown keys are ignored, missing ones default."""
+    """JSON by the dataclass's own fields (engine/dataclass_json.py): unknown keys are ignored,
+    missing ones default."""
 
     def to_json(self) -> dict[str, Any]:
-        return _shallow(self)
+        return to_json(self)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]):
-        return cls(**{k: d[k] for k in _field_names(cls) if k in d})
+        return from_json(cls, d)
 
 
 @dataclass
 class GenerateRequest(WireMessage):
     request_id: str
     prompt_token_ids: list[int]
-    sampling: dict[str, Any]  # sampling_to_dict(SamplingParams)
+    sampling: dict[str, Any]  # SamplingParams as to_json makes it
     mode: str = "full"
     resume_token_ids: list[int] = field(default_factory=list)  # decode: tokens already emitted
     resume_logprobs: list[float] = field(default_factory=list)
@@ -112,7 +84,7 @@ class StreamEvent(WireMessage):
     def from_output(cls, out: RequestOutput, kv_keys: list[str] | None = None) -> StreamEvent:
         return cls(
             request_id=out.request_id,
-            outputs=[completion_to_json(c) for c in out.outputs],
+            outputs=[to_json(c) for c in out.outputs],
             prompt_tokens=out.prompt_tokens,
             cached_tokens=out.cached_tokens,
             cached_tokens_by_tier=dict(out.cached_tokens_by_tier),
@@ -123,41 +95,12 @@ class StreamEvent(WireMessage):
     def to_output(self) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id,
-            outputs=[completion_from_json(c) for c in self.outputs],
+            outputs=[from_json(CompletionOutput, c) for c in self.outputs],
             prompt_tokens=self.prompt_tokens,
             cached_tokens=self.cached_tokens,
             cached_tokens_by_tier=dict(self.cached_tokens_by_tier),
             finished=self.finished,
         )
-
-
-def completion_to_json(c: CompletionOutput) -> dict[str, Any]:
-    logprobs = None
-    if c.logprobs is not None:
-        logprobs = [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in c.logprobs]
-    return {
-        "index": c.index,
-        "token_ids": list(c.token_ids),
-        "logprobs": logprobs,
-        "finish_reason": c.finish_reason,
-        "stop_token_id": c.stop_token_id,
-    }
-
-
-def completion_from_json(d: dict[str, Any]) -> CompletionOutput:
-    logprobs = None
-    if d.get("logprobs") is not None:
-        logprobs = [
-            TokenLogprob(int(t), float(lp), [(int(a), float(b)) for a, b in top])
-            for t, lp, top in d["logprobs"]
-        ]
-    return CompletionOutput(
-        index=d["index"],
-        token_ids=list(d["token_ids"]),
-        logprobs=logprobs,
-        finish_reason=d.get("finish_reason"),
-        stop_token_id=d.get("stop_token_id"),
-    )
 
 
 @dataclass
@@ -203,22 +146,3 @@ class EventBatch(WireMessage):
 
     worker_id: str
     events: list[BlockEvent]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"worker_id": self.worker_id, "events": [e.to_json() for e in self.events]}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> EventBatch:
-        return cls(d["worker_id"], [BlockEvent.from_json(e) for e in d["events"]])
-
-
-@functools.cache
-def _field_names(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(cls))
-
-
-def _shallow(obj: Any) -> dict[str, Any]:
-    """The fields as a dict, for messages whose fields are already JSON values. On the hot path:
-    `dataclasses.asdict` deep-copies every list element (a prompt's every token id), which costs
-    more than encoding it."""
-    return {name: getattr(obj, name) for name in _field_names(type(obj))}

@@ -25,10 +25,11 @@ Not here: the checks `admit` runs (engine/admission.py), the wire format (disagg
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from deepserve.engine.admission import AdmittedRequest, EngineLimits
+from deepserve.engine.dataclass_json import from_json, to_json
 from deepserve.engine.outputs import EngineLoad, RequestOutput
 from deepserve.engine.sampling_params import SamplingParams
 
@@ -73,18 +74,11 @@ class ModelCard:
     kernels: str = "torch"  # "native" when the C++ CPU kernels run (kernels/cpu_native.py)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return to_json(self)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ModelCard:
-        return cls(
-            ModelInfo(**d["info"]),
-            EngineLimits(**d["limits"]),
-            d["batch_invariant"],
-            d["block_size"],
-            d["kv_block_bytes"],
-            d.get("kernels", "torch"),
-        )
+        return from_json(cls, d)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator
 
 from deepserve.disagg import protocol as P
 from deepserve.disagg.errors import WorkerUnavailableError
+from deepserve.engine.dataclass_json import to_json
 from deepserve.engine.sampling_params import SamplingParams
 from deepserve.router.router import Router
 
@@ -60,7 +61,7 @@ class GenerationFlow:
         seed = secrets.randbits(63) if params.seed is None and resumable(params) else None
         if not self.disaggregated:
             role = "mixed" if self.router.pool.has_role("mixed") else "decode"
-            sampling = P.sampling_to_dict(params)
+            sampling = to_json(params)
             if seed is not None:
                 sampling["seed"] = seed
             req = P.GenerateRequest(request_id, prompt, sampling)
@@ -78,7 +79,7 @@ class GenerationFlow:
         first_params = dataclasses.replace(
             params, max_tokens=1, min_tokens=min(params.min_tokens, 1)
         )
-        pre = P.GenerateRequest(request_id, prompt, P.sampling_to_dict(first_params), "prefill")
+        pre = P.GenerateRequest(request_id, prompt, to_json(first_params), "prefill")
         try:
             first = await self._prefill(pre)
         except WorkerUnavailableError as e:
@@ -98,7 +99,7 @@ class GenerationFlow:
         dec = P.GenerateRequest(
             request_id,
             prompt,
-            P.sampling_to_dict(params),
+            to_json(params),
             "decode",
             resume_token_ids=[token],
             kv_keys=first.kv_keys,
@@ -172,9 +173,7 @@ class GenerationFlow:
     def _decode_all(
         self, request_id: str, prompt: list[int], params: SamplingParams, keys: list[str] = ()
     ) -> AsyncIterator[P.StreamEvent]:
-        req = P.GenerateRequest(
-            request_id, prompt, P.sampling_to_dict(params), "decode", kv_keys=list(keys)
-        )
+        req = P.GenerateRequest(request_id, prompt, to_json(params), "decode", kv_keys=list(keys))
         return self.router.stream("decode", req)
 
 

@@ -1,4 +1,5 @@
-"""The internal protocol's messages survive a JSON round trip unchanged."""
+"""The internal protocol's messages, and the engine types they carry, survive a JSON round trip
+unchanged; the JSON is derived from the dataclasses' fields (engine/dataclass_json.py)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,18 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from deepserve.disagg import protocol as P
+from deepserve.engine.admission import EngineLimits
+from deepserve.engine.client import ModelCard, ModelInfo
+from deepserve.engine.dataclass_json import from_json, to_json
 from deepserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from deepserve.engine.sampling_params import SamplingParams, StructuredOutput
+
+
+def through_json(d: dict) -> dict:
+    return json.loads(json.dumps(d))
 
 
 def test_sampling_params_round_trip_through_json():
@@ -22,8 +32,30 @@ def test_sampling_params_round_trip_through_json():
         structured=StructuredOutput("regex", "[ab]+"),
         cache_salt="tenant",
     )
-    wire = json.loads(json.dumps(P.sampling_to_dict(params)))
-    assert P.sampling_from_dict(wire) == params
+    wire = through_json(to_json(params))
+    assert wire["logit_bias"] == {"3": -1.5} and wire["structured"]["kind"] == "regex"
+    assert from_json(SamplingParams, wire) == params
+
+
+def test_every_sampling_field_travels():
+    """A field added to SamplingParams reaches the worker with no line written for it."""
+    defaults, changed = SamplingParams(), SamplingParams(top_k=7, min_tokens=3, ignore_eos=True)
+    wire = through_json(to_json(changed))
+    assert set(wire) == set(vars(defaults))
+    assert from_json(SamplingParams, wire) == changed
+
+
+def test_unknown_keys_are_ignored_and_missing_ones_take_the_default():
+    params = from_json(SamplingParams, {"max_tokens": 3, "from_a_newer_router": 1})
+    assert params == SamplingParams(max_tokens=3)
+
+
+@pytest.mark.parametrize("bad", [[1, 2], "x", 3])
+def test_a_message_that_is_not_an_object_is_a_type_error(bad):
+    with pytest.raises(TypeError):
+        from_json(SamplingParams, bad)
+    with pytest.raises(TypeError):
+        from_json(SamplingParams, {"structured": bad})
 
 
 def test_request_output_round_trips_through_a_stream_event():
@@ -54,3 +86,16 @@ def test_router_and_disagg_never_import_torch():
         "sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_model_card_round_trips_with_its_nested_info_and_limits():
+    info = ModelInfo("m", "llama", "LlamaForCausalLM", "/p", 100, 64, [2, 3], 1, None, "ab", 0)
+    card = ModelCard(info, EngineLimits(100, 64, 256, 8), True, 16, 4096, "native")
+    assert ModelCard.from_json(through_json(card.to_json())) == card
+
+
+def test_event_batch_round_trips_with_its_block_events():
+    batch = P.EventBatch(
+        "w1", [P.BlockEvent("stored", "k2", "k1", [1, 2]), P.BlockEvent("removed", "k0")]
+    )
+    assert P.EventBatch.from_json(through_json(batch.to_json())) == batch
