@@ -1,7 +1,8 @@
 """`BackgroundTask`: one long-running coroutine a component starts once and stops on close.
 
-The router's health prober, its KV-event subscriber and the worker's event publisher all need
-the same three lines: start if not running, cancel, await the cancellation. Torch-free.
+The router's health prober, DNS discovery and KV-event subscriber, and the worker's event
+publisher all need the same three lines: start if not running, cancel, await the cancellation.
+Torch-free.
 """
 
 from __future__ import annotations

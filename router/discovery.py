@@ -17,7 +17,6 @@ cluster DNS), or, given `dns_server`, straight to that server with dnspython.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import logging
 import socket
@@ -25,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from deepserve.router.background import BackgroundTask
 from deepserve.router.pool import ROLES, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -108,18 +108,13 @@ class DnsDiscovery:
         self.resolve = resolve
         self.interval = interval
         self._last: dict[DiscoveryTarget, list[str]] = {}  # last good answer per target
-        self._task: asyncio.Task | None = None
+        self._refresher = BackgroundTask(self._run, "router-dns-discovery")
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="router-dns-discovery")
+        self._refresher.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._refresher.stop()
 
     async def refresh(self) -> bool:
         """Resolve every name once and update the pool; True when the worker set changed."""
