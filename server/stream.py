@@ -227,9 +227,8 @@ def record_prompt(metrics: ServerMetrics, out: RequestOutput) -> None:
     metrics.prompt_tokens.inc(out.prompt_tokens)
     metrics.cached_tokens.inc(out.cached_tokens)
     metrics.cached_prompt_tokens(out.cached_tokens_by_tier)
-    queue_time = getattr(out, "queue_time", None)
-    if queue_time is not None:
-        metrics.queue_time.observe(queue_time)
+    if out.queue_time is not None:
+        metrics.queue_time.observe(out.queue_time)
 
 
 def record_tokens(metrics: ServerMetrics, timing: Timing, out: RequestOutput) -> None:

@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from deepserve.disagg import protocol as P
 from deepserve.disagg.metrics import TransferMetrics
 from deepserve.engine.admission import AdmittedRequest
+from deepserve.engine.block_manager import BlockRemoved, BlockStored
 from deepserve.engine.client import EngineClient
 from deepserve.engine.dataclass_json import from_json
 from deepserve.engine.errors import InvalidRequestError
@@ -211,8 +212,8 @@ class Worker:
             await client.aclose()
 
 
-def _block_event(e) -> P.BlockEvent:
-    if hasattr(e, "token_ids"):
+def _block_event(e: BlockStored | BlockRemoved) -> P.BlockEvent:
+    if isinstance(e, BlockStored):
         parent = e.parent_key.hex() if e.parent_key is not None else None
         return P.BlockEvent("stored", e.key.hex(), parent, list(e.token_ids))
     return P.BlockEvent("removed", e.key.hex())
