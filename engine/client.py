@@ -12,7 +12,7 @@ async for out in engine.generate(request_id, admitted): ...              # Reque
 await engine.abort(request_id)
 engine.load() -> EngineLoad
 await engine.shutdown()
-# the worker's side (an in-process engine only):
+# the worker's side, `WorkerEngine` (an in-process engine only):
 engine.take_block_events()       # BlockStored / BlockRemoved since the last call
 await engine.hand_off_prompt(prompt_token_ids, timeout, cache_salt)  # KVHandOff (None: no shared tier):
                                                           # the prompt's blocks for a decode worker
@@ -41,6 +41,7 @@ __all__ = [
     "KVHandOff",
     "ModelCard",
     "ModelInfo",
+    "WorkerEngine",
 ]
 
 
@@ -122,3 +123,18 @@ class EngineClient(Protocol):
         """None while requests can be served; else why not (/health and /ready answer 503)."""
 
     async def shutdown(self) -> None: ...
+
+
+class WorkerEngine(EngineClient, Protocol):
+    """An engine a worker serves (server/worker.py): an in-process one, which also reports its
+    block events and counters and hands a prompt's KV over to decode workers."""
+
+    def take_block_events(self) -> list:
+        """`BlockStored` / `BlockRemoved` (engine/block_manager.py) since the last call."""
+
+    async def hand_off_prompt(
+        self, prompt_token_ids: list[int], timeout: float, cache_salt: str | None = None
+    ) -> KVHandOff | None:
+        """Wait until the prompt's full blocks are in the shared tier; None without one."""
+
+    def stats(self) -> EngineStats: ...

@@ -1,4 +1,5 @@
-"""The `deepserve worker` app: one `EngineClient` behind the internal token-id API (disagg/protocol.py).
+"""The `deepserve worker` app: one `WorkerEngine` (engine/client.py) behind the internal token-id
+API (disagg/protocol.py).
 
 Routes: generate (NDJSON stream of `StreamEvent`s), abort, load, health, model card, and Prometheus
 /metrics. Every /internal route needs the shared secret; /metrics is left open so Prometheus can
@@ -32,7 +33,7 @@ from deepserve.disagg import protocol as P
 from deepserve.disagg.metrics import TransferMetrics
 from deepserve.engine.admission import AdmittedRequest
 from deepserve.engine.block_manager import BlockRemoved, BlockStored
-from deepserve.engine.client import EngineClient
+from deepserve.engine.client import WorkerEngine
 from deepserve.engine.dataclass_json import from_json
 from deepserve.engine.errors import InvalidRequestError
 from deepserve.engine.outputs import RequestOutput
@@ -60,7 +61,7 @@ class WorkerConfig:
 class Worker:
     """State shared by the routes: the engine, config, counters, and the event publisher."""
 
-    def __init__(self, engine: EngineClient, config: WorkerConfig) -> None:
+    def __init__(self, engine: WorkerEngine, config: WorkerConfig) -> None:
         self.engine = engine
         self.config = config
         self.card = engine.card
@@ -326,7 +327,7 @@ async def _send_lines(events: AsyncIterator[dict], send) -> None:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def build_worker_app(engine: EngineClient, config: WorkerConfig) -> FastAPI:
+def build_worker_app(engine: WorkerEngine, config: WorkerConfig) -> FastAPI:
     worker = Worker(engine, config)
 
     @contextlib.asynccontextmanager
