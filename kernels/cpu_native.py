@@ -1,8 +1,8 @@
 """Builds and loads deepserve's native CPU kernels: the C++ sources in kernels/csrc/ (and the
 headers they share), compiled with the system compiler (AVX2 + FMA, OpenMP through torch's own
 thread pool) into `torch.ops.deepserve_cpu.*`. The AVX-512 and AVX512-BF16 paths of the linear and
-attention are compiled into the same library for their own targets (kernels/csrc/isa.h) and taken
-at run time when cpuid reports the features; `use_isa` forces any path the CPU has.
+attention are compiled into the same library for their own targets (kernels/csrc/isa.h); AVX-512 is
+taken at run time when cpuid reports it, and `use_isa` forces any path the CPU has.
 
 Each source file registers its ops with `TORCH_LIBRARY_FRAGMENT(deepserve_cpu, m)`, so kernels
 live in separate files and this module only compiles and loads them. Two ways to get the library:
@@ -141,7 +141,8 @@ def supported_isas() -> list[str]:
 
 
 def isa() -> str:
-    """The path the kernels take now: the best supported one unless `use_isa` chose another."""
+    """The path the kernels take now: AVX-512 where the CPU has it, else AVX2, unless `use_isa`
+    chose another (AVX512-BF16 is only taken when asked for, see kernels/csrc/isa.cpp)."""
     return ops().isa()
 
 

@@ -1,4 +1,4 @@
-"""The native kernels' ISA paths (kernels/csrc/isa.h): the best path cpuid reports is the default,
+"""The native kernels' ISA paths (kernels/csrc/isa.h): AVX-512 where cpuid reports it is the default,
 any path the CPU has can be forced and put back, one it lacks is refused, and the linear's
 AVX2 and AVX-512 paths give the same bits. Each path's batch invariance is tested by
 tests/test_kernels_invariant_cpu_native.py, on every path this CPU has."""
@@ -30,8 +30,12 @@ def test_every_supported_path_is_a_known_one_and_avx2_is_always_there():
     assert supported == [isa for isa in ORDER if isa in supported]
 
 
-def test_the_default_path_is_the_best_the_cpu_supports():
-    assert cpu_native.isa() == cpu_native.supported_isas()[-1]
+def _default() -> str:
+    return "avx512" if "avx512" in cpu_native.supported_isas() else "avx2"
+
+
+def test_the_default_path_is_avx512_where_the_cpu_has_it_else_avx2():
+    assert cpu_native.isa() == _default()
 
 
 def test_a_forced_path_is_used_inside_the_block_and_put_back_after():
@@ -47,7 +51,7 @@ def test_a_path_the_cpu_lacks_is_refused():
         pytest.skip("this CPU has every path")
     with pytest.raises(RuntimeError, match="does not support"), cpu_native.use_isa(missing[0]):
         pass
-    assert cpu_native.isa() == cpu_native.supported_isas()[-1]
+    assert cpu_native.isa() == _default()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
