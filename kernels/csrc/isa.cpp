@@ -1,5 +1,5 @@
-// The ISA path in use (kernels/csrc/isa.h): the best one cpuid reports, unless `set_isa` forced
-// another that the CPU supports.
+// The ISA path in use (kernels/csrc/isa.h): the default cpuid gives (`best`), unless `set_isa`
+// forced another that the CPU supports.
 #include <torch/library.h>
 
 #include <atomic>
@@ -25,12 +25,9 @@ bool supported(Isa path) {
   return false;
 }
 
-Isa best() {
-  for (Isa path : {Isa::kAvx512Bf16, Isa::kAvx512}) {
-    if (supported(path)) return path;
-  }
-  return Isa::kAvx2;
-}
+// AVX-512 where cpuid reports it. AVX512-BF16 only when asked for: its dot product ran slower than
+// the AVX-512 FMA path on bf16 (benchmarks/RESULTS.md, issue 19), so it is not the default.
+Isa best() { return supported(Isa::kAvx512) ? Isa::kAvx512 : Isa::kAvx2; }
 
 std::atomic<int>& chosen() {
   static std::atomic<int> path{static_cast<int>(best())};
