@@ -1,6 +1,8 @@
 """Builds and loads deepserve's native CPU kernels: the C++ sources in kernels/csrc/ (and the
 headers they share), compiled with the system compiler (AVX2 + FMA, OpenMP through torch's own
-thread pool) into `torch.ops.deepserve_cpu.*`.
+thread pool) into `torch.ops.deepserve_cpu.*`. The AVX-512 and AVX512-BF16 paths of the linear and
+attention are compiled into the same library for their own targets (kernels/csrc/isa.h); AVX-512 is
+taken at run time when cpuid reports it, and `use_isa` forces any path the CPU has.
 
 Each source file registers its ops with `TORCH_LIBRARY_FRAGMENT(deepserve_cpu, m)`, so kernels
 live in separate files and this module only compiles and loads them. Two ways to get the library:
@@ -19,12 +21,14 @@ themselves (kernels/csrc/).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -128,6 +132,29 @@ def op(name: str) -> torch._ops.OpOverload:
     """One op's overload, looked up once: a decode step makes hundreds of calls, and resolving
     `torch.ops.deepserve_cpu.<name>(...)` anew costs a few microseconds each. Call `load()` first."""
     return getattr(ops(), name).default
+
+
+def supported_isas() -> list[str]:
+    """The kernels' paths this CPU can run, from cpuid ("avx2", "avx512", "avx512_bf16"); call
+    `load()` first."""
+    return list(ops().supported_isas())
+
+
+def isa() -> str:
+    """The path the kernels take now: AVX-512 where the CPU has it, else AVX2, unless `use_isa`
+    chose another (AVX512-BF16 is only taken when asked for, see kernels/csrc/isa.cpp)."""
+    return ops().isa()
+
+
+@contextlib.contextmanager
+def use_isa(name: str) -> Iterator[None]:
+    """Run the kernels on path `name` inside the block (process-wide: for tests and benchmarks
+    that compare paths, not for serving); raises RuntimeError when the CPU lacks it."""
+    previous = ops().set_isa(name)
+    try:
+        yield
+    finally:
+        ops().set_isa(previous)
 
 
 def main(argv: list[str]) -> int:

@@ -58,10 +58,13 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight) -> torch.Tensor:
         return F.linear(x, w)
     if x.dim() == 2 and x.dtype == torch.float32:  # the models' flattened rows, as they are
         return _packed_linear(x, w)
-    # bfloat16 rows widen exactly to float32 and round once at the end, like a bf16 GEMM that
-    # accumulates in float32.
+    # bfloat16 rows widen exactly to float32 (in the kernel, which on AVX512-BF16 multiplies
+    # them as they are against bfloat16 panels) and round once at the end, like a bf16 GEMM
+    # that accumulates in float32.
     rows = x.reshape(-1, x.shape[-1])
-    y = _packed_linear(rows if x.dtype == torch.float32 else rows.float(), w)
+    if rows.dtype != torch.float32 and (rows.dtype != torch.bfloat16 or w.quant is not None):
+        rows = rows.float()
+    y = _packed_linear(rows, w)
     y = y.view(*x.shape[:-1], w.out_features)
     return y if y.dtype == x.dtype else y.to(x.dtype)
 

@@ -2,7 +2,8 @@
 rows bitwise independent of the batch around them (row count, position, neighbours, prefill vs
 chunks vs decode), the same bits whatever the layout of the input, and the same function as the
 torch invariant ops it replaces (kernels/batch_invariant.py, the oracle), within float32
-tolerance. Runs on the ISA path the machine's native build has (kernels/cpu_native.py)."""
+tolerance. Every test runs on each ISA path this CPU has (AVX2, AVX-512, AVX512-BF16: see
+kernels/csrc/isa.h), each path forced in turn."""
 
 from __future__ import annotations
 
@@ -20,9 +21,13 @@ pytestmark = pytest.mark.skipif(not cpu_native.load(), reason="native CPU kernel
 ORACLE = batch_invariant.cpu_kernels()
 
 
-@pytest.fixture(scope="module")
-def ops():
-    return native_kernels()
+ISAS = cpu_native.supported_isas() if cpu_native.load() else []
+
+
+@pytest.fixture(scope="module", params=ISAS)
+def ops(request):
+    with cpu_native.use_isa(request.param):
+        yield native_kernels()
 
 
 def _rand(*shape, seed=0, dtype=torch.float32):

@@ -6,23 +6,28 @@
 // of that head's query rows): the rows of a GQA group share every K/V load, and each row keeps an
 // online softmax in float32, so no [B, L] padded copy of the cache is ever made. A row's result
 // depends only on its own sequence (fixed key order), never on what else is in the batch.
+//
+// The walk over blocks and rows is attention_impl.h's; this file has the op, the AVX2 vector
+// primitives, and the choice of path (AVX-512 in attention_avx512.cpp, kernels/csrc/isa.h). A
+// path's bits are its own: AVX-512 sums a key's score and a block's probabilities over 16 lanes.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "attention_impl.h"
+#include "isa.h"
 #include "vec_math.h"
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 using deepserve_cpu::exp8;
-
-constexpr int64_t kTileRows = 32;  // query rows per work item: acc stays in L1 for Dv <= 64
-constexpr int64_t kMaxBlock = 64;  // largest KV block size the score buffer holds
+using namespace deepserve_cpu::attention;
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
@@ -105,89 +110,23 @@ inline float softmax_block(float* s, int64_t n, float& m, float* alpha) {
   return hsum(sum);
 }
 
-// One work item: query rows row0..row1 (token-major, `group` rows a token) of one kv head of
-// one sequence.
-struct Work {
-  int64_t seq, head, row0, row1;
-};
-
-struct Layout {
-  int64_t group, dk, dv, block_size;
-  int64_t qs0, qs1;               // q strides (token, head); float32, last dim contiguous
-  int64_t kb, kt, kh, vb, vt, vh;  // cache strides (block, token, head)
-  float scale;
-};
-
-// A row's running softmax state: max, sum, and the unnormalized output (dv floats).
-struct RowState {
-  float m = -std::numeric_limits<float>::infinity(), l = 0.0f;
-  float* acc;
-};
-
-// Fold `visible` keys kp/vp (pointer arrays padded to a multiple of 8) into one row's state.
-template <typename T>
-inline void attend_block(const float* qr, const T* const* kp, const T* const* vp,
-                         int64_t visible, const Layout& L, RowState& st) {
-  alignas(32) float s[kMaxBlock + 8];
-  const int64_t padded = (visible + 7) & ~int64_t{7};
-  for (int64_t j = 0; j < padded; j += 8) dot8(qr, kp + j, L.dk, s + j);
-  for (int64_t j = 0; j < visible; ++j) s[j] *= L.scale;
-  for (int64_t j = visible; j < padded; ++j) s[j] = -std::numeric_limits<float>::infinity();
-  float alpha;
-  const float sum = softmax_block(s, padded, st.m, &alpha);
-  st.l = st.l * alpha + sum;
-  scale_accumulate(st.acc, alpha, s, vp, visible, L.dv);
-}
-
-template <typename T>
-inline void prefetch_block(const T* kc, const T* vc, int64_t blk, int64_t n, int64_t h,
-                           const Layout& L) {
-  prefetch_rows(kc + blk * L.kb + h * L.kh, L.kt, n, L.dk * int64_t(sizeof(T)));
-  prefetch_rows(vc + blk * L.vb + h * L.vh, L.vt, n, L.dv * int64_t(sizeof(T)));
-}
-
-// The item's rows over its sequence's keys, block by block, prefetching the next block while
-// this one computes.
-template <typename T>
-void attend_item(const Work& w, const Layout& L, const float* q, const T* kc, const T* vc,
-                 const int32_t* table, int64_t q0, int64_t ctx, std::vector<RowState>& rows,
-                 std::vector<float>& acc) {
-  const int64_t nrows = w.row1 - w.row0, G = L.group, bs = L.block_size, h = w.head;
-  acc.assign(nrows * L.dv, 0.0f);
-  rows.assign(nrows, RowState{});
-  for (int64_t r = 0; r < nrows; ++r) rows[r].acc = acc.data() + r * L.dv;
-  const int64_t keys = ctx + (w.row1 - 1) / G + 1;  // the item's last row sees the most keys
-  const T* kp[kMaxBlock + 8];
-  const T* vp[kMaxBlock + 8];
-  prefetch_block(kc, vc, table[0], std::min(bs, keys), h, L);
-  for (int64_t start = 0; start < keys; start += bs) {
-    const int64_t blk = table[start / bs], n = std::min(bs, keys - start);
-    if (start + bs < keys)
-      prefetch_block(kc, vc, table[start / bs + 1], std::min(bs, keys - start - bs), h, L);
-    for (int64_t j = 0; j < n; ++j) {
-      kp[j] = kc + blk * L.kb + j * L.kt + h * L.kh;
-      vp[j] = vc + blk * L.vb + j * L.vt + h * L.vh;
-    }
-    for (int64_t j = n; j < ((n + 7) & ~int64_t{7}); ++j) kp[j] = kp[0];  // scored, then masked
-    for (int64_t r = 0; r < nrows; ++r) {
-      const int64_t row = w.row0 + r, t = row / G;
-      const int64_t visible = std::min(n, ctx + t + 1 - start);
-      if (visible <= 0) continue;
-      const float* qr = q + (q0 + t) * L.qs0 + (h * G + row % G) * L.qs1;
-      attend_block(qr, kp, vp, visible, L, rows[r]);
-    }
+// The AVX2 primitives attention_impl.h walks with.
+struct Avx2 {
+  template <typename T>
+  static void dot8(const float* q, const T* const* k, int64_t d, float* s) { ::dot8(q, k, d, s); }
+  template <typename T>
+  static void scale_accumulate(float* acc, float alpha, const float* p, const T* const* v,
+                               int64_t n, int64_t d) {
+    ::scale_accumulate(acc, alpha, p, v, n, d);
   }
-}
-
-void store_item(const Work& w, const Layout& L, const std::vector<RowState>& rows, int64_t q0,
-                float* out, int64_t os0, int64_t os1) {
-  for (int64_t r = 0; r < w.row1 - w.row0; ++r) {
-    const int64_t row = w.row0 + r;
-    float* o = out + (q0 + row / L.group) * os0 + (w.head * L.group + row % L.group) * os1;
-    const float inv = 1.0f / rows[r].l;
-    for (int64_t d = 0; d < L.dv; ++d) o[d] = rows[r].acc[d] * inv;
+  template <typename T>
+  static void prefetch_rows(const T* p, int64_t stride, int64_t rows, int64_t bytes) {
+    ::prefetch_rows(p, stride, rows, bytes);
   }
-}
+  static float softmax_block(float* s, int64_t n, float& m, float* alpha) {
+    return ::softmax_block(s, n, m, alpha);
+  }
+};
 
 std::vector<Work> plan(const int32_t* loc, int64_t seqs, int64_t hkv, int64_t group) {
   std::vector<Work> items;
@@ -225,18 +164,22 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
   const int32_t* tp = tables.data_ptr<int32_t>();
   const int64_t tstride = tables.size(1);
   const std::vector<Work> items = plan(lp, seqs, hkv, L.group);
+  const bool avx512 = deepserve_cpu::isa() != deepserve_cpu::Isa::kAvx2;
   auto run = [&](auto tag) {
     using T = decltype(tag);
-    const T* kc = reinterpret_cast<const T*>(k_cache.data_ptr());
-    const T* vc = reinterpret_cast<const T*>(v_cache.data_ptr());
+    const Batch<T> batch{q.data_ptr<float>(), reinterpret_cast<const T*>(k_cache.data_ptr()),
+                         reinterpret_cast<const T*>(v_cache.data_ptr()), lp, sl, tp, tstride,
+                         out.data_ptr<float>(), out.stride(0), out.stride(1)};
     at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t i0, int64_t i1) {
-      std::vector<float> acc;
-      std::vector<RowState> rows;
-      for (int64_t i = i0; i < i1; ++i) {
-        const Work& w = items[i];
-        const int64_t q0 = lp[w.seq], ctx = sl[w.seq] - (lp[w.seq + 1] - lp[w.seq]);
-        attend_item<T>(w, L, q.data_ptr<float>(), kc, vc, tp + w.seq * tstride, q0, ctx, rows, acc);
-        store_item(w, L, rows, q0, out.data_ptr<float>(), out.stride(0), out.stride(1));
+      if (!avx512) {
+        attend_items<Avx2, T>(batch, L, items.data(), i0, i1);
+      } else if constexpr (std::is_same_v<T, float>) {
+        deepserve_cpu::attention_items_avx512_f32(batch, L, items.data(), i0, i1);
+      } else {
+        const Batch<uint16_t> raw{batch.q, reinterpret_cast<const uint16_t*>(batch.k),
+                                  reinterpret_cast<const uint16_t*>(batch.v), lp, sl, tp,
+                                  tstride, batch.out, batch.os0, batch.os1};
+        deepserve_cpu::attention_items_avx512_bf16(raw, L, items.data(), i0, i1);
       }
     });
   };

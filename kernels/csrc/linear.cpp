@@ -26,6 +26,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "isa.h"
+
 namespace {
 
 constexpr int64_t kPanel = 16;
@@ -317,37 +319,78 @@ struct Rows {
   int64_t M, K;
 };
 
-// Checks x and allocates y (zeros when K is 0; `run` then has nothing to add).
-Rows prepare(const at::Tensor& x, int64_t K, int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
+// Checks x and allocates y, float32 (zeros when K is 0; `run` then has nothing to add).
+Rows prepare(const at::Tensor& x, int64_t K, int64_t n, at::ScalarType dtype = at::kFloat) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype, "x must be a 2-D ", dtype, " tensor");
   TORCH_CHECK(x.size(1) == K, "x and the packed weight disagree on K");
   const at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty({xc.size(0), n}, xc.options());
+  at::Tensor y = at::empty({xc.size(0), n}, xc.options().dtype(at::kFloat));
   if (K == 0) y.zero_();
   return {xc, y, xc.size(0), K};
 }
 
-// Runs `w` over every panel, split across threads.
-template <class Src>
-void run(const Rows& r, Src w, int64_t n, int64_t P) {
+// Calls `share(p0, p1)` for each thread's range of panels.
+template <class F>
+void split(const Rows& r, int64_t n, int64_t P, const F& share) {
   if (r.M == 0 || n == 0 || r.K == 0) return;
   // Keep a thread's share above ~64K multiply-adds: smaller splits cost more to fork than they save
   const int64_t grain = std::max<int64_t>(1, 65536 / (r.M * r.K * kPanel));
-  const float* xp = r.x.data_ptr<float>();
-  float* yp = r.y.data_ptr<float>();
-  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
-    run_panels(xp, r.M, r.K, w, yp, n, p0, p1);
-  });
+  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) { share(p0, p1); });
 }
 
+// Runs `w` over every panel, split across threads (the AVX2 path).
+template <class Src>
+void run(const Rows& r, Src w, int64_t n, int64_t P) {
+  const float* xp = r.x.data_ptr<float>();
+  float* yp = r.y.data_ptr<float>();
+  split(r, n, P, [&](int64_t p0, int64_t p1) { run_panels(xp, r.M, r.K, w, yp, n, p0, p1); });
+}
+
+// The AVX-512 paths (kernels/csrc/linear_avx512.cpp) over the same split; `dot`: bfloat16 rows
+// as they are against bfloat16 panels (AVX512-BF16).
+at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool dot) {
+  const int64_t K = packed.size(1), P = packed.size(0);
+  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  if (dot) {
+    Rows r = prepare(x, K, n, at::kBFloat16);
+    const auto* xp = reinterpret_cast<const uint16_t*>(r.x.data_ptr());
+    float* yp = r.y.data_ptr<float>();
+    split(r, n, P, [&](int64_t p0, int64_t p1) {
+      deepserve_cpu::linear_panels_avx512bf16_dot(xp, r.M, K, w, yp, n, p0, p1);
+    });
+    return r.y;
+  }
+  Rows r = prepare(x.to(at::kFloat), K, n);
+  const float* xp = r.x.data_ptr<float>();
+  float* yp = r.y.data_ptr<float>();
+  const bool bf16 = packed.scalar_type() == at::kBFloat16;
+  const float* wf = bf16 ? nullptr : packed.data_ptr<float>();
+  split(r, n, P, [&](int64_t p0, int64_t p1) {
+    if (bf16) {
+      deepserve_cpu::linear_panels_avx512_bf16(xp, r.M, K, w, yp, n, p0, p1);
+    } else {
+      deepserve_cpu::linear_panels_avx512_f32(xp, r.M, K, wf, yp, n, p0, p1);
+    }
+  });
+  return r.y;
+}
+
+// x is float32 or bfloat16 rows: widened exactly to float32, except on the AVX512-BF16 path
+// against bfloat16 panels, which multiplies them as they are (isa.h).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel, "packed must be [P, K, 16]");
   TORCH_CHECK(packed.size(0) == (n + kPanel - 1) / kPanel, "packed has the wrong panel count");
   const bool bf16 = packed.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || packed.scalar_type() == at::kFloat, "packed must be float32 or bfloat16");
   TORCH_CHECK(packed.is_contiguous(), "packed must be contiguous");
+  const deepserve_cpu::Isa path = deepserve_cpu::isa();
+  if (path != deepserve_cpu::Isa::kAvx2) {
+    const bool dot =
+        path == deepserve_cpu::Isa::kAvx512Bf16 && bf16 && x.scalar_type() == at::kBFloat16;
+    return linear_avx512(x, packed, n, dot);
+  }
   const int64_t K = packed.size(1), P = packed.size(0);
-  Rows r = prepare(x, K, n);
+  Rows r = prepare(x.scalar_type() == at::kBFloat16 ? x.to(at::kFloat) : x, K, n);
   if (bf16) {
     run(r, BF16Source{reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), K}, n, P);
   } else {
