@@ -62,7 +62,7 @@ class SamplingBatch:
         all_greedy = all(greedy_list)
 
         def col(values: list, dtype: torch.dtype) -> Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(values, dtype, device)
 
         temps = [1.0 if g else p.temperature for g, p in zip(greedy_list, params, strict=True)]
         top_k = top_p = min_p = None
@@ -117,14 +117,14 @@ def _build_penalties(
             prompt_toks += s.token_ids[: s.num_prompt_tokens]
     counts = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
     if out_toks:
-        idx = (torch.tensor(out_rows, device=device), torch.tensor(out_toks, device=device))
+        idx = (to_device(out_rows, torch.int64, device), to_device(out_toks, torch.int64, device))
         counts.index_put_(idx, torch.ones(len(out_toks), device=device), accumulate=True)
     prompt_mask = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)
     if prompt_toks:
         prompt_mask[torch.tensor(prompt_rows), torch.tensor(prompt_toks)] = True
 
     def col(values: list[float]) -> Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+        return to_device(values, torch.float32, device)[:, None]
 
     return Penalties(
         presence=col([p.presence_penalty for p in params]),
@@ -145,9 +145,9 @@ def _build_bias(seqs: list[Sequence], device: torch.device) -> tuple[Tensor, Ten
     if not rows:
         return None
     return (
-        torch.tensor(rows, device=device),
-        torch.tensor(toks, device=device),
-        torch.tensor(vals, dtype=torch.float32, device=device),
+        to_device(rows, torch.int64, device),
+        to_device(toks, torch.int64, device),
+        to_device(vals, torch.float32, device),
     )
 
 
@@ -164,7 +164,17 @@ def _build_suppress(
             toks += sorted(banned)
     if not rows:
         return None
-    return torch.tensor(rows, device=device), torch.tensor(toks, device=device)
+    return to_device(rows, torch.int64, device), to_device(toks, torch.int64, device)
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A host list as a tensor on `device`. On a GPU through pinned memory and a non-blocking
+    copy: a copy from pageable memory waits for the whole queue, and these are built every step
+    (the caching host allocator keeps the pinned buffer until its copy has run)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -223,7 +233,7 @@ class Sampler:
         out: list[TokenLogprob | None] = [None] * batch.num_rows
         if batch.max_logprobs < 0:
             return out
-        rows = torch.tensor(batch.logprob_rows, device=raw.device)
+        rows = to_device(batch.logprob_rows, torch.int64, raw.device)
         logprobs = torch.log_softmax(raw[rows], dim=-1)
         chosen = logprobs.gather(1, tokens[rows][:, None])[:, 0].tolist()
         top_vals = top_ids = None
