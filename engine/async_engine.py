@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -46,6 +47,11 @@ class _Stream:
 
 
 MAX_BLOCK_EVENTS = 100_000
+# How long a thread may hold the GIL while another waits for it (Python's default: 5 ms). The
+# engine thread shares the interpreter with the server's event loop, which streams every
+# token of every request; with the default, the step's host work (scheduling, the next graph's
+# inputs) could wait up to 5 ms behind the loop while the GPU idles.
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 class EngineDeadError(EngineError):
@@ -67,6 +73,7 @@ class AsyncEngine:
         # step; bounded, so an engine nobody asks keeps only the newest.
         self._block_events: collections.deque = collections.deque(maxlen=MAX_BLOCK_EVENTS)
         built: Future[LLMEngine] = Future()
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         self._thread = threading.Thread(
             target=self._run, args=(loaded, built), name="deepserve-engine", daemon=True
         )
@@ -190,8 +197,7 @@ class AsyncEngine:
                 outputs = self.engine.step()
                 self._load = self.engine.load()  # before delivery: a finished caller sees it freed
                 self._keep_block_events()
-                for out in outputs:
-                    self._deliver(out)
+                self._deliver_all(outputs)
             self._fail_all(EngineDeadError("the engine shut down"))
         except BaseException as e:  # deliver the crash to every waiting caller, then stop
             self._error = e
@@ -245,6 +251,27 @@ class AsyncEngine:
         if stream is not None:
             _post(stream, out)
 
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs, one wake-up per caller loop rather than one per request: each
+        wake-up costs the engine thread a syscall and the GIL while the loop streams tokens."""
+        posts: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        failed = []
+        with self._cond:
+            for out in outputs:
+                if out.error is not None:
+                    failed.append(out)
+                    continue
+                stream = self._streams.get(out.request_id)
+                if out.finished:
+                    self._streams.pop(out.request_id, None)
+                if stream is not None:
+                    posts.setdefault(stream.loop, []).append((stream.queue, out))
+        for out in failed:
+            self._deliver(out)
+        for loop, items in posts.items():
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody listens
+                loop.call_soon_threadsafe(_put_all, items)
+
     def _deliver_error(self, request_id: str, error: BaseException) -> None:
         with self._cond:
             stream = self._streams.pop(request_id, None)
@@ -263,3 +290,8 @@ def _post(stream: _Stream, item: object) -> None:
     # RuntimeError: the caller's loop is closed, so nobody is listening any more.
     with contextlib.suppress(RuntimeError):
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
