@@ -29,7 +29,7 @@ from deepserve.engine.client import EngineStats, KVHandOff
 from deepserve.engine.config import EngineConfig
 from deepserve.engine.errors import EngineError, InvalidRequestError, RequestFailedError
 from deepserve.engine.llm_engine import LLMEngine
-from deepserve.engine.outputs import EngineLoad, RequestOutput
+from deepserve.engine.outputs import EngineLoad, RequestOutput, merge_deltas
 from deepserve.engine.sampling_params import SamplingParams
 from deepserve.engine.step_isolation import is_fatal
 
@@ -110,9 +110,11 @@ class AsyncEngine:
             self._adds.append(_Add(request_id, admitted))
             self._cond.notify()
         finished = False
+        held: object = None  # an error read while merging, raised on the next round
         try:
             while not finished:
-                item = await stream.queue.get()
+                item = held if held is not None else await stream.queue.get()
+                item, held = _drain(stream.queue, item)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -295,3 +297,16 @@ def _post(stream: _Stream, item: object) -> None:
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
     for queue, item in items:
         queue.put_nowait(item)
+
+
+def _drain(queue: asyncio.Queue, item: object) -> tuple[object, object]:
+    """`item` merged with the deltas queued behind it, and whatever non-delta ended the merge.
+    Under load the loop streaming tokens falls behind the engine; one merged delta then costs it
+    one chunk instead of one per step, so it catches up instead of holding the GIL that the
+    engine thread needs."""
+    while isinstance(item, RequestOutput) and not item.finished and not queue.empty():
+        later = queue.get_nowait()
+        if not isinstance(later, RequestOutput):
+            return item, later
+        item = merge_deltas(item, later)
+    return item, None

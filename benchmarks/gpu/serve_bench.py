@@ -2,7 +2,7 @@
 real-shape checkpoint, loaded by `deepserve bench serve` at `concurrency` streams, beside the
 offline `LLM.generate` of the very same prompts on the same engine settings.
 
-Both sides run the same work: `num_prompts` completions prompts (bench.make_prompts, tokenized
+Both sides run the same work (and, between them, the in-process AsyncEngine without HTTP): `num_prompts` completions prompts (bench.make_prompts, tokenized
 by the checkpoint's own tokenizer for the offline side), `output_len` greedy tokens each with
 ignore_eos, at most `concurrency` sequences running. Each side is warmed up first (graph capture
 for every batch bucket), then timed once; the figure is output tokens per second of wall time,
@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -74,17 +76,11 @@ def _greedy(max_tokens: int):
 
 def offline_tok_s(folder: Path, run: ServeRun) -> dict:
     """The offline engine over the bench's prompts: warm-up (every bucket), then one timed run."""
-    from deepserve.engine.config import EngineConfig
     from deepserve.engine.llm import LLM
     from deepserve.server.bench import make_prompts
 
-    config = EngineConfig(
-        model=str(folder), device=run.device, dtype=run.dtype, max_num_seqs=run.concurrency,
-        kv_cache_bytes=run.kv_cache_bytes, max_num_batched_tokens=run.max_num_batched_tokens,
-        enable_prefix_caching=False,
-    )  # fmt: skip
     t0 = time.time()
-    llm = LLM(config)
+    llm = LLM(_engine_config(folder, run))
     load_s = time.time() - t0
     try:
         warm = [llm.encode(p) for p in make_prompts(run.concurrency, run.input_len, 1)]
@@ -102,6 +98,54 @@ def offline_tok_s(folder: Path, run: ServeRun) -> dict:
     tokens = sum(len(r.token_ids) for r in results)
     return dict(side="offline", load_s=load_s, wall_s=wall, output_tokens=tokens,
                 prompt_tokens=sum(map(len, prompts)), output_tok_s=tokens / wall)  # fmt: skip
+
+
+def async_engine_tok_s(folder: Path, run: ServeRun) -> dict:
+    """The same prompts through the in-process AsyncEngine (the server's engine client), with
+    `concurrency` asyncio consumers that only count tokens: the engine thread and the asyncio
+    hand-off without HTTP, to place what the server loses between them."""
+    from deepserve.engine.async_engine import AsyncEngine
+    from deepserve.server.bench import make_prompts
+
+    config = _engine_config(folder, run)
+
+    async def main() -> tuple[float, int]:
+        engine = await asyncio.to_thread(AsyncEngine, config)
+        gate = asyncio.Semaphore(run.concurrency)
+
+        async def one(rid: str, ids: list[int], n: int) -> int:
+            async with gate:
+                got = 0
+                async for out in engine.generate(rid, engine.admit(ids, _greedy(n))):
+                    got += sum(len(c.token_ids) for c in out.outputs)
+                return got
+
+        try:
+            enc = engine.tokenizer.encode
+            warm = [enc(p).ids for p in make_prompts(run.concurrency, run.input_len, 1)]
+            await asyncio.gather(*(one(f"w{i}", p, 16) for i, p in enumerate(warm)))
+            prompts = [enc(p).ids for p in make_prompts(run.num_prompts, run.input_len, 0)]
+            t0 = time.perf_counter()
+            counts = await asyncio.gather(
+                *(one(f"r{i}", p, run.output_len) for i, p in enumerate(prompts))
+            )
+            return time.perf_counter() - t0, sum(counts)
+        finally:
+            await engine.shutdown()
+
+    wall, tokens = asyncio.run(main())
+    _free(run)
+    return dict(side="async_engine", wall_s=wall, output_tokens=tokens, output_tok_s=tokens / wall)
+
+
+def _engine_config(folder: Path, run: ServeRun):
+    from deepserve.engine.config import EngineConfig
+
+    return EngineConfig(
+        model=str(folder), device=run.device, dtype=run.dtype, max_num_seqs=run.concurrency,
+        kv_cache_bytes=run.kv_cache_bytes, max_num_batched_tokens=run.max_num_batched_tokens,
+        enable_prefix_caching=False,
+    )  # fmt: skip
 
 
 def _sync(run: ServeRun) -> None:
@@ -172,8 +216,10 @@ def served_tok_s(folder: Path, run: ServeRun, log: Path) -> dict:
                     concurrency=run.concurrency, input_len=run.input_len)  # fmt: skip
         warm = BenchConfig(**base, num_prompts=run.concurrency, output_len=16, seed=1)
         asyncio.run(bench(warm))
+        spy = start_profile(proc.pid, log.with_name("pyspy.txt"))
         summary = asyncio.run(bench(BenchConfig(**base, num_prompts=run.num_prompts,
                                                 output_len=run.output_len, seed=0)))  # fmt: skip
+        profile = stop_profile(spy, log.with_name("pyspy.txt"))
     finally:
         stop_server(proc)
     keep = ("completed", "failed", "duration_s", "total_output_tokens", "total_input_tokens",
@@ -181,7 +227,47 @@ def served_tok_s(folder: Path, run: ServeRun, log: Path) -> dict:
             "median_itl_ms", "p99_itl_ms", "first_error")  # fmt: skip
     row = {k: summary[k] for k in keep if k in summary}
     return dict(side="http", healthy_after_s=ready_s, **row,
-                output_tok_s=summary["output_throughput"])  # fmt: skip
+                output_tok_s=summary["output_throughput"], profile=profile)  # fmt: skip
+
+
+def start_profile(pid: int, path: Path) -> subprocess.Popen | None:
+    """py-spy sampling the server's threads while the timed run goes (when py-spy is there)."""
+    exe = shutil.which("py-spy") or next(iter(Path("/tmp/deepserve-site/bin").glob("py-spy")), None)
+    if exe is None:
+        return None
+    cmd = [str(exe), "record", "--pid", str(pid), "--format", "raw", "--output", str(path),
+           "--rate", "250", "--threads", "--idle", "--nonblocking"]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def stop_profile(spy: subprocess.Popen | None, path: Path) -> dict:
+    """Per thread: samples, and the functions most often on its stack (inclusive share)."""
+    if spy is None:
+        return {"error": "no py-spy"}
+    spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+    try:
+        _, err = spy.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        spy.kill()
+        return {"error": "py-spy did not stop"}
+    if not path.exists():
+        return {"error": (err or b"")[-500:].decode(errors="replace")}
+    threads: dict[str, collections.Counter] = {}
+    totals: collections.Counter = collections.Counter()
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = stack.split(";")
+        thread = frames[0]
+        totals[thread] += int(count)
+        seen = {f.rsplit(":", 1)[0] for f in frames[1:]}
+        threads.setdefault(thread, collections.Counter()).update(dict.fromkeys(seen, int(count)))
+    return {
+        t: {"samples": totals[t],
+            "top": [(f, round(c / totals[t], 3)) for f, c in threads[t].most_common(25)]}
+        for t in sorted(totals, key=totals.get, reverse=True)[:4]
+    }  # fmt: skip
 
 
 def section_serve(out: dict, work: Path, run: ServeRun, quick: bool = False) -> None:
@@ -191,14 +277,16 @@ def section_serve(out: dict, work: Path, run: ServeRun, quick: bool = False) -> 
     rows.append(dict(side="checkpoint", folder=str(folder), write_s=write_s))
     rows.append(offline_tok_s(folder, run))
     print(rows[-1], flush=True)
+    offline = rows[-1]["output_tok_s"]
+    rows.append(async_engine_tok_s(folder, run))
+    print(rows[-1], flush=True)
     log = work / "serve.log"
     try:
         rows.append(served_tok_s(folder, run, log))
     finally:
         out["serve_log_tail"] = log.read_text()[-3000:] if log.exists() else ""
     print(rows[-1], flush=True)
-    offline, http = rows[-2]["output_tok_s"], rows[-1]["output_tok_s"]
-    rows.append(dict(side="http / offline", ratio=http / offline))
+    rows.append(dict(side="http / offline", ratio=rows[-1]["output_tok_s"] / offline))
     print(rows[-1], flush=True)
 
 
