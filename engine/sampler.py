@@ -37,10 +37,12 @@ class SamplingBatch:
 
     num_rows: int
     all_greedy: bool
-    greedy: Tensor  # [N] bool
-    temperature: Tensor  # [N, 1] float32 (1.0 on greedy rows)
-    seeds: Tensor  # [N] int64
-    positions: Tensor  # [N] int64: output position of the token being sampled
+    # None when every row is greedy: argmax needs none of them, and a GPU step then copies
+    # nothing to the device for sampling.
+    greedy: Tensor | None  # [N] bool
+    temperature: Tensor | None  # [N, 1] float32 (1.0 on greedy rows)
+    seeds: Tensor | None  # [N] int64
+    positions: Tensor | None  # [N] int64: output position of the token being sampled
     top_k: Tensor | None  # [N] int64, V where disabled
     top_p: Tensor | None  # [N, 1] float32
     min_p: Tensor | None  # [N, 1] float32
@@ -64,9 +66,14 @@ class SamplingBatch:
         def col(values: list, dtype: torch.dtype) -> Tensor:
             return to_device(values, dtype, device)
 
-        temps = [1.0 if g else p.temperature for g, p in zip(greedy_list, params, strict=True)]
         top_k = top_p = min_p = None
+        greedy = temperature = seeds = positions = None
         if not all_greedy:
+            temps = [1.0 if g else p.temperature for g, p in zip(greedy_list, params, strict=True)]
+            greedy = col(greedy_list, torch.bool)
+            temperature = col(temps, torch.float32)[:, None]
+            seeds = col([as_int64(s.seed) for s in seqs], torch.int64)
+            positions = col([s.num_output_tokens for s in seqs], torch.int64)
             if any(p.top_k > 0 for p in params):
                 # Clamped as vLLM does: any k past the vocabulary keeps every token, and a
                 # client's k need not fit an int64.
@@ -80,10 +87,10 @@ class SamplingBatch:
         return SamplingBatch(
             num_rows=n,
             all_greedy=all_greedy,
-            greedy=col(greedy_list, torch.bool),
-            temperature=col(temps, torch.float32)[:, None],
-            seeds=col([as_int64(s.seed) for s in seqs], torch.int64),
-            positions=col([s.num_output_tokens for s in seqs], torch.int64),
+            greedy=greedy,
+            temperature=temperature,
+            seeds=seeds,
+            positions=positions,
             top_k=top_k,
             top_p=top_p,
             min_p=min_p,
