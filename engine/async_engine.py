@@ -72,6 +72,7 @@ class AsyncEngine:
         # Block stored/removed events for KV-aware routers, drained on the engine thread every
         # step; bounded, so an engine nobody asks keeps only the newest.
         self._block_events: collections.deque = collections.deque(maxlen=MAX_BLOCK_EVENTS)
+        self._pending: list[RequestOutput] = []  # the last step's outputs (engine thread only)
         built: Future[LLMEngine] = Future()
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         self._thread = threading.Thread(
@@ -194,12 +195,20 @@ class AsyncEngine:
         self._load = engine.load()
         built.set_result(engine)
         self.engine = engine
+        # A step's outputs are delivered once the next step's GPU work is queued: the event loop
+        # then streams them while the GPU runs, instead of contending for the GIL with the host
+        # work that prepares the next step (py-spy at 64 streams: that contention cost ~2.5 ms
+        # a step). Nothing waits longer than one step; when no step follows they go at once.
         try:
             while self._take_inbox():
-                outputs = self.engine.step()
+                outputs = self.engine.step(on_launched=self._flush)
+                self._flush()  # the previous step's, when this one launched nothing
                 self._load = self.engine.load()  # before delivery: a finished caller sees it freed
                 self._keep_block_events()
-                self._deliver_all(outputs)
+                self._pending = outputs
+                if not self.engine.has_unfinished():
+                    self._flush()
+            self._flush()
             self._fail_all(EngineDeadError("the engine shut down"))
         except BaseException as e:  # deliver the crash to every waiting caller, then stop
             self._error = e
@@ -219,6 +228,8 @@ class AsyncEngine:
             aborts, self._aborts = self._aborts, []
         for add in adds:
             self._admit(add)
+        if aborts:
+            self._flush()  # an aborted request's last tokens go before its final output
         finals = [out for rid in aborts if (out := self.engine.abort(rid)) is not None]
         self._load = self.engine.load()
         for out in finals:
@@ -252,6 +263,10 @@ class AsyncEngine:
                 self._streams.pop(out.request_id, None)
         if stream is not None:
             _post(stream, out)
+
+    def _flush(self) -> None:
+        outputs, self._pending = self._pending, []
+        self._deliver_all(outputs)
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
         """A step's outputs, one wake-up per caller loop rather than one per request: each
