@@ -10,7 +10,7 @@ mkdir -p "$ns"
 for root in engine kernels server kvcache router disagg; do ln -sfn "$repo/$root" "$ns/$root"; done
 export PYTHONPATH=/tmp/deepserve-ns:$repo/tests${PYTHONPATH:+:$PYTHONPATH}
 # The server's dependencies the device image lacks (fastapi, uvicorn, pydantic, deepseek-recipe...)
-# travel as wheels: WHEELS=path/to/dir (README of the device tool).
+# travel as wheels: WHEELS=path/to/dir, fetched as benchmarks/gpu/wheels.txt says.
 if [ -n "${WHEELS:-}" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/deepserve-site "$WHEELS"/*.whl || exit 1
