@@ -197,8 +197,9 @@ class AsyncEngine:
         self.engine = engine
         # A step's outputs are delivered once the next step's GPU work is queued: the event loop
         # then streams them while the GPU runs, instead of contending for the GIL with the host
-        # work that prepares the next step (py-spy at 64 streams: that contention cost ~2.5 ms
-        # a step). Nothing waits longer than one step; when no step follows they go at once.
+        # work that prepares the next step (that contention cost the step ~2.5 ms at 64 streams,
+        # benchmarks/RESULTS.md). A token waits only for that preparation (a graph step's host
+        # work, or an eager step's launches); when no step follows it goes at once.
         try:
             while self._take_inbox():
                 outputs = self.engine.step(on_launched=self._flush)

@@ -124,7 +124,7 @@ def _build_penalties(
             prompt_toks += s.token_ids[: s.num_prompt_tokens]
     counts = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
     if out_toks:
-        idx = (to_device(out_rows, torch.int64, device), to_device(out_toks, torch.int64, device))
+        idx = (to_device(out_rows, None, device), to_device(out_toks, None, device))
         counts.index_put_(idx, torch.ones(len(out_toks), device=device), accumulate=True)
     prompt_mask = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)
     if prompt_toks:
@@ -152,8 +152,8 @@ def _build_bias(seqs: list[Sequence], device: torch.device) -> tuple[Tensor, Ten
     if not rows:
         return None
     return (
-        to_device(rows, torch.int64, device),
-        to_device(toks, torch.int64, device),
+        to_device(rows, None, device),
+        to_device(toks, None, device),
         to_device(vals, torch.float32, device),
     )
 
@@ -171,12 +171,13 @@ def _build_suppress(
             toks += sorted(banned)
     if not rows:
         return None
-    return to_device(rows, torch.int64, device), to_device(toks, torch.int64, device)
+    return to_device(rows, None, device), to_device(toks, None, device)
 
 
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A host list as a tensor on `device`. On a GPU through pinned memory and a non-blocking
-    copy: a copy from pageable memory waits for the whole queue, and these are built every step
+def to_device(values: list, dtype: torch.dtype | None, device: torch.device) -> Tensor:
+    """A host list as a tensor on `device` (`dtype` None: torch's inference, so a bad value such
+    as a float token id still fails where it is used). On a GPU through pinned memory and a
+    non-blocking copy: a copy from pageable memory waits for the whole queue, and these are built every step
     (the caching host allocator keeps the pinned buffer until its copy has run)."""
     t = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
@@ -240,7 +241,7 @@ class Sampler:
         out: list[TokenLogprob | None] = [None] * batch.num_rows
         if batch.max_logprobs < 0:
             return out
-        rows = to_device(batch.logprob_rows, torch.int64, raw.device)
+        rows = to_device(batch.logprob_rows, None, raw.device)
         logprobs = torch.log_softmax(raw[rows], dim=-1)
         chosen = logprobs.gather(1, tokens[rows][:, None])[:, 0].tolist()
         top_vals = top_ids = None
