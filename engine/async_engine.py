@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -28,7 +29,7 @@ from deepserve.engine.client import EngineStats, KVHandOff
 from deepserve.engine.config import EngineConfig
 from deepserve.engine.errors import EngineError, InvalidRequestError, RequestFailedError
 from deepserve.engine.llm_engine import LLMEngine
-from deepserve.engine.outputs import EngineLoad, RequestOutput
+from deepserve.engine.outputs import EngineLoad, RequestOutput, merge_deltas
 from deepserve.engine.sampling_params import SamplingParams
 from deepserve.engine.step_isolation import is_fatal
 
@@ -46,6 +47,11 @@ class _Stream:
 
 
 MAX_BLOCK_EVENTS = 100_000
+# How long a thread may hold the GIL while another waits for it (Python's default: 5 ms). The
+# engine thread shares the interpreter with the server's event loop, which streams every
+# token of every request; with the default, the step's host work (scheduling, the next graph's
+# inputs) could wait up to 5 ms behind the loop while the GPU idles.
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 class EngineDeadError(EngineError):
@@ -66,7 +72,9 @@ class AsyncEngine:
         # Block stored/removed events for KV-aware routers, drained on the engine thread every
         # step; bounded, so an engine nobody asks keeps only the newest.
         self._block_events: collections.deque = collections.deque(maxlen=MAX_BLOCK_EVENTS)
+        self._pending: list[RequestOutput] = []  # the last step's outputs (engine thread only)
         built: Future[LLMEngine] = Future()
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         self._thread = threading.Thread(
             target=self._run, args=(loaded, built), name="deepserve-engine", daemon=True
         )
@@ -103,9 +111,11 @@ class AsyncEngine:
             self._adds.append(_Add(request_id, admitted))
             self._cond.notify()
         finished = False
+        held: object = None  # an error read while merging, raised on the next round
         try:
             while not finished:
-                item = await stream.queue.get()
+                item = held if held is not None else await stream.queue.get()
+                item, held = _drain(stream.queue, item)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -185,13 +195,21 @@ class AsyncEngine:
         self._load = engine.load()
         built.set_result(engine)
         self.engine = engine
+        # A step's outputs are delivered once the next step's GPU work is queued: the event loop
+        # then streams them while the GPU runs, instead of contending for the GIL with the host
+        # work that prepares the next step (that contention cost the step ~2.5 ms at 64 streams,
+        # benchmarks/RESULTS.md). A token waits only for that preparation (a graph step's host
+        # work, or an eager step's launches); when no step follows it goes at once.
         try:
             while self._take_inbox():
-                outputs = self.engine.step()
+                outputs = self.engine.step(on_launched=self._flush)
+                self._flush()  # the previous step's, when this one launched nothing
                 self._load = self.engine.load()  # before delivery: a finished caller sees it freed
                 self._keep_block_events()
-                for out in outputs:
-                    self._deliver(out)
+                self._pending = outputs
+                if not self.engine.has_unfinished():
+                    self._flush()
+            self._flush()
             self._fail_all(EngineDeadError("the engine shut down"))
         except BaseException as e:  # deliver the crash to every waiting caller, then stop
             self._error = e
@@ -211,6 +229,8 @@ class AsyncEngine:
             aborts, self._aborts = self._aborts, []
         for add in adds:
             self._admit(add)
+        if aborts:
+            self._flush()  # an aborted request's last tokens go before its final output
         finals = [out for rid in aborts if (out := self.engine.abort(rid)) is not None]
         self._load = self.engine.load()
         for out in finals:
@@ -245,6 +265,31 @@ class AsyncEngine:
         if stream is not None:
             _post(stream, out)
 
+    def _flush(self) -> None:
+        outputs, self._pending = self._pending, []
+        self._deliver_all(outputs)
+
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs, one wake-up per caller loop rather than one per request: each
+        wake-up costs the engine thread a syscall and the GIL while the loop streams tokens."""
+        posts: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        failed = []
+        with self._cond:
+            for out in outputs:
+                if out.error is not None:
+                    failed.append(out)
+                    continue
+                stream = self._streams.get(out.request_id)
+                if out.finished:
+                    self._streams.pop(out.request_id, None)
+                if stream is not None:
+                    posts.setdefault(stream.loop, []).append((stream.queue, out))
+        for out in failed:
+            self._deliver(out)
+        for loop, items in posts.items():
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody listens
+                loop.call_soon_threadsafe(_put_all, items)
+
     def _deliver_error(self, request_id: str, error: BaseException) -> None:
         with self._cond:
             stream = self._streams.pop(request_id, None)
@@ -263,3 +308,21 @@ def _post(stream: _Stream, item: object) -> None:
     # RuntimeError: the caller's loop is closed, so nobody is listening any more.
     with contextlib.suppress(RuntimeError):
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
+def _drain(queue: asyncio.Queue, item: object) -> tuple[object, object]:
+    """`item` merged with the deltas queued behind it, and whatever non-delta ended the merge.
+    Under load the loop streaming tokens falls behind the engine; one merged delta then costs it
+    one chunk instead of one per step, so it catches up instead of holding the GIL that the
+    engine thread needs."""
+    while isinstance(item, RequestOutput) and not item.finished and not queue.empty():
+        later = queue.get_nowait()
+        if not isinstance(later, RequestOutput):
+            return item, later
+        item = merge_deltas(item, later)
+    return item, None

@@ -15,6 +15,7 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -208,8 +209,9 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def step(self) -> list[RequestOutput]:
-        """Schedule and run one step; return a delta for every request that progressed."""
+    def step(self, on_launched: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """Schedule and run one step; return a delta for every request that progressed.
+        `on_launched`: see ModelRunner.execute (not called when nothing runs or a request fails)."""
         out = self.scheduler.schedule()
         _mark_first_scheduled(out, time.monotonic())
         if self.kv_tiering is not None:  # lower-tier prefix hits land in their blocks first
@@ -219,7 +221,7 @@ class LLMEngine:
             return []
         if self.threads is not None:
             self.threads.before_step()
-        result, out, failed = self._execute(out)
+        result, out, failed = self._execute(out, on_launched)
         touched: list[Request] = []
         if result is not None:
             self._apply_progress(out)
@@ -229,12 +231,12 @@ class LLMEngine:
         return [self._make_output(r) for r in [*failed, *touched]]
 
     def _execute(
-        self, out: SchedulerOutput
+        self, out: SchedulerOutput, on_launched: Callable[[], None] | None = None
     ) -> tuple[StepResult | None, SchedulerOutput, list[Request]]:
         """Run the step; if it raises, fail the requests that raise alone and run the rest.
         Returns the result (None when no request is left), what ran, and the failed requests."""
         try:
-            return self.runner.execute(out), out, []
+            return self.runner.execute(out, on_launched), out, []
         except Exception as e:
             if is_fatal(e):
                 raise

@@ -10,6 +10,7 @@ which blocks hold what is the block manager's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -91,9 +92,13 @@ class ModelRunner:
     # ---- one step -------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> StepResult:
+    def execute(
+        self, out: SchedulerOutput, on_launched: Callable[[], None] | None = None
+    ) -> StepResult:
+        """Run one step. `on_launched` is called once the step's GPU work is queued and before
+        the host waits for the sampled ids: host work done there overlaps the GPU."""
         if self._replayable(out):
-            return self._execute_graph(out)
+            return self._execute_graph(out, on_launched)
         inputs = self.prepare(out)
         batch = SamplingBatch.build(
             inputs.sample_views, self.eos_token_ids, self.model.vocab_size, self.device
@@ -105,6 +110,8 @@ class ModelRunner:
         if not inputs.sample_seqs:
             return StepResult([], SamplerOutput([], []), kept)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        if on_launched is not None:
+            on_launched()
         if masks is not None:
             batch.bitmask = masks.result()
         return StepResult(inputs.sample_seqs, self.sampler.sample(logits, batch), kept)
@@ -122,7 +129,9 @@ class ModelRunner:
             for item in out.scheduled
         )
 
-    def _execute_graph(self, out: SchedulerOutput) -> StepResult:
+    def _execute_graph(
+        self, out: SchedulerOutput, on_launched: Callable[[], None] | None
+    ) -> StepResult:
         bs = self.block_size
         seqs = [item.seq for item in out.scheduled]
         positions = [s.num_computed_tokens for s in seqs]
@@ -134,6 +143,8 @@ class ModelRunner:
             [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions, strict=True)],
             [s.block_table for s in seqs],
         )
+        if on_launched is not None:
+            on_launched()
         if masks is not None:
             batch.bitmask = masks.result()
         return StepResult(seqs, self.sampler.sample(logits, batch))

@@ -6,8 +6,8 @@ DeepSeek-V2-Lite's shape (15.7B: MLA with kv_lora_rank 512, 64 routed experts to
 Llama. Weights are drawn on `device` (a GPU draws 15.7B values in seconds) from N(0, 0.02) like
 transformers' own init, norms are ones, experts are stored in transformers 5's fused layout
 (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]); the tokenizer is a
-word-level one over the vocabulary (the engine is fed token ids). Timing does not depend on the
-values, so these serve the benchmarks; they are not for text.
+word-level one over the vocabulary, split on whitespace (`t5 t7` is ids 5, 7; other words are id
+0). Timing does not depend on the values, so these serve the benchmarks; they are not for text.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, models
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 DEEPSEEK_V2_LITE = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
@@ -118,6 +118,14 @@ def _deepseek_layer(c: dict, i: int, mat, ones) -> dict[str, torch.Tensor]:
     return t | _mlp("mlp.shared_experts.", h, inter * c["n_shared_experts"], mat)
 
 
+def _word_tokenizer(vocab_size: int) -> Tokenizer:
+    """Words `t0`..`t{V-1}` are the token ids; any other word is `t0`. Split on whitespace, so a
+    text prompt (an HTTP benchmark's) has as many tokens as words."""
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return tok
+
+
 def write_shaped_model(
     name: str, out_dir: Path, device: str = "cpu", seed: int = 0, overrides: dict | None = None
 ) -> Path:
@@ -131,8 +139,7 @@ def write_shaped_model(
     save_file(
         {k: v.contiguous().cpu() for k, v in weights.items()}, str(out_dir / "model.safetensors")
     )
-    vocab = {f"t{i}": i for i in range(config["vocab_size"])}
-    Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(out_dir / "tokenizer.json"))
+    _word_tokenizer(config["vocab_size"]).save(str(out_dir / "tokenizer.json"))
     # config.json last: model_registry treats its presence as "the folder is complete"
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out_dir

@@ -35,6 +35,33 @@ class RequestOutput:
     error: str | None = None  # set on the last output of a request that failed in the engine
 
 
+def merge_deltas(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two consecutive deltas of one request as one (a consumer that fell behind takes what is
+    queued in one go): token ids and logprobs concatenated per sample, the later state kept."""
+    merged = {c.index: c for c in first.outputs}
+    for c in later.outputs:
+        prev = merged.get(c.index)
+        if prev is None:
+            merged[c.index] = c
+            continue
+        logprobs = None
+        if prev.logprobs is not None or c.logprobs is not None:
+            logprobs = (prev.logprobs or []) + (c.logprobs or [])
+        merged[c.index] = CompletionOutput(
+            c.index, prev.token_ids + c.token_ids, logprobs, c.finish_reason, c.stop_token_id
+        )
+    return RequestOutput(
+        request_id=later.request_id,
+        outputs=sorted(merged.values(), key=lambda c: c.index),
+        prompt_tokens=later.prompt_tokens,
+        cached_tokens=later.cached_tokens,
+        cached_tokens_by_tier=later.cached_tokens_by_tier,
+        finished=later.finished,
+        queue_time=first.queue_time if first.queue_time is not None else later.queue_time,
+        error=later.error,
+    )
+
+
 @dataclass
 class EngineLoad:
     running: int

@@ -37,10 +37,12 @@ class SamplingBatch:
 
     num_rows: int
     all_greedy: bool
-    greedy: Tensor  # [N] bool
-    temperature: Tensor  # [N, 1] float32 (1.0 on greedy rows)
-    seeds: Tensor  # [N] int64
-    positions: Tensor  # [N] int64: output position of the token being sampled
+    # None when every row is greedy: argmax needs none of them, and a GPU step then copies
+    # nothing to the device for sampling.
+    greedy: Tensor | None  # [N] bool
+    temperature: Tensor | None  # [N, 1] float32 (1.0 on greedy rows)
+    seeds: Tensor | None  # [N] int64
+    positions: Tensor | None  # [N] int64: output position of the token being sampled
     top_k: Tensor | None  # [N] int64, V where disabled
     top_p: Tensor | None  # [N, 1] float32
     min_p: Tensor | None  # [N, 1] float32
@@ -62,11 +64,16 @@ class SamplingBatch:
         all_greedy = all(greedy_list)
 
         def col(values: list, dtype: torch.dtype) -> Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(values, dtype, device)
 
-        temps = [1.0 if g else p.temperature for g, p in zip(greedy_list, params, strict=True)]
         top_k = top_p = min_p = None
+        greedy = temperature = seeds = positions = None
         if not all_greedy:
+            temps = [1.0 if g else p.temperature for g, p in zip(greedy_list, params, strict=True)]
+            greedy = col(greedy_list, torch.bool)
+            temperature = col(temps, torch.float32)[:, None]
+            seeds = col([as_int64(s.seed) for s in seqs], torch.int64)
+            positions = col([s.num_output_tokens for s in seqs], torch.int64)
             if any(p.top_k > 0 for p in params):
                 # Clamped as vLLM does: any k past the vocabulary keeps every token, and a
                 # client's k need not fit an int64.
@@ -80,10 +87,10 @@ class SamplingBatch:
         return SamplingBatch(
             num_rows=n,
             all_greedy=all_greedy,
-            greedy=col(greedy_list, torch.bool),
-            temperature=col(temps, torch.float32)[:, None],
-            seeds=col([as_int64(s.seed) for s in seqs], torch.int64),
-            positions=col([s.num_output_tokens for s in seqs], torch.int64),
+            greedy=greedy,
+            temperature=temperature,
+            seeds=seeds,
+            positions=positions,
             top_k=top_k,
             top_p=top_p,
             min_p=min_p,
@@ -117,14 +124,14 @@ def _build_penalties(
             prompt_toks += s.token_ids[: s.num_prompt_tokens]
     counts = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
     if out_toks:
-        idx = (torch.tensor(out_rows, device=device), torch.tensor(out_toks, device=device))
+        idx = (to_device(out_rows, None, device), to_device(out_toks, None, device))
         counts.index_put_(idx, torch.ones(len(out_toks), device=device), accumulate=True)
     prompt_mask = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)
     if prompt_toks:
         prompt_mask[torch.tensor(prompt_rows), torch.tensor(prompt_toks)] = True
 
     def col(values: list[float]) -> Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+        return to_device(values, torch.float32, device)[:, None]
 
     return Penalties(
         presence=col([p.presence_penalty for p in params]),
@@ -145,9 +152,9 @@ def _build_bias(seqs: list[Sequence], device: torch.device) -> tuple[Tensor, Ten
     if not rows:
         return None
     return (
-        torch.tensor(rows, device=device),
-        torch.tensor(toks, device=device),
-        torch.tensor(vals, dtype=torch.float32, device=device),
+        to_device(rows, None, device),
+        to_device(toks, None, device),
+        to_device(vals, torch.float32, device),
     )
 
 
@@ -164,7 +171,18 @@ def _build_suppress(
             toks += sorted(banned)
     if not rows:
         return None
-    return torch.tensor(rows, device=device), torch.tensor(toks, device=device)
+    return to_device(rows, None, device), to_device(toks, None, device)
+
+
+def to_device(values: list, dtype: torch.dtype | None, device: torch.device) -> Tensor:
+    """A host list as a tensor on `device` (`dtype` None: torch's inference, so a bad value such
+    as a float token id still fails where it is used). On a GPU through pinned memory and a
+    non-blocking copy: a copy from pageable memory waits for the whole queue, and these are built every step
+    (the caching host allocator keeps the pinned buffer until its copy has run)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -223,7 +241,7 @@ class Sampler:
         out: list[TokenLogprob | None] = [None] * batch.num_rows
         if batch.max_logprobs < 0:
             return out
-        rows = torch.tensor(batch.logprob_rows, device=raw.device)
+        rows = to_device(batch.logprob_rows, None, raw.device)
         logprobs = torch.log_softmax(raw[rows], dim=-1)
         chosen = logprobs.gather(1, tokens[rows][:, None])[:, 0].tolist()
         top_vals = top_ids = None

@@ -43,6 +43,9 @@ class KernelSet:
     # (kernels/triton/mla.py); each returns False when it does not cover the call.
     mla_kv_write_: Callable[..., bool] | None = None
     rope_into_: Callable[..., bool] | None = None
+    # MoE routing in one op, (logits, bias, RouteSpec) -> (weights, ids) or None when it does not
+    # cover the call (kernels/moe_routing.py is the composition it replaces).
+    moe_route: Callable[..., tuple[Tensor, Tensor] | None] | None = None
     # Every op above runs without a host sync or a host value that changes between decode
     # steps, so the model runner may capture decode steps in CUDA graphs.
     graph_safe: bool = False

@@ -41,3 +41,12 @@ def test_shaped_model_loads_and_generates(shape, tmp_path):
 def test_cli_rejects_an_unknown_shape(tmp_path):
     with pytest.raises(SystemExit):
         main(["make-test-model", "--out", str(tmp_path), "--shape", "gpt-9"])
+
+
+def test_shaped_tokenizer_counts_words(tmp_path):
+    """A text prompt of n words is n tokens (HTTP benchmarks send words), `t<i>` is id i."""
+    folder = write_shaped_model("smollm2-135m", tmp_path / "s", overrides=SMALL["smollm2-135m"])
+    llm = LLM(EngineConfig(model=str(folder), dtype="float32", kv_cache_bytes=2**22))
+    assert llm.encode("t5 t7  river t299") == [5, 7, 0, 299]
+    assert llm.decode([5, 7]) == "t5 t7"
+    llm.close()

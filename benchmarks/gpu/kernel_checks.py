@@ -92,9 +92,108 @@ def check_decode_attention(rows: list) -> None:
                                  rel_err=rel(dev, want)))  # fmt: skip
 
 
+def check_fused_rows(rows: list) -> None:
+    """Residual add + RMSNorm and silu(gate) * up in one launch each, against the unfused ops
+    (the add must round as torch's does; the norm must equal the Triton rms_norm bitwise)."""
+    import torch.nn.functional as F
+
+    from deepserve.kernels.triton import rows as row_ops
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for dtype in (torch.bfloat16, torch.float32):
+        for t, d in ((1, 2048), (64, 576), (2000, 2048)):
+            h = torch.randn(t, d, device="cuda", generator=g).to(dtype)
+            delta = torch.randn(t, d, device="cuda", generator=g).to(dtype)
+            w = (torch.rand(d, device="cuda", generator=g) + 0.5).to(dtype)
+            want_h = h + delta
+            want = row_ops.rms_norm(want_h, w, 1e-6)
+            got = row_ops.add_rms_norm_(h, delta, w, 1e-6)
+            rows.append(dict(op="add_rms_norm_", dtype=str(dtype), tokens=t, d=d,
+                             h_equal=bool(torch.equal(h, want_h)),
+                             equal=bool(torch.equal(got, want))))  # fmt: skip
+        for t, i in ((1, 1408 * 2), (64, 1536), (2000, 10944)):
+            gu = torch.randn(t, 2 * i, device="cuda", generator=g).to(dtype)
+            gate, up = gu.chunk(2, dim=-1)
+            got = row_ops.silu_mul(gu)
+            rows.append(dict(op="silu_mul", dtype=str(dtype), tokens=t, d=i,
+                             rel_err=rel(got, F.silu(gate) * up)))  # fmt: skip
+
+
+def check_routing(rows: list) -> None:
+    """The one-launch MoE routing against kernels/moe_routing.py's composition (V2-Lite's and
+    V3's settings); a row alone must equal the same row in a batch."""
+    from deepserve.kernels import moe_routing
+    from deepserve.kernels.triton import routing
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    specs = {
+        "v2-lite": (64, moe_routing.RouteSpec("sigmoid", 1, 1, 6, False, 1.0), False),
+        "v2-softmax": (64, moe_routing.RouteSpec("softmax", 1, 1, 6, True, 1.0), False),
+        "v3": (256, moe_routing.RouteSpec("sigmoid", 8, 4, 8, True, 2.5), True),
+    }
+    for name, (e, spec, has_bias) in specs.items():
+        bias = torch.randn(e, device="cuda", generator=g) * 0.1 if has_bias else None
+        for t in (1, 64, 2048):
+            logits = torch.randn(t, e, device="cuda", generator=g)
+            w0, i0 = moe_routing.route(logits, bias, spec)
+            w1, i1 = routing.route(logits, bias, spec)
+            one = routing.route(logits[-1:], bias, spec)
+            rows.append(dict(op="moe_route", cfg=name, tokens=t,
+                             ids_equal=float((i0 == i1).all(-1).float().mean()),
+                             rel_err=rel(w1, w0), row_invariant=bool(torch.equal(one[0], w1[-1:]))))  # fmt: skip
+
+
+def _bench_graph(fn) -> float:
+    """Median ms of `fn` replayed from a CUDA graph: device time, no host launch cost."""
+    import triton.testing
+
+    fn()  # compile outside the capture
+    return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
+
+
+def time_matmul_grid(rows: list) -> None:
+    """The invariant matmul's ~65 us a call at M=1 whatever the shape: its persistent grid (one
+    program per SM walking tiles) against the same kernel with one program per tile. A tile's
+    instructions are the same either way, so the outputs must be bitwise equal."""
+    from deepserve.kernels.triton import matmul
+
+    def launch(x, w, programs: int | None) -> torch.Tensor:
+        cfg, (m, k), n = matmul.DEFAULT, x.shape, w.shape[0]
+        out = torch.empty(m, n, device="cuda", dtype=x.dtype)
+        tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+        p = tiles if programs is None else min(tiles, programs)
+        a, b, c = x[None], w.t()[None], out[None]
+        matmul._matmul_kernel[(p,)](
+            a, b, c, m, n, k, 1, a.stride(0), a.stride(1), a.stride(2), b.stride(0),
+            b.stride(1), b.stride(2), c.stride(0), c.stride(1), c.stride(2), p,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            PRECISION="tf32", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        return out
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for k, n in [(2048, 3072), (2048, 576), (2048, 2048), (2048, 5632), (2816, 2048)]:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        for m in (1, 64, 2048):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            row = dict(op="matmul_grid", k=k, n=n, m=m)
+            row["equal"] = bool(torch.equal(launch(x, w, sms), launch(x, w, None)))
+            for name, p in (("persistent", sms), ("per_tile", None)):
+                fn = lambda x=x, w=w, p=p: launch(x, w, p)  # noqa: E731
+                row[f"us_{name}"] = 1e3 * _bench_graph(fn)
+            row["us_cublas"] = 1e3 * _bench_graph(lambda x=x, w=w: x @ w.t())
+            rows.append(row)
+
+
 def run(out: dict) -> None:
     rows = out.setdefault("kernel_checks", [])
-    for fn in (check_moe, check_decode_attention):
+    for fn in (
+        check_fused_rows,
+        check_routing,
+        time_matmul_grid,
+        check_moe,
+        check_decode_attention,
+    ):
         try:
             fn(rows)
         except Exception as e:  # recorded; the job goes on

@@ -1,5 +1,6 @@
-"""The whole GPU job in one run (issues 2 and 4): kernel checks, engine parity with transformers,
-throughput beside transformers, the cost of `--batch-invariant`, and the 40 x 10 determinism audit.
+"""The whole GPU job in one run (issues 2, 4 and 15): kernel checks, engine parity with
+transformers, throughput beside transformers, the cost of `--batch-invariant`, the 40 x 10
+determinism audit, and HTTP serving against the offline engine (serve_bench.py).
 
 Runs on the lent H200 through benchmarks/gpu/run_all.sh, which maps the working tree onto the
 `deepserve` namespace (the device has torch, Triton and transformers but not our other deps). Models
@@ -408,7 +409,7 @@ def markdown(out: dict) -> str:
     lines = [f"GPU: {out.get('gpu')}, torch {out.get('torch')}, triton {out.get('triton')}, "
              f"transformers {out.get('transformers')}", ""]  # fmt: skip
     keys = ("kernel_checks", "kernel_tests", "linear", "parity", "throughput", "determinism",
-            "speed", "profile", "build_s", "errors")  # fmt: skip
+            "speed", "profile", "serve", "serve_log_tail", "build_s", "errors")  # fmt: skip
     for key in keys:
         if key not in out:
             continue
@@ -471,6 +472,7 @@ def main() -> int:
             models["tiny-deepseek"] = write_tiny_deepseek(work / "tiny-deepseek")
 
     import kernel_checks
+    import serve_bench
     import speed
 
     batches = {"v2-lite": list(args.v2_batches), "smollm2": list(args.smollm2_batches)}
@@ -483,6 +485,7 @@ def main() -> int:
         ("parity", lambda: section_parity(out, models, sc)),
         ("determinism", lambda: section_determinism(out, models, sc, deadline - 100)),
         ("throughput", lambda: section_throughput(out, models, sc, deadline - 90)),
+        ("serve", lambda: serve_bench.section_serve(out, work, serve_bench.ServeRun())),
     ]
     default_off = {"throughput", "linear", "kernels"}  # superseded by speed / checks
     for name, fn in sections:

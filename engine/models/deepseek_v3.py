@@ -29,9 +29,11 @@ from deepserve.engine.errors import UnsupportedModelError
 from deepserve.engine.models.base import KVCacheSpec
 from deepserve.engine.models.common import WeightStore, require, swiglu
 from deepserve.engine.parallel.plan import ModelShard
+from deepserve.kernels import moe_routing
 from deepserve.kernels.attention_metadata import AttentionMetadata
 from deepserve.kernels.attention_ref import write_kv
 from deepserve.kernels.kernel_set import KernelSet
+from deepserve.kernels.moe_routing import RouteSpec
 from deepserve.kernels.rope import apply_rope, build_rope_tables, rope_at, yarn_get_mscale
 
 
@@ -408,21 +410,11 @@ class DeepseekV3ForCausalLM:
         """Top-k experts per token within the best `topk_group` groups -> (weights, ids) [T, k]."""
         a = self.args
         logits = self.k.linear(x.float(), w.gate)
-        scores = (
-            self.k.sigmoid(logits) if a.scoring_func == "sigmoid" else self.k.softmax(logits, -1)
-        )
-        choice = scores if w.bias is None else scores + w.bias
-        if a.n_group > 1:
-            grouped = choice.view(x.shape[0], a.n_group, -1)
-            # with the bias (aux-loss-free balancing) a group scores by its top two experts
-            group_score = (
-                grouped.topk(2, dim=-1)[0].sum(-1) if w.bias is not None else grouped.amax(-1)
-            )
-            keep = torch.zeros_like(group_score, dtype=torch.bool)
-            keep.scatter_(1, group_score.topk(a.topk_group, dim=-1)[1], True)
-            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
-        ids = choice.topk(a.num_experts_per_tok, dim=-1)[1]
-        weights = scores.gather(1, ids)
-        if a.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * a.routed_scaling_factor, ids
+        spec = RouteSpec(
+            a.scoring_func, a.n_group, a.topk_group, a.num_experts_per_tok, a.norm_topk_prob,
+            a.routed_scaling_factor,
+        )  # fmt: skip
+        fused = self.k.moe_route(logits, w.bias, spec) if self.k.moe_route is not None else None
+        if fused is not None:
+            return fused
+        return moe_routing.route(logits, w.bias, spec, self.k.sigmoid, self.k.softmax)
