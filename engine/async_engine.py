@@ -52,6 +52,10 @@ MAX_BLOCK_EVENTS = 100_000
 # token of every request; with the default, the step's host work (scheduling, the next graph's
 # inputs) could wait up to 5 ms behind the loop while the GPU idles.
 GIL_SWITCH_INTERVAL_S = 0.0005
+# An idle engine waits for a burst of arrivals to end before its first step (`_gather_burst`):
+# it ends at a pause this long between arrivals, and never lasts longer than BURST_MAX_S.
+BURST_QUIET_S = 0.003
+BURST_MAX_S = 0.05
 
 
 class EngineDeadError(EngineError):
@@ -225,6 +229,8 @@ class AsyncEngine:
                 self._cond.wait()
             if self._stopping:
                 return False
+            if self._adds and not self.engine.has_unfinished():
+                self._gather_burst()
             adds, self._adds = self._adds, []
             aborts, self._aborts = self._aborts, []
         for add in adds:
@@ -236,6 +242,26 @@ class AsyncEngine:
         for out in finals:
             self._deliver(out)
         return True
+
+    def _gather_burst(self) -> None:
+        """Hold an idle engine's first step while a burst of requests is still arriving (caller
+        holds `_cond`). HTTP requests reach the engine one by one over tens of ms (each is
+        parsed, tokenized and admitted on the event loop), and stepping at the first one cut
+        a burst into many small eager prefill and mixed steps, each costing about what a full
+        one does; that held `bench serve` at 64 streams to 0.69 of offline (benchmarks/RESULTS.md,
+        run 6). The wait ends when arrivals pause for `BURST_QUIET_S`, after `BURST_MAX_S`, or
+        once the first step is full (token budget or sequence slots): a lone request pays at
+        most the quiet gap."""
+        config = self.config
+        deadline = time.monotonic() + BURST_MAX_S
+        while not self._stopping and time.monotonic() < deadline:
+            tokens = sum(len(a.admitted.prompt_token_ids) for a in self._adds)
+            if tokens >= config.max_num_batched_tokens or len(self._adds) >= config.max_num_seqs:
+                return
+            seen = len(self._adds)
+            self._cond.wait(min(BURST_QUIET_S, max(0.0, deadline - time.monotonic())))
+            if len(self._adds) == seen:  # nothing new in the quiet gap: the burst is over
+                return
 
     def _keep_block_events(self) -> None:
         events = self.engine.block_manager.take_events()

@@ -44,6 +44,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     batch_invariant: bool = False
     enforce_eager: bool = False  # on CUDA: no decode CUDA graphs (every step launches eagerly)
+    # How long requests arriving during decode-only steps may wait for more arrivals before they
+    # join a step (engine/scheduler.py). None: PREFILL_GATHER_S where decode steps replay CUDA
+    # graphs (a step with a prompt in it is eager and costs about a full step), else 0.
+    prefill_gather_s: float | None = None
     num_threads: int | None = None  # torch intra-op threads on the CPU; None: torch's default
     speculative: SpeculativeConfig | None = None
     kv_tiers: KVTierConfig | None = None  # None: device prefix cache only

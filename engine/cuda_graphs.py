@@ -5,9 +5,10 @@ bucket, the step's inputs written into static buffers (token ids, positions, slo
 sequence lengths, block tables) and kernels that read lengths on the device
 (`KernelSet.graph_safe`), one captured graph replays the forward and the logits of any step of
 that many rows: a few launches instead of thousands. Padding rows attend to one token of a
-reserved block that the block manager never hands out, and write their KV there. Graphs are
-captured on first use of a bucket, all in one memory pool. Steps outside the buckets (prefill,
-chunked prefill, speculation, more rows than the largest bucket) run eagerly in the runner.
+reserved block that the block manager never hands out, and write their KV there. Every bucket's
+graph is captured when the runner is built (`capture_all`), all in one memory pool. Steps outside
+the buckets (prefill, chunked prefill, speculation, more rows than the largest bucket) run eagerly
+in the runner.
 """
 
 from __future__ import annotations
@@ -79,6 +80,16 @@ class DecodeGraphs:
         graph, logits = self._graphs[bucket]
         graph.replay()
         return logits[:rows]
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture every bucket now, largest first (the smaller graphs then fit in the memory the
+        largest one's pool already holds). Captured on first use instead, a bucket that traffic
+        meets for the first time paid its capture inside a served step: 3.7% of the engine
+        thread in `bench serve` (benchmarks/RESULTS.md, run 6-5)."""
+        for bucket in reversed(self.buckets):
+            if bucket not in self._graphs:
+                self._graphs[bucket] = self._capture(bucket)
 
     # ---- static buffers ---------------------------------------------------------------------
 

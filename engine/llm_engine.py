@@ -34,6 +34,10 @@ from deepserve.engine.threads import ThreadPolicy
 from deepserve.kernels.cpu_native import kernels_in_use
 
 log = logging.getLogger(__name__)
+# The default `EngineConfig.prefill_gather_s` with CUDA graphs: a few graph decode steps (8-12 ms
+# each for V2-Lite at 64 rows on the H200), against the 60-80 ms of an eager step with prompts in
+# it there (the p99 inter-token gap; benchmarks/RESULTS.md, runs 6 and 7).
+PREFILL_GATHER_S = 0.03
 
 
 def thread_policy(config: EngineConfig) -> ThreadPolicy | None:
@@ -73,10 +77,14 @@ class LLMEngine:
             config.enable_prefix_caching,
             tier=self.kv_tiering,
         )
-        self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
-        )
         self.spec = _make_speculative(config, self.model, self.block_manager, self.max_model_len)
+        graphs = _graphs_wanted(config, self.model, self.spec)
+        gather = config.prefill_gather_s
+        if gather is None:
+            gather = PREFILL_GATHER_S if graphs else 0.0
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, gather
+        )
         self.runner = ModelRunner(
             self.model,
             num_blocks,
@@ -84,7 +92,7 @@ class LLMEngine:
             torch.device(config.device),
             self.eos_token_ids,
             keep_hidden=self.spec is not None and self.spec.needs_hidden,
-            graph_rows=config.max_num_seqs if _graphs_wanted(config, self.model, self.spec) else 0,
+            graph_rows=config.max_num_seqs if graphs else 0,
             max_blocks_per_seq=-(-self.max_model_len // config.block_size),
         )
         if self.kv_tiering is not None:

@@ -80,6 +80,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 model, self.kv_cache, block_size, graph_rows, max_blocks_per_seq, num_blocks
             )
+            self.graphs.capture_all()
         self.sampler = Sampler(model.vocab_size, device)
         self._pin = device.type == "cuda"
         self._mask_pool: ThreadPoolExecutor | None = None

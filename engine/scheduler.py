@@ -14,11 +14,20 @@ A request with n > 1 is admitted as one sequence; when its prompt's last chunk i
 other n - 1 samples are forked from it: they share the full prompt blocks and get a copy of the
 partial last one, and sample their first token from the same logits row.
 The scheduler does not run the model or sample; the engine applies results through `update_*`.
+
+With `prefill_gather_s` set (engines whose decode steps replay CUDA graphs), requests that arrive
+while only decodes run wait up to that long for more arrivals before they join a step: a decode
+step replays a graph, but a step carrying a prompt runs eagerly at about the cost of a full one,
+so a burst admitted a few requests a step cost many eager steps instead of one (TGI holds new
+prefills back the same way, `--waiting-served-ratio` / `--max-waiting-tokens`). They join at once
+when they fill every free slot or the step's token budget.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from deepserve.engine.block_manager import BlockManager, PrefixMatch
@@ -55,12 +64,21 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        prefill_gather_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,  # the clock of `Request.arrival`
+    ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_gather_s = prefill_gather_s
+        self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -99,9 +117,23 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
-        if not out.preempted:
+        if not out.preempted and not self._hold_arrivals(out, budget):
             self._schedule_waiting(out, budget)
         return out
+
+    def _hold_arrivals(self, out: SchedulerOutput, budget: int) -> bool:
+        """Keep the waiting queue out of a decode-only step while a burst may still be arriving
+        (module docstring): the oldest waiting request is younger than `prefill_gather_s`, and
+        the waiting ones fill neither the free slots nor the token budget."""
+        if self.prefill_gather_s <= 0 or not self.waiting or not out.scheduled:
+            return False
+        if any(item.num_new_tokens != 1 for item in out.scheduled):
+            return False  # this step runs eagerly anyway: arrivals ride along for free
+        if len(self.waiting) >= self.max_num_seqs - self._num_slots():
+            return False
+        if sum(seq.num_tokens for seq in self.waiting) >= budget:
+            return False
+        return self.clock() - self.waiting[0].request.arrival < self.prefill_gather_s
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0

@@ -103,6 +103,32 @@ async def test_idle_engine_thread_sleeps(engine):
     assert time.process_time() - start < 0.1
 
 
+async def test_idle_engine_gathers_a_burst_of_arrivals_into_its_first_step(engine, monkeypatch):
+    # Requests trickling in (as HTTP delivers a burst) start together instead of in one small
+    # step each; the gaps are far inside the quiet window so a slow CI box cannot split them.
+    import deepserve.engine.async_engine as async_engine
+
+    monkeypatch.setattr(async_engine, "BURST_QUIET_S", 0.2)
+    monkeypatch.setattr(async_engine, "BURST_MAX_S", 2.0)
+    first_step: list[int] = []
+    step = engine.engine.step
+
+    def spy(**kwargs):
+        if not first_step:
+            first_step.append(engine.engine.scheduler.num_waiting)
+        return step(**kwargs)
+
+    engine.engine.step = spy
+    prompt = engine.tokenizer.encode(PROMPT).ids
+    tasks = []
+    for i in range(4):
+        tasks.append(asyncio.create_task(collect(engine, f"b{i}", prompt, GREEDY)))
+        await asyncio.sleep(0.01)
+    results = await asyncio.gather(*tasks)
+    assert first_step == [4]
+    assert len({tuple(tokens) for tokens, _ in results}) == 1
+
+
 async def test_shutdown_stops_the_thread_and_refuses_new_work(loaded):
     eng = AsyncEngine(EngineConfig(num_kv_blocks=16), loaded)
     await eng.shutdown()

@@ -137,3 +137,52 @@ def test_prefix_hit_skips_cached_tokens_and_is_reported():
     out = sched.schedule()
     assert [s.num_new_tokens for s in out.scheduled] == [1, 2]
     assert b.num_cached_tokens == 8
+
+
+def _decoding(sched: Scheduler, n: int) -> list[Request]:
+    """`n` requests admitted and past their prompts: the next step is decode-only."""
+    reqs = [make_request(3, start=10 * i) for i in range(n)]
+    for r in reqs:
+        sched.add(r)
+    apply(sched, sched.schedule())
+    return reqs
+
+
+def test_arrivals_wait_out_a_burst_during_decode_only_steps():
+    now = [0.0]
+    sched = Scheduler(
+        BlockManager(64, BS, "fp"), 4, 100, prefill_gather_s=0.03, clock=lambda: now[0]
+    )
+    _decoding(sched, 2)
+    late = make_request(3, start=500)
+    sched.add(late)
+    out = sched.schedule()  # just arrived, one slot still free: held, the decodes run alone
+    assert [s.num_new_tokens for s in out.scheduled] == [1, 1]
+    apply(sched, out)
+    now[0] = 0.05  # the gather window has passed: it joins
+    out = sched.schedule()
+    assert [s.seq.request for s in out.scheduled][-1] is late
+
+
+def test_arrivals_join_at_once_when_they_fill_the_free_slots():
+    now = [0.0]
+    sched = Scheduler(
+        BlockManager(64, BS, "fp"), 4, 100, prefill_gather_s=0.03, clock=lambda: now[0]
+    )
+    _decoding(sched, 2)
+    late = [make_request(3, start=500 + 10 * i) for i in range(2)]
+    for r in late:
+        sched.add(r)
+    out = sched.schedule()
+    assert [s.seq.request for s in out.scheduled][2:] == late
+
+
+def test_arrivals_ride_along_when_the_step_is_eager_anyway():
+    sched = Scheduler(BlockManager(64, BS, "fp"), 4, 8, prefill_gather_s=10.0, clock=lambda: 0.0)
+    long = make_request(12)
+    sched.add(long)
+    apply(sched, sched.schedule())  # 8 of its 12 prompt tokens: the next step is a prefill chunk
+    late = make_request(3, start=500)
+    sched.add(late)
+    out = sched.schedule()
+    assert [s.seq.request for s in out.scheduled] == [long, late]

@@ -167,12 +167,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(folder: Path, run: ServeRun, port: int, log: Path) -> subprocess.Popen:
+def start_server(
+    folder: Path, run: ServeRun, port: int, log: Path, extra: tuple[str, ...] = ()
+) -> subprocess.Popen:
     cmd = [
         sys.executable, "-m", "deepserve.server.cli", "serve", "--model", str(folder),
         "--device", run.device, "--dtype", run.dtype, "--port", str(port),
         "--max-num-seqs", str(run.concurrency), "--kv-cache-bytes", str(run.kv_cache_bytes),
         "--max-num-batched-tokens", str(run.max_num_batched_tokens), "--no-prefix-caching",
+        *extra,
     ]  # fmt: skip
     out = log.open("w")
     return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -204,12 +207,13 @@ def stop_server(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def served_tok_s(folder: Path, run: ServeRun, log: Path) -> dict:
-    """`deepserve bench serve` against a fresh `deepserve serve`: warm-up, then one timed run."""
+def served_tok_s(folder: Path, run: ServeRun, log: Path, extra: tuple[str, ...] = ()) -> dict:
+    """`deepserve bench serve` against a fresh `deepserve serve` (given `extra` flags): warm-up,
+    then one timed run."""
     from deepserve.server.bench import BenchConfig, bench
 
     port = _free_port()
-    proc = start_server(folder, run, port, log)
+    proc = start_server(folder, run, port, log, extra)
     try:
         ready_s = wait_healthy(proc, port, 600)
         base = dict(base_url=f"http://127.0.0.1:{port}", endpoint="completions",
@@ -226,7 +230,8 @@ def served_tok_s(folder: Path, run: ServeRun, log: Path) -> dict:
             "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
             "median_itl_ms", "p99_itl_ms", "first_error")  # fmt: skip
     row = {k: summary[k] for k in keep if k in summary}
-    return dict(side="http", healthy_after_s=ready_s, **row,
+    side = " ".join(("http", *extra))
+    return dict(side=side, healthy_after_s=ready_s, **row,
                 output_tok_s=summary["output_throughput"], profile=profile)  # fmt: skip
 
 
@@ -280,14 +285,18 @@ def section_serve(out: dict, work: Path, run: ServeRun, quick: bool = False) -> 
     offline = rows[-1]["output_tok_s"]
     rows.append(async_engine_tok_s(folder, run))
     print(rows[-1], flush=True)
-    log = work / "serve.log"
-    try:
-        rows.append(served_tok_s(folder, run, log))
-    finally:
-        out["serve_log_tail"] = log.read_text()[-3000:] if log.exists() else ""
-    print(rows[-1], flush=True)
-    rows.append(dict(side="http / offline", ratio=rows[-1]["output_tok_s"] / offline))
-    print(rows[-1], flush=True)
+    # The server as users start it, and with the scheduler's prefill gathering off (the A/B of
+    # engine/scheduler.py's hold, in the same call).
+    for extra in ((), ("--prefill-gather-ms", "0")):
+        log = work / "serve.log"
+        try:
+            rows.append(served_tok_s(folder, run, log, extra))
+        finally:
+            out["serve_log_tail"] = log.read_text()[-3000:] if log.exists() else ""
+        print(rows[-1], flush=True)
+        side = f"{rows[-1]['side']} / offline"
+        rows.append(dict(side=side, ratio=rows[-1]["output_tok_s"] / offline))
+        print(rows[-1], flush=True)
 
 
 def main() -> int:
