@@ -9,7 +9,7 @@ live in separate files and this module only compiles and loads them. Two ways to
 
 - compiled on demand (`make setup` does it once per machine): torch keeps the build under
   TORCH_EXTENSIONS_DIR keyed by the sources' hash and rebuilds only when they change; this needs a
-  compiler and a writable build folder (torch takes a lock file there).
+  compiler and a writable build folder (builds are serialised by a lock that dies with its holder).
 - prebuilt (`python -m deepserve.kernels.cpu_native --prebuild`, what the Docker image does at build
   time): the library is copied next to this module under a name carrying the sources' digest, and
   `load()` then only maps it. No compiler, no lock, no write: a read-only install and a non-root
@@ -75,14 +75,32 @@ def prebuilt_path() -> Path:
 def _compile(build_directory: str | None = None) -> None:
     from torch.utils import cpp_extension
 
-    cpp_extension.load(
-        NAME,
-        _sources(),
-        extra_cflags=_cflags(),
-        build_directory=build_directory,
-        is_python_module=False,
-        verbose=False,
-    )
+    if build_directory is None:
+        build_directory = cpp_extension._get_build_directory(NAME, verbose=False)
+    with _build_lock(Path(build_directory)):
+        cpp_extension.load(
+            NAME,
+            _sources(),
+            extra_cflags=_cflags(),
+            build_directory=build_directory,
+            is_python_module=False,
+            verbose=False,
+        )
+
+
+@contextlib.contextmanager
+def _build_lock(build_directory: Path) -> Iterator[None]:
+    """Serialise builds with a lock the kernel releases when its holder dies, and clear torch's
+    own lock file under it: torch's file is only removed by a build that finishes, so a process
+    killed mid-build (a server stopped by its health-check timeout) left every later start
+    waiting on it forever."""
+    import fcntl
+
+    build_directory.mkdir(parents=True, exist_ok=True)
+    with open(build_directory.parent / f"{build_directory.name}.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        (build_directory / "lock").unlink(missing_ok=True)  # stale: no live builder holds ours
+        yield
 
 
 @functools.cache

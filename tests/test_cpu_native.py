@@ -76,3 +76,12 @@ def test_prebuilt_name_changes_with_the_sources(tmp_path, monkeypatch):
         f.write("\n// changed\n")
     monkeypatch.setattr(cpu_native, "CSRC", csrc)
     assert cpu_native.prebuilt_path().name != before
+
+
+def test_a_build_killed_midway_does_not_block_the_next(tmp_path: Path) -> None:
+    # torch's lock file stays behind when its builder is killed; the next build must not wait on it
+    build = tmp_path / "deepserve_cpu"
+    build.mkdir()
+    (build / "lock").write_text("")
+    with cpu_native._build_lock(build):
+        assert not (build / "lock").exists()
