@@ -15,7 +15,6 @@ flag off's (medians over `--rounds`).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from server_harness import free_port  # noqa: E402
 
-from deepserve.server.bench import BenchConfig, bench  # noqa: E402
+from deepserve.server.bench import BenchConfig, run_client  # noqa: E402
 
 
 def load(url: str, args: argparse.Namespace, concurrency: int, prompts: int, seed: int) -> dict:
@@ -39,7 +38,7 @@ def load(url: str, args: argparse.Namespace, concurrency: int, prompts: int, see
         input_len=args.max_words, min_input_len=args.min_words, output_len=args.output_len,
         seed=seed,
     )  # fmt: skip
-    result = asyncio.run(bench(cfg))
+    result = run_client(cfg)
     keep = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "failed", "duration_s")
     keep += ("min_input_tokens", "max_input_tokens")
     return {k: result.get(k) for k in keep}

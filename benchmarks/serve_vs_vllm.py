@@ -30,7 +30,6 @@ server's busy over quiet throughput.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
@@ -48,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from server_harness import free_port  # noqa: E402
 
-from deepserve.server.bench import BenchConfig, bench  # noqa: E402
+from deepserve.server.bench import BenchConfig, run_client  # noqa: E402
 
 VLLM_ALIAS = "vllm-0.32.0.dist-info"
 
@@ -139,7 +138,7 @@ def load(url: str, args: argparse.Namespace, prompts: int, output_len: int) -> d
         base_url=url, endpoint="completions", concurrency=args.concurrency,
         num_prompts=prompts, input_len=args.input_len, output_len=output_len,
     )  # fmt: skip
-    result = asyncio.run(bench(cfg))
+    result = run_client(cfg)
     keep = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "failed")
     return {k: result.get(k) for k in keep}
 

@@ -210,7 +210,7 @@ def stop_server(proc: subprocess.Popen) -> None:
 def served_tok_s(folder: Path, run: ServeRun, log: Path, extra: tuple[str, ...] = ()) -> dict:
     """`deepserve bench serve` against a fresh `deepserve serve` (given `extra` flags): warm-up,
     then one timed run."""
-    from deepserve.server.bench import BenchConfig, bench
+    from deepserve.server.bench import BenchConfig, run_client
 
     port = _free_port()
     proc = start_server(folder, run, port, log, extra)
@@ -219,10 +219,10 @@ def served_tok_s(folder: Path, run: ServeRun, log: Path, extra: tuple[str, ...] 
         base = dict(base_url=f"http://127.0.0.1:{port}", endpoint="completions",
                     concurrency=run.concurrency, input_len=run.input_len)  # fmt: skip
         warm = BenchConfig(**base, num_prompts=run.concurrency, output_len=16, seed=1)
-        asyncio.run(bench(warm))
+        run_client(warm)
         spy = start_profile(proc.pid, log.with_name("pyspy.txt"))
-        summary = asyncio.run(bench(BenchConfig(**base, num_prompts=run.num_prompts,
-                                                output_len=run.output_len, seed=0)))  # fmt: skip
+        summary = run_client(BenchConfig(**base, num_prompts=run.num_prompts,
+                                         output_len=run.output_len, seed=0))  # fmt: skip
         profile = stop_profile(spy, log.with_name("pyspy.txt"))
     finally:
         stop_server(proc)
