@@ -60,6 +60,9 @@ class Sequence:
     # token_ids until accepted; and the drafter's per-sequence progress (reset on preemption).
     spec_token_ids: list[int] = field(default_factory=list)
     draft_state: Any = None
+    # Async scheduling (engine/async_scheduling.py): the last token id is a placeholder for a
+    # sample still on the device, never delivered or checked as a token.
+    sample_pending: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -72,6 +75,11 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def known_output_token_ids(self) -> list[int]:
+        """The output tokens read back so far (without a pending sample's placeholder)."""
+        return self.token_ids[self.num_prompt_tokens : self.num_tokens - self.sample_pending]
 
     @property
     def is_finished(self) -> bool:
