@@ -420,15 +420,15 @@ class LLMEngine:
             seq.logprobs.append(lp)
         reason = self._stop_reason(seq, token)
         if reason is not None:
-            if reason == "stop" and token in self._stop_set(seq):
+            if reason == "stop" and self._is_stop_token(seq, token):
                 seq.stop_token_id = token
             self.scheduler.finish(seq, reason)
 
-    def _stop_set(self, seq: Sequence) -> set[int]:
-        stops = set(seq.params.stop_token_ids)
-        if not seq.params.ignore_eos:
-            stops |= set(self.eos_token_ids)
-        return stops
+    def _is_stop_token(self, seq: Sequence, token: int) -> bool:
+        params = seq.params  # no set built per token: this runs for every row of every step
+        return token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.eos_token_ids
+        )
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
@@ -436,7 +436,7 @@ class LLMEngine:
             seq.matcher.accept(token)
             if seq.matcher.is_terminated():
                 return "stop"
-        if seq.num_output_tokens >= params.min_tokens and token in self._stop_set(seq):
+        if seq.num_output_tokens >= params.min_tokens and self._is_stop_token(seq, token):
             return "stop"
         if seq.num_output_tokens >= seq.request.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
@@ -531,7 +531,9 @@ def _make_kv_tiering(config: EngineConfig, model, fingerprint: str):
 
 def _delta(seq: Sequence) -> CompletionOutput | None:
     """New tokens (and the finish) of one sample since the last delta; None when nothing is new."""
-    new_tokens = seq.known_output_token_ids[seq.num_emitted_tokens :]
+    # Sliced from token_ids directly: copying the whole output first cost O(length) a step.
+    start = seq.num_prompt_tokens + seq.num_emitted_tokens
+    new_tokens = seq.token_ids[start : seq.num_tokens - seq.sample_pending]
     finishing = seq.is_finished and not seq.finish_emitted
     if not new_tokens and not finishing:
         return None

@@ -77,11 +77,6 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
-    def known_output_token_ids(self) -> list[int]:
-        """The output tokens read back so far (without a pending sample's placeholder)."""
-        return self.token_ids[self.num_prompt_tokens : self.num_tokens - self.sample_pending]
-
-    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
