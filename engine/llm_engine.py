@@ -311,7 +311,7 @@ class LLMEngine:
         self,
         out: SchedulerOutput,
         on_launched: Callable[[], None] | None,
-        feed=None,
+        feed: torch.Tensor | None = None,
     ) -> LaunchedStep | None:
         """Launch a step to leave in flight; None when it raised (the synchronous step then
         runs it, failing the requests that raise alone)."""
@@ -472,6 +472,8 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None:
             return None
+        # A row of it may still run on the device (async scheduling): its blocks are freed now
+        # all the same, as for a row run ahead (`_step_ahead`), and its sample is dropped.
         for seq in request.sequences:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
