@@ -1,5 +1,6 @@
-"""A log of every step the engine runs (when, rows, new tokens, graph replay or eager), for the
-serving benchmark: do HTTP's steps carry fewer rows than offline's, and how many are eager?
+"""A log of every step the engine runs (when, rows, new tokens, graph replay or eager, launched
+ahead of the previous step's ids or not), for the serving benchmark: do HTTP's steps carry fewer
+rows than offline's, how many are eager, and how often async scheduling fell back?
 
 `install(path)` wraps `ModelRunner.launch` (every step goes through it, synchronous or launched
 ahead) to append one line per step to `path`; `summary(path, t0, t1)` reads the steps started in
@@ -23,10 +24,10 @@ def install(path: Path):
     plain = ModelRunner.launch
     sink = Path(path).open("a", buffering=1)  # noqa: SIM115 (open until `stop`)
 
-    def launch(self, out, *args, **kwargs):
-        graph = self._replayable(out)
-        sink.write(f"{time.time():.6f} {len(out.scheduled)} {out.num_tokens} {int(graph)}\n")
-        return plain(self, out, *args, **kwargs)
+    def launch(self, out, on_launched=None, feed=None):
+        graph, ahead = int(self._replayable(out)), int(feed is not None)
+        sink.write(f"{time.time():.6f} {len(out.scheduled)} {out.num_tokens} {graph} {ahead}\n")
+        return plain(self, out, on_launched, feed)
 
     ModelRunner.launch = launch
 
@@ -40,9 +41,9 @@ def install(path: Path):
 def summary(path: Path, t0: float, t1: float) -> dict:
     steps = []
     for line in Path(path).read_text().splitlines():
-        t, rows, tokens, graph = line.split()
+        t, rows, tokens, graph, ahead = line.split()
         if t0 <= float(t) <= t1:
-            steps.append((int(rows), int(tokens), graph == "1"))
+            steps.append((int(rows), int(tokens), graph == "1", ahead == "1"))
     graph = [s for s in steps if s[2]]
     eager = [s for s in steps if not s[2]]
 
@@ -51,6 +52,7 @@ def summary(path: Path, t0: float, t1: float) -> dict:
 
     return dict(
         steps=len(steps), graph_steps=len(graph), eager_steps=len(eager),
+        launched_ahead=sum(s[3] for s in steps),
         rows_per_graph_step=mean([s[0] for s in graph]),
         rows_per_eager_step=mean([s[0] for s in eager]),
         tokens_per_eager_step=mean([s[1] for s in eager]),
