@@ -5,7 +5,9 @@
 logit_bias, token suppression (min_tokens), the structured-output bitmask, then greedy argmax or
 temperature + top_k / top_p / min_p filtering + Gumbel-max with hashed noise (kernels/random.py),
 so a row's randomness depends only on (its seed, its output position, token id). Logprobs are the
-raw model's (log_softmax of the unprocessed logits). Stop conditions live in the engine.
+raw model's (log_softmax of the unprocessed logits). `Sampler.sample_on_device` does the same
+without waiting: the ids stay on the device for a next step to read, their host copies are read by
+`DeviceSample.result()` (async scheduling). Stop conditions live in the engine.
 """
 
 from __future__ import annotations
