@@ -471,6 +471,7 @@ def main() -> int:
         if "tiny-deepseek" in wanted:
             models["tiny-deepseek"] = write_tiny_deepseek(work / "tiny-deepseek")
 
+    import async_ab
     import kernel_checks
     import serve_bench
     import speed
@@ -482,6 +483,7 @@ def main() -> int:
         ("linear", lambda: section_kernel_invariance_and_speed(out)),
         ("models", write_models),
         ("speed", lambda: speed.section_speed(out, args.shapes, batches, 128, deadline - 200)),
+        ("async", lambda: async_ab.section_async(out, args.shapes, batches, 128, deadline - 150)),
         ("parity", lambda: section_parity(out, models, sc)),
         ("determinism", lambda: section_determinism(out, models, sc, deadline - 100)),
         ("throughput", lambda: section_throughput(out, models, sc, deadline - 90)),
