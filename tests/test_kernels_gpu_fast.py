@@ -156,3 +156,30 @@ def test_tiny_deepseek_with_the_fast_kernels_matches_the_reference_kernels():
         logits.append([loop.logits([5, 9, 2, 7, 1]), loop.logits([3]), loop.logits([8])])
     for want, got in zip(*logits, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+# float16, not bfloat16: the interpreter truncates float32 -> bfloat16 where CUDA rounds to
+# nearest (benchmarks/gpu/kernel_checks.py checks bfloat16 bitwise on the device)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_qk_write_kv_equals_apply_rope_and_write_kv_bitwise(dtype):
+    from deepserve.kernels.attention_ref import write_kv
+    from deepserve.kernels.rope import apply_rope, build_rope_tables, rope_at
+    from deepserve.kernels.triton import rope
+
+    tokens, hq, hkv, d = 3, 3, 1, 8
+    qkv = _rand(tokens, (hq + 2 * hkv) * d, seed=13).to(dtype)
+    cos, sin = rope_at(
+        build_rope_tables(d, 10000.0, None, 64, DEVICE), torch.tensor([0, 9, 40]).to(DEVICE), dtype
+    )
+    layer = torch.zeros(5, 4, 2 * hkv * d, device=DEVICE, dtype=dtype)  # llama's [K | V] rows
+    k_cache, v_cache = (part.unflatten(-1, (hkv, d)) for part in layer.chunk(2, dim=-1))
+    slots = torch.tensor([17, 2, 9], device=DEVICE)
+    want_layer = layer.clone()
+    want_k, want_v = (part.unflatten(-1, (hkv, d)) for part in want_layer.chunk(2, dim=-1))
+    qk = apply_rope(qkv[:, : (hq + hkv) * d].view(tokens, hq + hkv, d), cos, sin)
+    write_kv(want_k, slots, qk[:, hq:])
+    write_kv(want_v, slots, qkv[:, (hq + hkv) * d :].view(tokens, hkv, d))
+    assert rope.rope_qk_write_kv_(qkv, cos, sin, k_cache, v_cache, slots, hq)
+    assert torch.equal(qkv[:, : hq * d].view(tokens, hq, d), qk[:, :hq])
+    assert torch.equal(layer, want_layer)
+

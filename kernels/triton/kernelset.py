@@ -13,7 +13,7 @@ from deepserve.kernels import reference
 from deepserve.kernels.attention_metadata import AttentionMetadata
 from deepserve.kernels.errors import KernelUnavailableError
 from deepserve.kernels.kernel_set import KernelSet
-from deepserve.kernels.triton import attention, fused_moe, matmul, mla, routing, rows
+from deepserve.kernels.triton import attention, fused_moe, matmul, mla, rope, routing, rows
 from deepserve.kernels.triton.decode_attention import decode_attention
 from deepserve.kernels.triton.lang import HAVE_TRITON
 
@@ -53,6 +53,7 @@ def fast_kernels() -> KernelSet | None:
         moe=fused_moe.fused_moe,
         mla_kv_write_=mla.kv_write_,
         rope_into_=mla.rope_into_,
+        rope_qk_write_kv_=rope.rope_qk_write_kv_,
         add_rms_norm_=rows.add_rms_norm_,  # row-per-program and elementwise: invariant too
         silu_mul=rows.silu_mul,
         moe_route=routing.route,
@@ -75,6 +76,7 @@ def triton_kernels() -> KernelSet:
         moe=partial(fused_moe.fused_moe, cfg=fused_moe.DECODE),  # one tile shape at every size
         mla_kv_write_=mla.kv_write_,
         rope_into_=mla.rope_into_,
+        rope_qk_write_kv_=rope.rope_qk_write_kv_,  # per token, bitwise torch's ops: invariant
         add_rms_norm_=rows.add_rms_norm_,  # row-per-program and elementwise: invariant too
         silu_mul=rows.silu_mul,
         moe_route=routing.route,
