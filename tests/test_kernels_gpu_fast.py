@@ -45,6 +45,16 @@ def test_fused_moe_matches_the_loop_and_rows_are_batch_invariant(tokens):
     assert torch.equal(alone, fused_moe.fused_moe(x, gate_up, down, w, ids, fused_moe.DECODE)[-1:])
 
 
+def test_fused_moe_adds_the_shared_output_as_a_separate_add_would():
+    e, h, i, k = 4, 32, 16, 2
+    gate_up, down = _rand(e, 2 * i, h, seed=1) / h**0.5, _rand(e, h, i, seed=2) / i**0.5
+    x, shared = _rand(3, h, seed=3), _rand(3, h, seed=6)
+    ids = _rand(3, e, seed=4).topk(k, dim=-1)[1]
+    w = _rand(3, k, seed=5).abs()
+    alone = fused_moe.fused_moe(x, gate_up, down, w, ids)
+    assert torch.equal(fused_moe.fused_moe(x, gate_up, down, w, ids, add=shared), alone + shared)
+
+
 @pytest.mark.parametrize("one_program", [True, False])
 def test_align_gives_every_pair_one_row_of_its_experts_block(one_program, monkeypatch):
     if not one_program:  # the sort-based path of large calls
@@ -134,6 +144,10 @@ def test_mla_kv_write_and_rope_into_match_the_torch_ops():
     assert mla.rope_into_(q[..., 8:], cos, sin, out[..., 4:])
     torch.testing.assert_close(out[..., 4:], apply_rope(q[..., 8:], cos, sin))
     assert out[..., :4].eq(0).all()
+    latent = _rand(heads, tokens, 4, seed=14).transpose(0, 1)  # the bmm's [H, T, lora], strided
+    whole = torch.zeros(tokens, heads, 4 + rope, device=DEVICE)
+    assert mla.absorbed_query_(latent, q[..., 8:], cos, sin, whole)
+    assert torch.equal(whole, torch.cat([latent, out[..., 4:]], dim=-1))
 
 
 def test_tiny_deepseek_with_the_fast_kernels_matches_the_reference_kernels():
@@ -182,4 +196,3 @@ def test_rope_qk_write_kv_equals_apply_rope_and_write_kv_bitwise(dtype):
     assert rope.rope_qk_write_kv_(qkv, cos, sin, k_cache, v_cache, slots, hq)
     assert torch.equal(qkv[:, : hq * d].view(tokens, hq, d), qk[:, :hq])
     assert torch.equal(layer, want_layer)
-

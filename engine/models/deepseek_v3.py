@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from deepserve.engine.errors import UnsupportedModelError
 from deepserve.engine.models.base import KVCacheSpec
-from deepserve.engine.models.common import WeightStore, require, swiglu
+from deepserve.engine.models.common import WeightStore, add_rms_norm, require, swiglu
 from deepserve.engine.parallel.plan import ModelShard
 from deepserve.kernels import moe_routing
 from deepserve.kernels.attention_metadata import AttentionMetadata
@@ -286,9 +286,11 @@ class DeepseekV3ForCausalLM:
     ) -> torch.Tensor:
         h = F.embedding(input_ids, self.embed)
         cos, sin = rope_at(self.rope, positions, self.dtype)
-        for i, layer in enumerate(self.layers):
-            h = self._decoder_layer(layer, h, cos, sin, attn, kv_cache[i])
-        return self.k.rms_norm(h, self.norm, self.args.rms_norm_eps)
+        x = self.k.rms_norm(h, self.layers[0].attn_norm, self.args.rms_norm_eps)
+        norms = [layer.attn_norm for layer in self.layers[1:]] + [self.norm]
+        for i, (layer, next_norm) in enumerate(zip(self.layers, norms, strict=True)):
+            h, x = self._decoder_layer(layer, h, x, next_norm, cos, sin, attn, kv_cache[i])
+        return x
 
     def forward_mtp(
         self,
@@ -306,8 +308,8 @@ class DeepseekV3ForCausalLM:
         h = k.linear(torch.cat([e, k.rms_norm(previous_hidden, m.hnorm, eps)], dim=-1), m.eh_proj)
         cos, sin = rope_at(self.rope, positions, self.dtype)
         cache = kv_cache[self.args.num_layers + mtp_index]
-        h = self._decoder_layer(m.layer, h, cos, sin, attn, cache)
-        return k.rms_norm(h, m.norm, eps)
+        x = k.rms_norm(h, m.layer.attn_norm, eps)
+        return self._decoder_layer(m.layer, h, x, m.norm, cos, sin, attn, cache)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.k.linear(hidden, self.lm_head).float()
@@ -319,19 +321,24 @@ class DeepseekV3ForCausalLM:
         self,
         layer: _Layer,
         h: torch.Tensor,
+        x: torch.Tensor,
+        next_norm: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         attn: AttentionMetadata,
         cache: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream `h` (updated in place where the KernelSet fuses the add) and
+        `x = attn_norm(h)` -> the new `h` and `next_norm(h)`: each residual add shares a launch
+        with the norm after it."""
         k, eps = self.k, self.args.rms_norm_eps
-        h = h + self._sum_ranks(
-            self._attention(layer.attn, k.rms_norm(h, layer.attn_norm, eps), cos, sin, attn, cache)
-        )
-        x = k.rms_norm(h, layer.mlp_norm, eps)
+        delta = self._sum_ranks(self._attention(layer.attn, x, cos, sin, attn, cache))
+        h, x = add_rms_norm(k, h, delta, layer.mlp_norm, eps)
         if isinstance(layer.mlp, _MoE):
-            return h + self._sum_ranks(self._moe(layer.mlp, x))
-        return h + self._sum_ranks(swiglu(k, x, layer.mlp.gate_up, layer.mlp.down))
+            delta = self._sum_ranks(self._moe(layer.mlp, x))
+        else:
+            delta = self._sum_ranks(swiglu(k, x, layer.mlp.gate_up, layer.mlp.down))
+        return add_rms_norm(k, h, delta, next_norm, eps)
 
     def _sum_ranks(self, partial: torch.Tensor) -> torch.Tensor:
         """Tensor/expert parallel: every rank's partial output summed (nothing on one process)."""
@@ -352,11 +359,16 @@ class DeepseekV3ForCausalLM:
         q = k.linear(q_in, w.q_b).view(tokens, heads, a.qk_head_dim)
         ckv = k.linear(x, w.kv_a)
         q_latent = k.bmm(q[..., :nope].transpose(0, 1), w.w_uk)  # [H, T, lora]
-        if self._fused_kv_write(w, ckv, cos, sin, attn, cache):  # 1-2 launches, not ~16
+        if self._fused_kv_write(w, ckv, cos, sin, attn, cache):  # 2-3 launches, not ~16
             q_full = q.new_empty(tokens, heads, lora + a.qk_rope_head_dim)
-            if not k.rope_into_(q[..., nope:], cos, sin, q_full[..., lora:]):
-                q_full[..., lora:] = apply_rope(q[..., nope:], cos, sin)
-            q_full[..., :lora] = q_latent.transpose(0, 1)
+            q_pe, latent = q[..., nope:], q_latent.transpose(0, 1)
+            whole = k.absorbed_query_ is not None and k.absorbed_query_(
+                latent, q_pe, cos, sin, q_full
+            )
+            if not whole:
+                if not k.rope_into_(q_pe, cos, sin, q_full[..., lora:]):
+                    q_full[..., lora:] = apply_rope(q_pe, cos, sin)
+                q_full[..., :lora] = latent
         else:
             latent = k.rms_norm(ckv[:, :lora], w.kv_a_norm, eps)
             k_pe = apply_rope(ckv[:, lora:].unsqueeze(1), cos, sin)
@@ -391,10 +403,10 @@ class DeepseekV3ForCausalLM:
         if self.parallel is not None:  # expert parallel: other ranks' experts masked out
             weights, experts = self.parallel.own_experts(weights, experts, self.k.moe is not None)
         if self.k.moe is not None:  # all experts in one fused op, no host sync
-            out = self.k.moe(x, w.gate_up, w.down, weights, experts)
-            if w.shared is not None:
-                out = out + swiglu(self.k, x, w.shared.gate_up, w.shared.down)
-            return out
+            shared = (
+                None if w.shared is None else swiglu(self.k, x, w.shared.gate_up, w.shared.down)
+            )
+            return self.k.moe(x, w.gate_up, w.down, weights, experts, add=shared)
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
             if e < 0:  # held by another rank (expert parallel)

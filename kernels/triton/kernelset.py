@@ -53,6 +53,7 @@ def fast_kernels() -> KernelSet | None:
         moe=fused_moe.fused_moe,
         mla_kv_write_=mla.kv_write_,
         rope_into_=mla.rope_into_,
+        absorbed_query_=mla.absorbed_query_,
         rope_qk_write_kv_=rope.rope_qk_write_kv_,
         add_rms_norm_=rows.add_rms_norm_,  # row-per-program and elementwise: invariant too
         silu_mul=rows.silu_mul,
@@ -76,6 +77,7 @@ def triton_kernels() -> KernelSet:
         moe=partial(fused_moe.fused_moe, cfg=fused_moe.DECODE),  # one tile shape at every size
         mla_kv_write_=mla.kv_write_,
         rope_into_=mla.rope_into_,
+        absorbed_query_=mla.absorbed_query_,
         rope_qk_write_kv_=rope.rope_qk_write_kv_,  # per token, bitwise torch's ops: invariant
         add_rms_norm_=rows.add_rms_norm_,  # row-per-program and elementwise: invariant too
         silu_mul=rows.silu_mul,
