@@ -50,9 +50,7 @@ def _rope_qk_write_kv_kernel(
     v_src = row + (HQ + HKV + vh) * (2 * HALF) + d
     v_dst = v_ptr + block * sv_block + offset * sv_row + vh * sv_head + d
     tl.store(v_dst, tl.load(v_src, mask=is_v).to(v_ptr.dtype.element_ty), mask=is_v)
-    tl.store(
-        v_dst + HALF, tl.load(v_src + HALF, mask=is_v).to(v_ptr.dtype.element_ty), mask=is_v
-    )
+    tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=is_v).to(v_ptr.dtype.element_ty), mask=is_v)
 
 
 def rope_qk_write_kv_(
