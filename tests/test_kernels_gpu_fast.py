@@ -38,7 +38,7 @@ def test_fused_moe_matches_the_loop_and_rows_are_batch_invariant(tokens):
     ids = _rand(tokens, e, seed=4).topk(k, dim=-1)[1]
     w = _rand(tokens, k, seed=5).abs()
     want = fused_moe.fused_moe_reference(x, gate_up, down, w, ids)
-    for cfg in (fused_moe.DECODE, fused_moe.PREFILL):
+    for cfg in (fused_moe.DECODE, fused_moe.PREFILL, fused_moe.LARGE):
         got = fused_moe.fused_moe(x, gate_up, down, w, ids, cfg)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     alone = fused_moe.fused_moe(x[-1:], gate_up, down, w[-1:], ids[-1:], fused_moe.DECODE)
@@ -53,6 +53,13 @@ def test_fused_moe_adds_the_shared_output_as_a_separate_add_would():
     w = _rand(3, k, seed=5).abs()
     alone = fused_moe.fused_moe(x, gate_up, down, w, ids)
     assert torch.equal(fused_moe.fused_moe(x, gate_up, down, w, ids, add=shared), alone + shared)
+
+
+def test_fused_moe_tile_widens_once_the_experts_average_a_full_wide_block():
+    assert fused_moe.default_config(6, 64) is fused_moe.DECODE
+    assert fused_moe.default_config(fused_moe.PREFILL_MIN_PAIRS, 64) is fused_moe.PREFILL
+    assert fused_moe.default_config(12000, 64) is fused_moe.LARGE
+    assert fused_moe.default_config(12000, 256) is fused_moe.PREFILL
 
 
 @pytest.mark.parametrize("one_program", [True, False])
@@ -196,3 +203,24 @@ def test_rope_qk_write_kv_equals_apply_rope_and_write_kv_bitwise(dtype):
     assert rope.rope_qk_write_kv_(qkv, cos, sin, k_cache, v_cache, slots, hq)
     assert torch.equal(qkv[:, : hq * d].view(tokens, hq, d), qk[:, :hq])
     assert torch.equal(layer, want_layer)
+
+
+@pytest.mark.parametrize("layout", ["gqa", "mla"])
+def test_default_prefill_attention_matches_the_reference(layout):
+    """The default set's varlen attention (32 query rows per program) on a prefill and a chunk
+    mixed with a decode."""
+    from dataclasses import replace
+
+    from paged_kv import PagedCase
+
+    from deepserve.kernels.reference import KERNELS
+    from deepserve.kernels.triton.kernelset import FastPagedAttention
+
+    fast = FastPagedAttention()
+    fast.varlen.split = 2 * attention.BLOCK_N  # interpreter: a small split, several of them
+    kernels = replace(KERNELS, paged_attention=fast)
+    case = PagedCase(layout, [150, 40], device=DEVICE)
+    for seqs in ([(0, 0, 150)], [(0, 120, 30), (1, 39, 1)]):
+        got, want = case.run(kernels, seqs), case.run(KERNELS, seqs)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)

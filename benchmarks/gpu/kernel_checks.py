@@ -31,7 +31,12 @@ def check_moe(rows: list) -> None:
             ids = torch.rand(t, e, device="cuda", generator=g).topk(k, dim=-1)[1]
             w = torch.rand(t, k, device="cuda", generator=g)
             want = fused_moe.fused_moe_reference(x, gate_up, down, w, ids)
-            for cname, cfg in (("decode", fused_moe.DECODE), ("prefill", fused_moe.PREFILL)):
+            cfgs = (
+                ("decode", fused_moe.DECODE),
+                ("prefill", fused_moe.PREFILL),
+                ("large", fused_moe.LARGE),
+            )
+            for cname, cfg in cfgs:
                 got = fused_moe.fused_moe(x, gate_up, down, w, ids, cfg)
                 rows.append(dict(op="fused_moe", dtype=str(dtype), tokens=t, cfg=cname,
                                  rel_err=rel(got, want), nan=bool(got.isnan().any())))  # fmt: skip
