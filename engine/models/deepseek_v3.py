@@ -120,10 +120,11 @@ class DeepseekV3Args:
 
 @dataclass
 class _Attention:
-    q_a: torch.Tensor | None  # [q_lora, hidden]; None when q_lora_rank is None
-    q_a_norm: torch.Tensor | None
-    q_b: torch.Tensor  # [H * qk_head_dim, q_lora or hidden]
-    kv_a: torch.Tensor  # [kv_lora + rope, hidden]
+    # The two matmuls on the layer's input as one: [q_b (or q_a with a low-rank query) | kv_a]
+    x_proj: torch.Tensor  # [q_rows + kv_lora + rope, hidden]
+    q_rows: int  # H * qk_head_dim, or q_lora
+    q_a_norm: torch.Tensor | None  # None when q_lora_rank is None
+    q_b: torch.Tensor | None  # [H * qk_head_dim, q_lora] with a low-rank query
     kv_a_norm: torch.Tensor
     w_uk: torch.Tensor  # [H, nope, kv_lora]: no-rope query -> latent space
     w_uv_t: torch.Tensor  # [H, kv_lora, v]: latent -> value space
@@ -225,11 +226,12 @@ class DeepseekV3ForCausalLM:
             q_b = _rope_rows_to_half_split(q_b, a.qk_head_dim, a.qk_rope_head_dim)
             kv_a = _rope_rows_to_half_split(kv_a, kv_a.shape[0], a.qk_rope_head_dim)
         kv_b = w.get(p + "kv_b_proj.weight").view(a.num_heads, -1, a.kv_lora_rank)
+        q_x = w.get(p + "q_a_proj.weight") if low_rank else q_b
         return _Attention(
-            q_a=w.get(p + "q_a_proj.weight") if low_rank else None,
+            x_proj=torch.cat([q_x, kv_a]),  # one launch where a decode step took two
+            q_rows=q_x.shape[0],
             q_a_norm=w.get(p + "q_a_layernorm.weight") if low_rank else None,
-            q_b=q_b,
-            kv_a=kv_a,
+            q_b=q_b if low_rank else None,
             kv_a_norm=w.get(p + "kv_a_layernorm.weight"),
             w_uk=kv_b[:, : a.qk_nope_head_dim].contiguous(),
             w_uv_t=kv_b[:, a.qk_nope_head_dim :].transpose(1, 2).contiguous(),
@@ -355,9 +357,11 @@ class DeepseekV3ForCausalLM:
     ) -> torch.Tensor:
         a, k, eps = self.args, self.k, self.args.rms_norm_eps
         tokens, heads, nope, lora = x.shape[0], a.num_heads, a.qk_nope_head_dim, a.kv_lora_rank
-        q_in = x if w.q_a is None else k.rms_norm(k.linear(x, w.q_a), w.q_a_norm, eps)
-        q = k.linear(q_in, w.q_b).view(tokens, heads, a.qk_head_dim)
-        ckv = k.linear(x, w.kv_a)
+        projected = k.linear(x, w.x_proj)
+        q, ckv = projected[:, : w.q_rows], projected[:, w.q_rows :]
+        if w.q_b is not None:
+            q = k.linear(k.rms_norm(q, w.q_a_norm, eps), w.q_b)
+        q = q.view(tokens, heads, a.qk_head_dim)
         q_latent = k.bmm(q[..., :nope].transpose(0, 1), w.w_uk)  # [H, T, lora]
         if self._fused_kv_write(w, ckv, cos, sin, attn, cache):  # 2-3 launches, not ~16
             q_full = q.new_empty(tokens, heads, lora + a.qk_rope_head_dim)
