@@ -1,8 +1,10 @@
 """The GPU kernels of the default path against their torch oracles, on fresh random inputs:
-fused MoE (decode and prefill tiles) against a float32 loop, the decode attention kernel (MLA and
+the fused rope + KV write (GQA) and absorbed query (MLA) against the torch ops (bitwise), fused MoE
+(decode and prefill tiles) against a float32 loop, the decode attention kernel (MLA and
 GQA layouts, shuffled block tables) against kernels/attention_ref.py, the fixed-split kernel's
 device-side decode layout against its host layout (bitwise), and graph-replayed decode steps
-against eager ones. Imported by run_all.py; returns rows of max relative errors."""
+against eager ones; and V2-Lite prefill's fused-MoE tiles and attention row tiles, timed. Imported
+by run_all.py; returns rows of max relative errors."""
 
 from __future__ import annotations
 
@@ -29,10 +31,20 @@ def check_moe(rows: list) -> None:
             ids = torch.rand(t, e, device="cuda", generator=g).topk(k, dim=-1)[1]
             w = torch.rand(t, k, device="cuda", generator=g)
             want = fused_moe.fused_moe_reference(x, gate_up, down, w, ids)
-            for cname, cfg in (("decode", fused_moe.DECODE), ("prefill", fused_moe.PREFILL)):
+            cfgs = (
+                ("decode", fused_moe.DECODE),
+                ("prefill", fused_moe.PREFILL),
+                ("large", fused_moe.LARGE),
+            )
+            for cname, cfg in cfgs:
                 got = fused_moe.fused_moe(x, gate_up, down, w, ids, cfg)
                 rows.append(dict(op="fused_moe", dtype=str(dtype), tokens=t, cfg=cname,
                                  rel_err=rel(got, want), nan=bool(got.isnan().any())))  # fmt: skip
+            shared = torch.randn(t, h, device="cuda", generator=g, dtype=dtype)
+            plus = fused_moe.fused_moe(x, gate_up, down, w, ids, add=shared)
+            alone = fused_moe.fused_moe(x, gate_up, down, w, ids)
+            rows.append(dict(op="fused_moe_add_shared", dtype=str(dtype), tokens=t,
+                             equal=bool(torch.equal(plus, alone + shared))))  # fmt: skip
             # batch invariance of the fixed tile: a row alone equals the row in the batch
             full = fused_moe.fused_moe(x, gate_up, down, w, ids, fused_moe.DECODE)
             one = fused_moe.fused_moe(x[:1], gate_up, down, w[:1], ids[:1], fused_moe.DECODE)
@@ -143,6 +155,112 @@ def check_routing(rows: list) -> None:
                              rel_err=rel(w1, w0), row_invariant=bool(torch.equal(one[0], w1[-1:]))))  # fmt: skip
 
 
+def check_rope_kernels(rows: list) -> None:
+    """The GQA fused rope + KV write against apply_rope + write_kv (bitwise, as torch rounds
+    each op), and MLA's absorbed query against rope_into_ + the latent copy (bitwise)."""
+    from deepserve.kernels.attention_ref import write_kv
+    from deepserve.kernels.rope import apply_rope, build_rope_tables, rope_at
+    from deepserve.kernels.triton import mla, rope
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    hq, hkv, d = 9, 3, 64  # SmolLM2
+    tables = build_rope_tables(d, 10000.0, None, 4096, "cuda")
+    for dtype in (torch.bfloat16, torch.float32):
+        for t in (1, 32, 2000):
+            qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda", generator=g).to(dtype)
+            pos = torch.randperm(4096, device="cuda", generator=g)[:t]
+            cos, sin = rope_at(tables, pos, dtype)
+            layer = torch.randn(300, 16, 2 * hkv * d, device="cuda", generator=g).to(dtype)
+            want_layer = layer.clone()
+            k_c, v_c = (c.unflatten(-1, (hkv, d)) for c in layer.chunk(2, dim=-1))
+            wk_c, wv_c = (c.unflatten(-1, (hkv, d)) for c in want_layer.chunk(2, dim=-1))
+            slots = torch.randperm(300 * 16, device="cuda", generator=g)[:t]
+            qk = apply_rope(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
+            write_kv(wk_c, slots, qk[:, hq:])
+            write_kv(wv_c, slots, qkv[:, (hq + hkv) * d :].view(t, hkv, d))
+            ok = rope.rope_qk_write_kv_(qkv, cos, sin, k_c, v_c, slots, hq)
+            q_equal = torch.equal(qkv[:, : hq * d].view(t, hq, d), qk[:, :hq])
+            rows.append(dict(op="rope_qk_write_kv_", dtype=str(dtype), tokens=t, used=ok,
+                             q_equal=q_equal, cache_equal=torch.equal(layer, want_layer)))  # fmt: skip
+    heads, lora, nope, r = 16, 512, 128, 64  # V2-Lite
+    tables = build_rope_tables(r, 10000.0, None, 4096, "cuda")
+    for t in (1, 64, 2000):
+        q = torch.randn(t, heads, nope + r, device="cuda", generator=g, dtype=torch.bfloat16)
+        latent = torch.randn(heads, t, lora, device="cuda", generator=g, dtype=torch.bfloat16)
+        cos, sin = rope_at(tables, torch.arange(t, device="cuda"), torch.bfloat16)
+        want = q.new_zeros(t, heads, lora + r)
+        mla.rope_into_(q[..., nope:], cos, sin, want[..., lora:])
+        want[..., :lora] = latent.transpose(0, 1)
+        got = q.new_zeros(t, heads, lora + r)
+        ok = mla.absorbed_query_(latent.transpose(0, 1), q[..., nope:], cos, sin, got)
+        torch_rope = apply_rope(q[..., nope:], cos, sin)
+        rows.append(dict(op="absorbed_query_", tokens=t, used=ok, equal=torch.equal(got, want),
+                         rel_err_vs_torch_rope=rel(got[..., lora:], torch_rope)))  # fmt: skip
+
+
+def _timed(row: dict, fn, want: torch.Tensor, part) -> None:
+    """`row` gains fn's error against `want` (on `part` of its output) and its median ms by CUDA
+    events, or the error text of a configuration that does not build."""
+    import triton.testing
+
+    try:
+        row["rel_err"] = rel(part(fn()), want)
+        row["ms"] = triton.testing.do_bench(fn, return_mode="median")
+    except Exception as exc:  # e.g. a tile over the shared memory: recorded, the rest go on
+        row["error"] = str(exc)[-200:]
+
+
+def time_prefill_tiles(rows: list) -> None:
+    """V2-Lite's 2,000-token prefill: the fused MoE (64 experts, top-6) under candidate tiles
+    and the varlen attention (MLA: one 576-wide latent head, 16 query heads) under candidate
+    row tiles, splits and warps, each against a float32 reference."""
+    from deepserve.kernels import attention_ref
+    from deepserve.kernels.triton import attention, fused_moe
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    e, h, i, k, t = 64, 2048, 1408, 6, 2000
+    gate_up = torch.randn(e, 2 * i, h, device="cuda", generator=g, dtype=torch.bfloat16) / h**0.5
+    down = torch.randn(e, h, i, device="cuda", generator=g, dtype=torch.bfloat16) / i**0.5
+    x = torch.randn(t, h, device="cuda", generator=g, dtype=torch.bfloat16)
+    ids = torch.rand(t, e, device="cuda", generator=g).topk(k, dim=-1)[1]
+    w = torch.rand(t, k, device="cuda", generator=g)
+    want = fused_moe.fused_moe_reference(x[:8], gate_up, down, w[:8], ids[:8])
+    cfgs = {
+        "prefill": fused_moe.PREFILL,
+        "64x128x64w4s4": fused_moe.MoeConfig(64, 128, 64, 4, 4),
+        "128x128x64w8s3": fused_moe.MoeConfig(128, 128, 64, 8, 3),
+        "128x128x64w4s4": fused_moe.MoeConfig(128, 128, 64, 4, 4),
+        "64x256x64w8s3": fused_moe.MoeConfig(64, 256, 64, 8, 3),
+        "128x256x64w8s3": fused_moe.MoeConfig(128, 256, 64, 8, 3),
+        "64x128x128w8s3": fused_moe.MoeConfig(64, 128, 128, 8, 3),
+        "128x64x64w4s4": fused_moe.MoeConfig(128, 64, 64, 4, 4),
+    }
+    for name, cfg in cfgs.items():
+        fn = lambda cfg=cfg: fused_moe.fused_moe(x, gate_up, down, w, ids, cfg)  # noqa: E731
+        row = dict(op="moe_prefill_tile", cfg=name, tokens=t)
+        _timed(row, fn, want, lambda y: y[:8])
+        rows.append(row)
+    k_cache = torch.randn(130, 16, 1, 576, device="cuda", generator=g, dtype=torch.bfloat16)
+    v_cache = k_cache[..., :512]
+    q = torch.randn(t, 16, 576, device="cuda", generator=g, dtype=torch.bfloat16)
+    attn = AttentionMetadata(
+        query_start_loc=torch.tensor([0, t], dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor([t], dtype=torch.int32, device="cuda"),
+        context_lens=torch.tensor([0], dtype=torch.int32, device="cuda"),
+        slot_mapping=torch.arange(t, device="cuda"),
+        block_tables=torch.randperm(130, device="cuda", generator=g)[None].to(torch.int32),
+        block_size=16, query_lens_cpu=[t], seq_lens_cpu=[t], context_lens_cpu=[0],
+    )  # fmt: skip
+    want = attention_ref.paged_attention(q.float(), k_cache.float(), v_cache.float(), attn, 0.1)
+    for split, block_m, warps in ((512, 16, 4), (2048, 16, 4), (512, 32, 4), (512, 64, 4),
+                                  (512, 64, 8), (2048, 64, 8), (512, 128, 8)):  # fmt: skip
+        kernel = attention.TritonPagedAttention(split, block_m, warps)
+        fn = lambda kernel=kernel: kernel(q, k_cache, v_cache, attn, 0.1)  # noqa: E731
+        row = dict(op="mla_prefill_attention", split=split, block_m=block_m, warps=warps)
+        _timed(row, fn, want, lambda y: y)
+        rows.append(row)
+
+
 def _bench_graph(fn) -> float:
     """Median ms of `fn` replayed from a CUDA graph: device time, no host launch cost."""
     import triton.testing
@@ -188,6 +306,8 @@ def time_matmul_grid(rows: list) -> None:
 def run(out: dict) -> None:
     rows = out.setdefault("kernel_checks", [])
     for fn in (
+        check_rope_kernels,
+        time_prefill_tiles,
         check_fused_rows,
         check_routing,
         time_matmul_grid,
