@@ -64,6 +64,33 @@ def test_linear_rows_equal_for_any_row_count_and_match_reference():
     torch.testing.assert_close(full, reference.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
+def test_linear_split_and_inline_modes_give_the_same_bits():
+    """K chunks added by a second pass (decode) or inside the program (prefill): same bits."""
+    from deepserve.kernels.triton import matmul
+
+    cfg = matmul.TileConfig(block_m=16, block_n=16, block_k=16, splits=3)
+    w, x = _rand(40, 72, seed=8), _rand(20, 72, seed=9)  # K=72: the last chunk is short
+    a, b = x[None], w.t()[None]
+    outs = []
+    for split_mode in (True, False):
+        out = torch.empty(1, 20, 40, device=DEVICE)
+        outs.append(matmul._launch(a, b, out, cfg, split_mode)[0])
+    assert torch.equal(outs[0], outs[1])
+    for m in [1, 3, 17]:
+        assert torch.equal(matmul.linear(x[:m], w, cfg), outs[1][:m]), m
+    torch.testing.assert_close(outs[0], reference.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_matmul_config_depends_on_the_weight_alone():
+    from deepserve.kernels.triton import matmul
+
+    narrow = matmul.config_for(2048, 576, torch.bfloat16)
+    assert narrow.splits > 1 and narrow.chunk(2048) % narrow.block_k == 0
+    assert matmul.config_for(2048, 102400, torch.bfloat16).splits == 1
+    wide = matmul.config_for(2048, 576, torch.float32)  # a shallower pipeline, same reduction
+    assert (wide.block_k, wide.splits) == (narrow.block_k, narrow.splits)
+
+
 def test_bmm_rows_equal_for_any_row_count_and_match_reference():
     a, b = _rand(3, 70, 40, seed=3), _rand(3, 40, 24, seed=4)
     full = TK.bmm(a, b)
