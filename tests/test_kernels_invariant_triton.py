@@ -44,6 +44,7 @@ from paged_kv import PagedCase  # noqa: E402
 
 from deepserve.kernels import reference  # noqa: E402
 from deepserve.kernels.triton import attention  # noqa: E402
+from deepserve.kernels.triton.decode_attention import InvariantPagedAttention  # noqa: E402
 from deepserve.kernels.triton.kernelset import triton_kernels  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -135,3 +136,18 @@ def test_attention_rows_equal_across_prefill_chunks_decode_and_batches(layout):
     torch.testing.assert_close(torch.cat(outs), ref, rtol=1e-5, atol=1e-5)
     ref_whole = case.run(reference.KERNELS, [(0, 0, n)])[0]
     torch.testing.assert_close(whole, ref_whole, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["gqa", "mla"])
+def test_head_grouped_decode_equals_the_fixed_split_kernel_row_for_row(layout):
+    """Decode steps read a KV row once per head group; the bits are the prefill kernel's."""
+    split = attention.SPLIT if DEVICE == "cuda" else 2 * attention.BLOCK_N
+    case = PagedCase(layout, [split + 21, 5, 40], device=DEVICE)
+    decodes = [(0, split + 20, 1), (1, 4, 1), (2, 39, 1), (0, split - 1, 1)]
+    want = case.run(
+        dataclasses.replace(TK, paged_attention=attention.TritonPagedAttention(split)), decodes
+    )
+    grouped = dataclasses.replace(TK, paged_attention=InvariantPagedAttention(split))
+    got = case.run(grouped, decodes)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert torch.equal(case.run(grouped, [(2, 39, 1)])[0], got[2])  # alone = in the batch
