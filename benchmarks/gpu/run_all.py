@@ -408,7 +408,7 @@ def section_determinism(out: dict, models: dict[str, Path], sc: Scale, deadline:
 def markdown(out: dict) -> str:
     lines = [f"GPU: {out.get('gpu')}, torch {out.get('torch')}, triton {out.get('triton')}, "
              f"transformers {out.get('transformers')}", ""]  # fmt: skip
-    keys = ("kernel_checks", "kernel_tests", "linear", "parity", "throughput", "determinism",
+    keys = ("kernel_checks", "invariant", "kernel_tests", "linear", "parity", "throughput", "determinism",
             "speed", "profile", "serve", "serve_log_tail", "build_s", "errors")  # fmt: skip
     for key in keys:
         if key not in out:
@@ -481,13 +481,14 @@ def main() -> int:
         ("kernels", lambda: section_kernels(out)),
         ("linear", lambda: section_kernel_invariance_and_speed(out)),
         ("models", write_models),
+        ("invariant", lambda: kernel_checks.run_invariant(out, time.time() + 105)),
         ("speed", lambda: speed.section_speed(out, args.shapes, batches, 128, deadline - 200)),
         ("parity", lambda: section_parity(out, models, sc)),
         ("determinism", lambda: section_determinism(out, models, sc, deadline - 100)),
         ("throughput", lambda: section_throughput(out, models, sc, deadline - 90)),
         ("serve", lambda: serve_bench.section_serve(out, work, serve_bench.ServeRun())),
     ]
-    default_off = {"throughput", "linear", "kernels"}  # superseded by speed / checks
+    default_off = {"throughput", "linear", "kernels", "invariant"}  # superseded by speed / checks
     for name, fn in sections:
         if name == "models":
             if args.only and not {"parity", "determinism", "throughput"} & set(args.only):
