@@ -362,7 +362,7 @@ def check_invariant_decode_attention(rows: list) -> None:
     bs, nb = 16, 9000
     for layout in ("mla", "gqa"):
         for dtype in (torch.bfloat16, torch.float32):
-            for lens in ([1], [7, 300, 33], [1000] * 4, [17] * 64 + [2000], [256] * 64, [256]):
+            for lens in ([1], [7, 300, 33], [17] * 64 + [2000], [256] * 64, [256]):
                 if layout == "mla":
                     cache = torch.randn(nb, bs, 576, generator=gen).to("cuda", dtype).unsqueeze(2)
                     k_cache, v_cache, hq = cache, cache[..., :512], 16

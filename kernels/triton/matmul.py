@@ -12,8 +12,9 @@ tensor-core products over its chunk's K blocks in order from the chunk's start:
   Used when there are enough tiles (prefill); no workspace.
 Both run the same compiled kernel (the mode is a runtime argument), so which one a launch takes
 (it follows M) cannot change a bit. Rows past M read row M - 1 again (never stored) and columns
-past N read column N - 1, so the K loop has no masks when BLOCK_K divides K. Nothing that varies
-with M is specialised on, so a new row count never triggers a compile.
+past N read column N - 1 (unless BLOCK_N divides N), so the K loop has no masks when BLOCK_K
+divides K. Nothing that varies with M is specialised on, so a new row count never triggers a
+compile.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def _matmul_kernel(
     a_ptr, b_ptr, c_ptr, ws_ptr, M, N, K, KC, CHUNKS_PER_PROGRAM,
     s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn, s_wb, s_ws, s_wm,
     BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_K: constexpr,
-    GROUP_M: constexpr, EVEN_K: constexpr, PRECISION: constexpr,
+    GROUP_M: constexpr, EVEN_K: constexpr, EVEN_N: constexpr, PRECISION: constexpr,
 ):  # fmt: skip
     pid, part, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -91,7 +92,8 @@ def _matmul_kernel(
     rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     ra = tl.minimum(rm, M - 1)  # rows past M repeat a real row: no mask in the K loop
-    rb = tl.minimum(rn, N - 1)
+    # no clamp when BLOCK_N divides N: loads along N (B's contiguous dim in bmm) stay vectorized
+    rb = rn if EVEN_N else tl.minimum(rn, N - 1)
     rk = tl.arange(0, BLOCK_K)
     a_base = a_ptr + batch * s_ab + ra[:, None] * s_am
     b_base = b_ptr + batch * s_bb + rb[None, :] * s_bn
@@ -115,8 +117,8 @@ def _matmul_kernel(
         w = ws_ptr + batch * s_wb + part * s_ws + rm[:, None] * s_wm + rn[None, :]
         tl.store(w, total, mask=keep)
     else:
-        c = c_ptr + batch * s_cb + rm[:, None] * s_cm + rn[None, :] * s_cn
-        tl.store(c, total.to(c_ptr.dtype.element_ty), mask=keep)
+        out = c_ptr + batch * s_cb + rm[:, None] * s_cm + rn[None, :] * s_cn
+        tl.store(out, total.to(c_ptr.dtype.element_ty), mask=keep)
 
 
 @jit(do_not_specialize=["MN", "s_wb", "s_ws", "s_cb"])
@@ -164,7 +166,8 @@ def _launch(
         c.stride(0), c.stride(1), c.stride(2),
         ws.stride(0), ws.stride(1), ws.stride(2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0, PRECISION=precision,
+        GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0,
+        PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split_mode:
