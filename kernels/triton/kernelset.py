@@ -14,7 +14,7 @@ from deepserve.kernels.attention_metadata import AttentionMetadata
 from deepserve.kernels.errors import KernelUnavailableError
 from deepserve.kernels.kernel_set import KernelSet
 from deepserve.kernels.triton import attention, fused_moe, matmul, mla, rope, routing, rows
-from deepserve.kernels.triton.decode_attention import decode_attention
+from deepserve.kernels.triton.decode_attention import InvariantPagedAttention, decode_attention
 from deepserve.kernels.triton.lang import HAVE_TRITON
 
 
@@ -74,7 +74,7 @@ def triton_kernels() -> KernelSet:
         softmax=rows.softmax,
         log_softmax=rows.log_softmax,
         bmm=matmul.bmm,
-        paged_attention=attention.TritonPagedAttention(),
+        paged_attention=InvariantPagedAttention(),  # decode steps: heads share a KV read
         sigmoid=torch.sigmoid,  # CUDA elementwise ops compute every element the same way
         moe=partial(fused_moe.fused_moe, cfg=fused_moe.DECODE),  # one tile shape at every size
         mla_kv_write_=mla.kv_write_,
