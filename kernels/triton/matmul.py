@@ -54,8 +54,19 @@ class TileConfig:
 DEFAULT = TileConfig()
 
 # Measured winners per weight shape (K, N) on the H200 (benchmarks/gpu/kernel_checks.py
-# `tune_matmul`); shapes not listed take `heuristic`.
-TUNED: dict[tuple[int, int], TileConfig] = {}
+# `tune_matmul`, run 8-2: benchmarks/gpu/results/run8-2.md, the fastest at M=1 and M=64 among the
+# candidates with rows bitwise equal at every M); shapes not listed take `heuristic`. V2-Lite's
+# shapes only: the tuning ran out of its time before the bmm and SmolLM2 shapes.
+_WIDE = TileConfig(block_m=64, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=3)
+TUNED: dict[tuple[int, int], TileConfig] = {
+    (2048, 3072): replace(_WIDE, splits=4),  # q_proj (no q_lora)
+    (2048, 576): replace(_WIDE, splits=4),  # kv_a
+    (2048, 2048): replace(_WIDE, splits=4),  # o_proj
+    (2048, 2816): replace(_WIDE, splits=4),  # shared experts' gate_up
+    (1408, 2048): replace(_WIDE, splits=2),  # a dense layer's down
+    (2816, 2048): replace(_WIDE, splits=4),  # shared experts' down
+    (2048, 64): TileConfig(block_n=64, block_k=64, num_warps=4, num_stages=4, splits=8),  # router
+}
 
 
 def heuristic(k: int, n: int) -> TileConfig:
