@@ -2,10 +2,11 @@
 
 MLA runs fresh prompts in this form (engine/models/deepseek_v3.py): keys and values decompressed per
 head, ordinary causal multi-head attention with query/key head dim 192 and value head dim 128 on the
-V2/V3 shapes. On CUDA, SDPA's flash kernel takes it only with one head dim for q, k and v, so the
-values are zero-padded to the key width and the output sliced back (the padded columns add nothing
-to the kept ones); `covers` says which shapes reach the flash kernel, and the model keeps its
-absorbed paged path for the rest. On the CPU, SDPA's own kernels take any head dims.
+V2/V3 shapes. SDPA's flash kernels (CUDA and CPU) take it only with one head dim for q, k and v
+(else SDPA falls back to its math path, which builds the whole [T, T] score matrix), so the values
+are zero-padded to the key width and the output sliced back: the padded columns add nothing to the
+kept ones. On CUDA, `covers` says which shapes reach the flash kernel, and the model keeps its
+absorbed paged path for the rest; the CPU's flash kernel takes float32 and bfloat16 at any head dim.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class CausalAttention:
     """`attn(q, k, v, scale)`: q, k `[T, H, Dqk]`, v `[T, H, Dv]` (strided views are fine) ->
     `[T, H, Dv]`, row t attending to rows 0..t."""
 
-    flash: bool  # CUDA: shape the call for SDPA's flash kernel (one head dim for q, k and v)
+    flash: bool  # CUDA: take only the shapes and dtypes its flash kernel does
 
     def covers(self, qk_dim: int, v_dim: int, dtype: torch.dtype) -> bool:
         if not self.flash:
@@ -36,7 +37,7 @@ class CausalAttention:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
         v_dim = v.shape[-1]
-        if self.flash and v_dim < q.shape[-1]:
+        if v_dim < q.shape[-1]:
             v = F.pad(v, (0, q.shape[-1] - v_dim))
         # SDPA's fused kernels take [B, H, T, D]; these are views, no copies
         out = F.scaled_dot_product_attention(
