@@ -23,19 +23,21 @@ from deepserve.kernels.causal_attention import CausalAttention
 TOL = 1e-4  # float32 logits: the two forms sum in other orders
 
 
-def _model(folder, kernels) -> DeepseekV3ForCausalLM:
+def _model(folder, kernels, device="cpu", dtype=torch.float32) -> DeepseekV3ForCausalLM:
     config = json.loads((folder / "config.json").read_text())
-    store = WeightStore(
-        load_file(str(folder / "model.safetensors")), torch.device("cpu"), torch.float32
-    )
+    store = WeightStore(load_file(str(folder / "model.safetensors")), torch.device(device), dtype)
     with torch.inference_mode():
         return DeepseekV3ForCausalLM(config, store, kernels, "tiny")
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def folder(tmp_path_factory):
+    return write_tiny_deepseek(tmp_path_factory.mktemp("tiny-deepseek"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def models(folder):
     torch.set_num_threads(1)
-    folder = write_tiny_deepseek(tmp_path_factory.mktemp("tiny-deepseek"), seed=0)
     fresh = _model(folder, reference.KERNELS)
     absorbed = _model(folder, replace(reference.KERNELS, prefill_attention=None))
     assert fresh.fresh_attention is not None and absorbed.fresh_attention is None
@@ -111,3 +113,21 @@ def test_values_narrower_than_keys_give_plain_causal_attention():
     expected = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
     assert got.shape == (33, 4, 16)
     assert (got - expected).abs().max().item() < 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_flash_form_matches_the_absorbed_form_in_bfloat16(folder):
+    from deepserve.kernels.triton.kernelset import fast_kernels
+
+    kernels = fast_kernels()
+    if kernels is None:
+        pytest.skip("needs triton")
+    fresh = _model(folder, kernels, "cuda", torch.bfloat16)
+    absorbed = _model(folder, replace(kernels, prefill_attention=None), "cuda", torch.bfloat16)
+    assert fresh.fresh_attention is not None
+    contexts = [_ids(40, 1), [], _ids(17, 2), []]
+    new = [_ids(1, 3), _ids(300, 4), _ids(1, 5), _ids(9, 6)]
+    got, want = (batched_step_logits(m, contexts, new, block_size=16) for m in (fresh, absorbed))
+    cosine = torch.nn.functional.cosine_similarity(got, want, dim=-1)
+    print(f"bf16 decompressed vs absorbed: max abs {(got - want).abs().max().item():.3f}")
+    assert cosine.min().item() > 0.999
