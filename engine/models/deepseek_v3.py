@@ -384,15 +384,28 @@ class DeepseekV3ForCausalLM:
         elif split.fresh_rows is None:
             out = self._decompressed(w, q, cos, sin, cache, split, fused)
         else:
-            out = q.new_empty(tokens, heads, a.v_head_dim)
-            rows = split.fresh_rows
-            c, s = cos[rows], sin[rows]
-            out[rows] = self._decompressed(w, q[rows], c, s, cache, split, fused)
-            rows = split.other_rows
-            c, s = cos[rows], sin[rows]
-            absorbed = self._absorbed(w, q[rows], c, s, split.other, cache, fused)
-            out[rows] = absorbed.transpose(0, 1)
+            out = self._mixed(w, q, cos, sin, cache, split, fused)
         return k.linear(out.reshape(tokens, heads * a.v_head_dim), w.o)
+
+    def _mixed(
+        self,
+        w: _Attention,
+        q: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: torch.Tensor,
+        split: FreshSplit,
+        fused: bool,
+    ) -> torch.Tensor:
+        """A step of fresh prompts and other rows: each form on its rows, put back in order."""
+        out = q.new_empty(q.shape[0], q.shape[1], self.args.v_head_dim)
+        rows = split.fresh_rows
+        c, s = cos[rows], sin[rows]
+        out[rows] = self._decompressed(w, q[rows], c, s, cache, split, fused)
+        rows = split.other_rows
+        c, s = cos[rows], sin[rows]
+        out[rows] = self._absorbed(w, q[rows], c, s, split.other, cache, fused).transpose(0, 1)
+        return out
 
     def _absorbed(
         self,
