@@ -44,6 +44,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     batch_invariant: bool = False
     enforce_eager: bool = False  # on CUDA: no decode CUDA graphs (every step launches eagerly)
+    # Decode steps launched one step ahead of their sampled ids (engine/async_scheduling.py).
+    # None: on where decode steps replay CUDA graphs, off elsewhere (a CPU forward is synchronous).
+    async_scheduling: bool | None = None
     # How long requests arriving during decode-only steps may wait for more arrivals before they
     # join a step (engine/scheduler.py). None: PREFILL_GATHER_S where decode steps replay CUDA
     # graphs (a step with a prompt in it is eager and costs about a full step), else 0.
@@ -67,6 +70,13 @@ class EngineConfig:
             )
         if self.tensor_parallel_size < 1:
             raise ValueError("--tensor-parallel-size must be at least 1")
+        if self.async_scheduling and (self.speculative or self.tensor_parallel_size > 1):
+            # Drafts are built from the last token on the host; the ranks' step broadcast
+            # carries host input ids.
+            raise ValueError(
+                "--async-scheduling does not combine with speculative decoding or "
+                "--tensor-parallel-size > 1"
+            )
         if self.tensor_parallel_size > 1 and (self.kv_tiers or self.speculative):
             # Both read or write rank 0's KV cache (or run the MTP layer) outside the step that
             # rank 0 broadcasts, which the other ranks would never see.

@@ -69,11 +69,16 @@ class DecodeGraphs:
         positions: list[int],
         slots: list[int],
         tables: list[list[int]],
+        feed: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits `[rows, vocab]` of one decode step (a view valid until the next replay)."""
+        """Logits `[rows, vocab]` of one decode step (a view valid until the next replay).
+        `feed`: the input ids already on the device (then `input_ids` are not read); copied in
+        stream order, after the work that wrote them."""
         rows = len(input_ids)
         bucket = next(b for b in self.buckets if b >= rows)
         self._fill(input_ids, positions, slots, tables)
+        if feed is not None:
+            self.input_ids[:rows].copy_(feed)
         self._pad_rows(rows, bucket)
         if bucket not in self._graphs:
             self._graphs[bucket] = self._capture(bucket)

@@ -5,7 +5,8 @@ each step's results: progress of every scheduled chunk, sampled tokens, stop con
 per-request output deltas. It is single-threaded by design; `AsyncEngine` runs it on its own thread
 and `LLM` drives it in a loop. Requests are admitted (engine/admission.py) before anything is queued.
 A request whose own step raises is failed alone and the engine goes on serving the others
-(engine/step_isolation.py).
+(engine/step_isolation.py). With async scheduling (engine/async_scheduling.py) a plain decode
+step is left in flight and applied during the next `step()`, once that one is launched.
 """
 
 from __future__ import annotations
@@ -20,11 +21,19 @@ from collections.abc import Callable
 import torch
 
 from deepserve.engine.admission import AdmittedRequest, EngineLimits, check_request
+from deepserve.engine.async_scheduling import (
+    OverlapStats,
+    continuation,
+    drop_placeholder,
+    feed_ids,
+    hold_placeholders,
+    may_run_ahead,
+)
 from deepserve.engine.block_manager import BlockManager
 from deepserve.engine.client import EngineStats, ModelCard
 from deepserve.engine.config import EngineConfig
 from deepserve.engine.errors import InvalidRequestError
-from deepserve.engine.model_runner import ModelRunner, StepResult, num_kv_blocks
+from deepserve.engine.model_runner import LaunchedStep, ModelRunner, StepResult, num_kv_blocks
 from deepserve.engine.outputs import CompletionOutput, EngineLoad, RequestOutput, TokenLogprob
 from deepserve.engine.request import Request, Sequence, derive_seed
 from deepserve.engine.sampling_params import SamplingParams
@@ -98,6 +107,9 @@ class LLMEngine:
         if self.kv_tiering is not None:
             self.kv_tiering.bind_cache(self.runner.kv_cache)
         self.requests: dict[str, Request] = {}
+        self.async_scheduling = _async_wanted(config, graphs)
+        self.overlap = OverlapStats()
+        self._in_flight: LaunchedStep | None = None  # a decode step whose ids are not applied
         self._seq_ids = itertools.count()
         self._grammars = None
         self._grammar_lock = threading.Lock()
@@ -219,24 +231,127 @@ class LLMEngine:
 
     def step(self, on_launched: Callable[[], None] | None = None) -> list[RequestOutput]:
         """Schedule and run one step; return a delta for every request that progressed.
-        `on_launched`: see ModelRunner.execute (not called when nothing runs or a request fails)."""
+        `on_launched`: see ModelRunner.execute (not called when nothing runs or a request fails).
+        With async scheduling a plain decode step's deltas come with the next call's."""
+        if self._in_flight is not None:
+            return self._step_ahead(on_launched)
+        out = self._schedule()
+        if out.is_empty:
+            return []
+        return self._run(out, on_launched, {})
+
+    def _schedule(self) -> SchedulerOutput:
         out = self.scheduler.schedule()
         _mark_first_scheduled(out, time.monotonic())
         if self.kv_tiering is not None:  # lower-tier prefix hits land in their blocks first
             loads = self.block_manager.take_pending_loads()
             self.kv_tiering.load_pending(loads, [item.seq for item in out.scheduled])
-        if out.is_empty:
-            return []
+        return out
+
+    def _run(
+        self,
+        out: SchedulerOutput,
+        on_launched: Callable[[], None] | None,
+        touched: dict[int, Request],
+    ) -> list[RequestOutput]:
+        """Run `out` (leaving it in flight when it may run ahead); the deltas of `touched` and of
+        every request it progressed."""
         if self.threads is not None:
             self.threads.before_step()
+        if self.async_scheduling and may_run_ahead(out):
+            launched = self._try_launch(out, on_launched)
+            if launched is not None:
+                self._apply_progress(out)
+                self._hold(launched)
+                return self._outputs(touched)
         result, out, failed = self._execute(out, on_launched)
-        touched: list[Request] = []
+        for request in failed:
+            touched[id(request)] = request
         if result is not None:
             self._apply_progress(out)
-            touched = self._apply_samples(result)
+            for request in self._apply_samples(result):
+                touched[id(request)] = request
             if self.spec is not None:  # drafts for the next step
                 self.spec.propose(out, result.hidden, self.runner.kv_cache)
-        return [self._make_output(r) for r in [*failed, *touched]]
+        return self._outputs(touched)
+
+    def _step_ahead(self, on_launched: Callable[[], None] | None) -> list[RequestOutput]:
+        """A step after one left in flight: launch the next decode step first when it is a plain
+        continuation, then apply the in-flight ids while it runs; else apply them and run the
+        step as usual, without the rows that stopped."""
+        prev, self._in_flight = self._in_flight, None
+        out = self._schedule()
+        ahead = continuation(out, self._stops_for_sure)
+        launched = None
+        if ahead is not None:
+            if self.threads is not None:
+                self.threads.before_step()
+            launched = self._try_launch(ahead, on_launched, feed_ids(prev, ahead))
+        touched = self._apply_in_flight(prev)
+        if launched is None:
+            self.overlap.fallbacks += 1
+            out = _without_finished(out)
+            return (
+                self._run(out, on_launched, touched) if not out.is_empty else self._outputs(touched)
+            )
+        self.overlap.ahead += 1
+        # A row run ahead for a sequence that stopped on the ids just applied is wasted: its
+        # sample is dropped when this step is applied. Its blocks were freed by that stop, which
+        # is safe although the launched step still writes that row's KV into one of them: the
+        # write targets the slot after the sequence's last computed token, in a block that is
+        # not full (so never registered in the prefix cache), and any later owner of the block
+        # writes and reads it only in later steps, which the stream runs after this one.
+        live = [item for item in ahead.scheduled if not item.seq.is_finished]
+        self.overlap.wasted_rows += len(ahead.scheduled) - len(live)
+        self._apply_progress(SchedulerOutput(live))
+        self._hold(launched, [item.seq for item in live])
+        return self._outputs(touched)
+
+    def _try_launch(
+        self,
+        out: SchedulerOutput,
+        on_launched: Callable[[], None] | None,
+        feed: torch.Tensor | None = None,
+    ) -> LaunchedStep | None:
+        """Launch a step to leave in flight; None when it raised (the synchronous step then
+        runs it, failing the requests that raise alone)."""
+        try:
+            return self.runner.launch(out, on_launched, feed)
+        except Exception as e:
+            if is_fatal(e):
+                raise
+            log.warning("a step launched ahead raised; running it synchronously: %r", e)
+            return None
+
+    def _hold(self, launched: LaunchedStep, live: list[Sequence] | None = None) -> None:
+        hold_placeholders(launched.seqs if live is None else live)
+        self._in_flight = launched
+
+    def _apply_in_flight(self, launched: LaunchedStep) -> dict[int, Request]:
+        """Wait for an in-flight step's ids and apply them; rows of sequences that stopped (or
+        were aborted) since it was launched are dropped."""
+        result = launched.result()
+        touched: dict[int, Request] = {}
+        for seq, token, lp in zip(
+            result.seqs, result.sampled.token_ids, result.sampled.logprobs, strict=True
+        ):
+            if not seq.sample_pending:  # it stopped before this row was launched
+                continue
+            drop_placeholder(seq)
+            if seq.is_finished:  # aborted while the row ran
+                continue
+            self._append_token(seq, token, lp)
+            touched[id(seq.request)] = seq.request
+        return touched
+
+    def _stops_for_sure(self, seq: Sequence) -> bool:
+        """Its pending token ends it whatever that token is (max_tokens or the context)."""
+        return (
+            seq.num_output_tokens >= seq.request.max_tokens or seq.num_tokens >= self.max_model_len
+        )
+
+    def _outputs(self, touched: dict[int, Request]) -> list[RequestOutput]:
+        return [self._make_output(r) for r in touched.values()]
 
     def _execute(
         self, out: SchedulerOutput, on_launched: Callable[[], None] | None = None
@@ -305,15 +420,15 @@ class LLMEngine:
             seq.logprobs.append(lp)
         reason = self._stop_reason(seq, token)
         if reason is not None:
-            if reason == "stop" and token in self._stop_set(seq):
+            if reason == "stop" and self._is_stop_token(seq, token):
                 seq.stop_token_id = token
             self.scheduler.finish(seq, reason)
 
-    def _stop_set(self, seq: Sequence) -> set[int]:
-        stops = set(seq.params.stop_token_ids)
-        if not seq.params.ignore_eos:
-            stops |= set(self.eos_token_ids)
-        return stops
+    def _is_stop_token(self, seq: Sequence, token: int) -> bool:
+        params = seq.params  # no set built per token: this runs for every row of every step
+        return token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.eos_token_ids
+        )
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
@@ -321,7 +436,7 @@ class LLMEngine:
             seq.matcher.accept(token)
             if seq.matcher.is_terminated():
                 return "stop"
-        if seq.num_output_tokens >= params.min_tokens and token in self._stop_set(seq):
+        if seq.num_output_tokens >= params.min_tokens and self._is_stop_token(seq, token):
             return "stop"
         if seq.num_output_tokens >= seq.request.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
@@ -357,6 +472,8 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None:
             return None
+        # A row of it may still run on the device (async scheduling): its blocks are freed now
+        # all the same, as for a row run ahead (`_step_ahead`), and its sample is dropped.
         for seq in request.sequences:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
@@ -416,7 +533,9 @@ def _make_kv_tiering(config: EngineConfig, model, fingerprint: str):
 
 def _delta(seq: Sequence) -> CompletionOutput | None:
     """New tokens (and the finish) of one sample since the last delta; None when nothing is new."""
-    new_tokens = seq.output_token_ids[seq.num_emitted_tokens :]
+    # Sliced from token_ids directly: copying the whole output first cost O(length) a step.
+    start = seq.num_prompt_tokens + seq.num_emitted_tokens
+    new_tokens = seq.token_ids[start : seq.num_tokens - seq.sample_pending]
     finishing = seq.is_finished and not seq.finish_emitted
     if not new_tokens and not finishing:
         return None
@@ -440,6 +559,23 @@ def _resume(seq: Sequence, tokens: list[int]) -> None:
         raise InvalidRequestError("a resumed token is not allowed by the request's grammar")
     seq.token_ids += tokens
     seq.num_emitted_tokens = len(tokens)
+
+
+def _without_finished(out: SchedulerOutput) -> SchedulerOutput:
+    """`out` without the rows of sequences that stopped since it was scheduled (their blocks are
+    freed already; nothing of theirs was launched)."""
+    if all(not item.seq.is_finished for item in out.scheduled):
+        return out
+    kept = [item for item in out.scheduled if not item.seq.is_finished]
+    return SchedulerOutput(kept, out.forks, out.block_copies, out.preempted)
+
+
+def _async_wanted(config: EngineConfig, graphs: bool) -> bool:
+    """Async scheduling when asked; by default wherever decode steps replay CUDA graphs (on the
+    CPU the forward is synchronous: nothing would overlap)."""
+    if config.async_scheduling is None:
+        return graphs and config.tensor_parallel_size == 1
+    return config.async_scheduling
 
 
 def _graphs_wanted(config: EngineConfig, model, spec) -> bool:

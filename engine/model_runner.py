@@ -20,7 +20,7 @@ import torch
 from deepserve.engine.cuda_graphs import DecodeGraphs
 from deepserve.engine.models.base import CausalLM
 from deepserve.engine.request import Sequence
-from deepserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from deepserve.engine.sampler import DeviceSample, Sampler, SamplerOutput, SamplingBatch
 from deepserve.engine.scheduler import SchedulerOutput
 from deepserve.kernels.attention_metadata import AttentionMetadata
 
@@ -43,6 +43,25 @@ class StepResult:
     seqs: list[Sequence]  # one per sampled row, in row order (a speculating sequence: 1 + drafts)
     sampled: SamplerOutput
     hidden: StepHidden | None = None  # the target's hidden states, kept for the MTP drafter
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose work is queued on the device: its samples are read back by `result()`."""
+
+    seqs: list[Sequence]  # one per sampled row, in row order
+    sample: DeviceSample | None  # None when no row is sampled
+    hidden: StepHidden | None = None
+
+    @property
+    def token_ids(self) -> torch.Tensor:
+        """The sampled ids on the device, one per row (what a next decode step feeds in)."""
+        return self.sample.token_ids
+
+    def result(self) -> StepResult:
+        if self.sample is None:
+            return StepResult([], SamplerOutput([], []), self.hidden)
+        return StepResult(self.seqs, self.sample.result(), self.hidden)
 
 
 def num_kv_blocks(model: CausalLM, block_size: int, kv_cache_bytes: int) -> int:
@@ -98,9 +117,23 @@ class ModelRunner:
     ) -> StepResult:
         """Run one step. `on_launched` is called once the step's GPU work is queued and before
         the host waits for the sampled ids: host work done there overlaps the GPU."""
+        return self.launch(out, on_launched).result()
+
+    @torch.inference_mode()
+    def launch(
+        self,
+        out: SchedulerOutput,
+        on_launched: Callable[[], None] | None = None,
+        feed: torch.Tensor | None = None,
+    ) -> LaunchedStep:
+        """Queue one step and its sampling; wait for nothing but a structured output's masks.
+        `feed`: a plain decode step's input ids already on the device, one per row (the previous
+        step's samples under async scheduling); the rows' own last token ids are then not read."""
         if self._replayable(out):
-            return self._execute_graph(out, on_launched)
+            return self._launch_graph(out, on_launched, feed)
         inputs = self.prepare(out)
+        if feed is not None:
+            inputs.input_ids = feed
         batch = SamplingBatch.build(
             inputs.sample_views, self.eos_token_ids, self.model.vocab_size, self.device
         )
@@ -109,13 +142,13 @@ class ModelRunner:
         self._copy_blocks(out.block_copies)
         kept = _keep_hidden(hidden, inputs.attn) if self.keep_hidden else None
         if not inputs.sample_seqs:
-            return StepResult([], SamplerOutput([], []), kept)
+            return LaunchedStep([], None, kept)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         if on_launched is not None:
             on_launched()
         if masks is not None:
             batch.bitmask = masks.result()
-        return StepResult(inputs.sample_seqs, self.sampler.sample(logits, batch), kept)
+        return LaunchedStep(inputs.sample_seqs, self.sampler.sample_on_device(logits, batch), kept)
 
     def _replayable(self, out: SchedulerOutput) -> bool:
         """A plain decode step (one sampled token per sequence, no forks or drafts) that one of
@@ -130,9 +163,12 @@ class ModelRunner:
             for item in out.scheduled
         )
 
-    def _execute_graph(
-        self, out: SchedulerOutput, on_launched: Callable[[], None] | None
-    ) -> StepResult:
+    def _launch_graph(
+        self,
+        out: SchedulerOutput,
+        on_launched: Callable[[], None] | None,
+        feed: torch.Tensor | None,
+    ) -> LaunchedStep:
         bs = self.block_size
         seqs = [item.seq for item in out.scheduled]
         positions = [s.num_computed_tokens for s in seqs]
@@ -143,12 +179,13 @@ class ModelRunner:
             positions,
             [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions, strict=True)],
             [s.block_table for s in seqs],
+            feed,
         )
         if on_launched is not None:
             on_launched()
         if masks is not None:
             batch.bitmask = masks.result()
-        return StepResult(seqs, self.sampler.sample(logits, batch))
+        return LaunchedStep(seqs, self.sampler.sample_on_device(logits, batch))
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         """Flatten the scheduled chunks into one batch (built on the host, moved once)."""

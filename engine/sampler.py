@@ -5,7 +5,9 @@
 logit_bias, token suppression (min_tokens), the structured-output bitmask, then greedy argmax or
 temperature + top_k / top_p / min_p filtering + Gumbel-max with hashed noise (kernels/random.py),
 so a row's randomness depends only on (its seed, its output position, token id). Logprobs are the
-raw model's (log_softmax of the unprocessed logits). Stop conditions live in the engine.
+raw model's (log_softmax of the unprocessed logits). `Sampler.sample_on_device` does the same
+without waiting: the ids stay on the device for a next step to read, their host copies are read by
+`DeviceSample.result()` (async scheduling). Stop conditions live in the engine.
 """
 
 from __future__ import annotations
@@ -191,6 +193,42 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None]  # per row; None where the caller did not ask
 
 
+@dataclass
+class DeviceSample:
+    """A step's samples still on the device: the ids a next step can read there (async
+    scheduling feeds them to its graph without a host round trip), and their copies to the host,
+    queued behind them. `result()` waits for those copies only, never for later work on the
+    stream, so a step queued after this one keeps the GPU busy while the host applies these."""
+
+    token_ids: Tensor  # [N] int64 on the logits' device
+    batch: SamplingBatch
+    host_ids: Tensor  # the copies to the host (pinned, non-blocking on a GPU)
+    host_chosen: Tensor | None  # [len(logprob_rows)] log-probability of each sampled token
+    host_top: tuple[Tensor, Tensor] | None  # (values, ids) [len(logprob_rows), max_logprobs]
+    copied: torch.cuda.Event | None  # recorded after the copies; None off the GPU
+
+    def result(self) -> SamplerOutput:
+        if self.copied is not None:
+            self.copied.synchronize()
+        token_list = self.host_ids.tolist()
+        return SamplerOutput(token_list, self._logprobs(token_list))
+
+    def _logprobs(self, token_list: list[int]) -> list[TokenLogprob | None]:
+        batch = self.batch
+        out: list[TokenLogprob | None] = [None] * batch.num_rows
+        if self.host_chosen is None:
+            return out
+        chosen = self.host_chosen.tolist()
+        top_vals = top_ids = None
+        if self.host_top is not None:
+            top_vals, top_ids = self.host_top[0].tolist(), self.host_top[1].tolist()
+        for j, row in enumerate(batch.logprob_rows):
+            k = batch.logprob_k[j]
+            top_pairs = list(zip(top_ids[j][:k], top_vals[j][:k], strict=True)) if k else []
+            out[row] = TokenLogprob(token_list[row], chosen[j], top_pairs)
+        return out
+
+
 class Sampler:
     """Stateless apart from a cached per-token hash table."""
 
@@ -201,6 +239,10 @@ class Sampler:
 
     def sample(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: [N, V] float32 (may be padded past the vocabulary; extra columns are dropped)."""
+        return self.sample_on_device(logits, batch).result()
+
+    def sample_on_device(self, logits: Tensor, batch: SamplingBatch) -> DeviceSample:
+        """Queue the sampling and the copies of its results to the host; wait for nothing."""
         logits = logits[:, : self.vocab_size].float()
         raw = logits
         logits = self._process(logits, batch)
@@ -208,8 +250,19 @@ class Sampler:
         if not batch.all_greedy:
             sampled = self._sample_random(logits, batch)
             tokens = torch.where(batch.greedy, tokens, sampled)
-        token_list = tokens.tolist()
-        return SamplerOutput(token_list, self._logprobs(raw, tokens, token_list, batch))
+        chosen = top = None
+        if batch.max_logprobs >= 0:
+            chosen, top = self._logprobs(raw, tokens, batch)
+        copied = None
+        host = tokens.to("cpu", non_blocking=True)  # into pinned memory from a GPU
+        if chosen is not None:
+            chosen = chosen.to("cpu", non_blocking=True)
+        if top is not None:
+            top = (top[0].to("cpu", non_blocking=True), top[1].to("cpu", non_blocking=True))
+        if tokens.device.type == "cuda":
+            copied = torch.cuda.Event()
+            copied.record()
+        return DeviceSample(tokens, batch, host, chosen, top, copied)
 
     def _process(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
         parts = (batch.penalties, batch.bias, batch.suppress, batch.bitmask)
@@ -236,23 +289,17 @@ class Sampler:
         return argmax(scaled + noise)
 
     def _logprobs(
-        self, raw: Tensor, tokens: Tensor, token_list: list[int], batch: SamplingBatch
-    ) -> list[TokenLogprob | None]:
-        out: list[TokenLogprob | None] = [None] * batch.num_rows
-        if batch.max_logprobs < 0:
-            return out
+        self, raw: Tensor, tokens: Tensor, batch: SamplingBatch
+    ) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
+        """The raw model's log-probability of each sampled token, and the top ones, on the
+        device, for the rows that asked."""
         rows = to_device(batch.logprob_rows, None, raw.device)
         logprobs = torch.log_softmax(raw[rows], dim=-1)
-        chosen = logprobs.gather(1, tokens[rows][:, None])[:, 0].tolist()
-        top_vals = top_ids = None
-        if batch.max_logprobs > 0:
-            top = logprobs.topk(batch.max_logprobs, dim=-1)
-            top_vals, top_ids = top.values.tolist(), top.indices.tolist()
-        for j, row in enumerate(batch.logprob_rows):
-            k = batch.logprob_k[j]
-            top_pairs = list(zip(top_ids[j][:k], top_vals[j][:k], strict=True)) if k else []
-            out[row] = TokenLogprob(token_list[row], chosen[j], top_pairs)
-        return out
+        chosen = logprobs.gather(1, tokens[rows][:, None])[:, 0]
+        if batch.max_logprobs == 0:
+            return chosen, None
+        top = logprobs.topk(batch.max_logprobs, dim=-1)
+        return chosen, (top.values, top.indices)
 
 
 def apply_penalties(logits: Tensor, p: Penalties) -> Tensor:

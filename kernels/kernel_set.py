@@ -43,6 +43,8 @@ class KernelSet:
     # (kernels/triton/mla.py); each returns False when it does not cover the call.
     mla_kv_write_: Callable[..., bool] | None = None
     rope_into_: Callable[..., bool] | None = None
+    # the whole absorbed query, [latent | rope(q_pe)], in one op (kernels/triton/mla.py)
+    absorbed_query_: Callable[..., bool] | None = None
     # MoE routing in one op, (logits, bias, RouteSpec) -> (weights, ids) or None when it does not
     # cover the call (kernels/moe_routing.py is the composition it replaces).
     moe_route: Callable[..., tuple[Tensor, Tensor] | None] | None = None

@@ -76,6 +76,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="how long requests arriving during decode-only steps may wait for more arrivals "
         "before joining a step (default: 30 with CUDA graphs, else 0)",
     )
+    g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="launch each decode step before the previous one's sampled ids reach the host "
+        "(default: on with CUDA graphs, else off)",
+    )
     g.add_argument("--speculative", choices=["mtp", "ngram"], default=None)
     g.add_argument("--num-speculative-tokens", type=int, default=3)
     add_kv_tier_args(p)
@@ -175,6 +182,7 @@ def _engine_config(args: argparse.Namespace, spec: SpeculativeConfig | None) -> 
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         prefill_gather_s=None if args.prefill_gather_ms is None else args.prefill_gather_ms / 1000,
+        async_scheduling=args.async_scheduling,
         speculative=spec,
         kv_tiers=kv_tier_config_from_args(args),
     )

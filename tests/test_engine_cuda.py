@@ -101,3 +101,25 @@ def test_seeded_sampling_and_forks_on_cuda(loaded):
     busy = llm.generate(p, [noise, noise, params])[2]
     assert [s.token_ids for s in busy.samples] == [s.token_ids for s in solo.samples]
     assert solo.samples[0].token_ids != solo.samples[1].token_ids
+
+
+def test_async_scheduling_on_cuda_gives_the_same_outputs(loaded):
+    params = [
+        SamplingParams(temperature=0, max_tokens=4 + 3 * i, logprobs=2 if i % 2 else None)
+        if i % 3
+        else SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=9)
+        for i in range(6)
+    ]
+
+    def outputs(flag: bool) -> list:
+        llm = make_llm(loaded, async_scheduling=flag)
+        results = llm.generate(prompts(6), params)
+        assert llm.engine.block_manager.usage == 0.0
+        ahead = llm.engine.overlap.ahead
+        return [
+            (r.token_ids, r.samples[0].logprobs, r.samples[0].finish_reason) for r in results
+        ], ahead
+
+    (on, ahead), (off, _) = outputs(True), outputs(False)
+    assert on == off
+    assert ahead > 0

@@ -38,11 +38,28 @@ def test_fused_moe_matches_the_loop_and_rows_are_batch_invariant(tokens):
     ids = _rand(tokens, e, seed=4).topk(k, dim=-1)[1]
     w = _rand(tokens, k, seed=5).abs()
     want = fused_moe.fused_moe_reference(x, gate_up, down, w, ids)
-    for cfg in (fused_moe.DECODE, fused_moe.PREFILL):
+    for cfg in (fused_moe.DECODE, fused_moe.PREFILL, fused_moe.LARGE):
         got = fused_moe.fused_moe(x, gate_up, down, w, ids, cfg)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     alone = fused_moe.fused_moe(x[-1:], gate_up, down, w[-1:], ids[-1:], fused_moe.DECODE)
     assert torch.equal(alone, fused_moe.fused_moe(x, gate_up, down, w, ids, fused_moe.DECODE)[-1:])
+
+
+def test_fused_moe_adds_the_shared_output_as_a_separate_add_would():
+    e, h, i, k = 4, 32, 16, 2
+    gate_up, down = _rand(e, 2 * i, h, seed=1) / h**0.5, _rand(e, h, i, seed=2) / i**0.5
+    x, shared = _rand(3, h, seed=3), _rand(3, h, seed=6)
+    ids = _rand(3, e, seed=4).topk(k, dim=-1)[1]
+    w = _rand(3, k, seed=5).abs()
+    alone = fused_moe.fused_moe(x, gate_up, down, w, ids)
+    assert torch.equal(fused_moe.fused_moe(x, gate_up, down, w, ids, add=shared), alone + shared)
+
+
+def test_fused_moe_tile_widens_once_the_experts_average_a_full_wide_block():
+    assert fused_moe.default_config(6, 64) is fused_moe.DECODE
+    assert fused_moe.default_config(fused_moe.PREFILL_MIN_PAIRS, 64) is fused_moe.PREFILL
+    assert fused_moe.default_config(12000, 64) is fused_moe.LARGE
+    assert fused_moe.default_config(12000, 256) is fused_moe.PREFILL
 
 
 @pytest.mark.parametrize("one_program", [True, False])
@@ -134,6 +151,10 @@ def test_mla_kv_write_and_rope_into_match_the_torch_ops():
     assert mla.rope_into_(q[..., 8:], cos, sin, out[..., 4:])
     torch.testing.assert_close(out[..., 4:], apply_rope(q[..., 8:], cos, sin))
     assert out[..., :4].eq(0).all()
+    latent = _rand(heads, tokens, 4, seed=14).transpose(0, 1)  # the bmm's [H, T, lora], strided
+    whole = torch.zeros(tokens, heads, 4 + rope, device=DEVICE)
+    assert mla.absorbed_query_(latent, q[..., 8:], cos, sin, whole)
+    assert torch.equal(whole, torch.cat([latent, out[..., 4:]], dim=-1))
 
 
 def test_tiny_deepseek_with_the_fast_kernels_matches_the_reference_kernels():
@@ -156,3 +177,50 @@ def test_tiny_deepseek_with_the_fast_kernels_matches_the_reference_kernels():
         logits.append([loop.logits([5, 9, 2, 7, 1]), loop.logits([3]), loop.logits([8])])
     for want, got in zip(*logits, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+# float16, not bfloat16: the interpreter truncates float32 -> bfloat16 where CUDA rounds to
+# nearest (benchmarks/gpu/kernel_checks.py checks bfloat16 bitwise on the device)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_qk_write_kv_equals_apply_rope_and_write_kv_bitwise(dtype):
+    from deepserve.kernels.attention_ref import write_kv
+    from deepserve.kernels.rope import apply_rope, build_rope_tables, rope_at
+    from deepserve.kernels.triton import rope
+
+    tokens, hq, hkv, d = 3, 3, 1, 8
+    qkv = _rand(tokens, (hq + 2 * hkv) * d, seed=13).to(dtype)
+    cos, sin = rope_at(
+        build_rope_tables(d, 10000.0, None, 64, DEVICE), torch.tensor([0, 9, 40]).to(DEVICE), dtype
+    )
+    layer = torch.zeros(5, 4, 2 * hkv * d, device=DEVICE, dtype=dtype)  # llama's [K | V] rows
+    k_cache, v_cache = (part.unflatten(-1, (hkv, d)) for part in layer.chunk(2, dim=-1))
+    slots = torch.tensor([17, 2, 9], device=DEVICE)
+    want_layer = layer.clone()
+    want_k, want_v = (part.unflatten(-1, (hkv, d)) for part in want_layer.chunk(2, dim=-1))
+    qk = apply_rope(qkv[:, : (hq + hkv) * d].view(tokens, hq + hkv, d), cos, sin)
+    write_kv(want_k, slots, qk[:, hq:])
+    write_kv(want_v, slots, qkv[:, (hq + hkv) * d :].view(tokens, hkv, d))
+    assert rope.rope_qk_write_kv_(qkv, cos, sin, k_cache, v_cache, slots, hq)
+    assert torch.equal(qkv[:, : hq * d].view(tokens, hq, d), qk[:, :hq])
+    assert torch.equal(layer, want_layer)
+
+
+@pytest.mark.parametrize("layout", ["gqa", "mla"])
+def test_default_prefill_attention_matches_the_reference(layout):
+    """The default set's varlen attention (32 query rows per program) on a prefill and a chunk
+    mixed with a decode."""
+    from dataclasses import replace
+
+    from paged_kv import PagedCase
+
+    from deepserve.kernels.reference import KERNELS
+    from deepserve.kernels.triton.kernelset import FastPagedAttention
+
+    fast = FastPagedAttention()
+    fast.varlen.split = 2 * attention.BLOCK_N  # interpreter: a small split, several of them
+    kernels = replace(KERNELS, paged_attention=fast)
+    case = PagedCase(layout, [150, 40], device=DEVICE)
+    for seqs in ([(0, 0, 150)], [(0, 120, 30), (1, 39, 1)]):
+        got, want = case.run(kernels, seqs), case.run(KERNELS, seqs)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)

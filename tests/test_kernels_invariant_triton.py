@@ -44,6 +44,7 @@ from paged_kv import PagedCase  # noqa: E402
 
 from deepserve.kernels import reference  # noqa: E402
 from deepserve.kernels.triton import attention  # noqa: E402
+from deepserve.kernels.triton.decode_attention import InvariantPagedAttention  # noqa: E402
 from deepserve.kernels.triton.kernelset import triton_kernels  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -62,6 +63,33 @@ def test_linear_rows_equal_for_any_row_count_and_match_reference():
         assert torch.equal(TK.linear(x[:m], w), full[:m]), m
     assert torch.equal(TK.linear(x[5:6], w)[0], full[5])
     torch.testing.assert_close(full, reference.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_split_and_inline_modes_give_the_same_bits():
+    """K chunks added by a second pass (decode) or inside the program (prefill): same bits."""
+    from deepserve.kernels.triton import matmul
+
+    cfg = matmul.TileConfig(block_m=16, block_n=16, block_k=16, splits=3)
+    w, x = _rand(40, 72, seed=8), _rand(20, 72, seed=9)  # K=72: the last chunk is short
+    a, b = x[None], w.t()[None]
+    outs = []
+    for split_mode in (True, False):
+        out = torch.empty(1, 20, 40, device=DEVICE)
+        outs.append(matmul._launch(a, b, out, cfg, split_mode)[0])
+    assert torch.equal(outs[0], outs[1])
+    for m in [1, 3, 17]:
+        assert torch.equal(matmul.linear(x[:m], w, cfg), outs[1][:m]), m
+    torch.testing.assert_close(outs[0], reference.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_matmul_config_depends_on_the_weight_alone():
+    from deepserve.kernels.triton import matmul
+
+    narrow = matmul.config_for(2048, 576, torch.bfloat16)
+    assert narrow.splits > 1 and narrow.chunk(2048) % narrow.block_k == 0
+    assert matmul.config_for(2048, 102400, torch.bfloat16).splits == 1
+    wide = matmul.config_for(2048, 576, torch.float32)  # a shallower pipeline, same reduction
+    assert (wide.block_k, wide.splits) == (narrow.block_k, narrow.splits)
 
 
 def test_bmm_rows_equal_for_any_row_count_and_match_reference():
@@ -108,3 +136,18 @@ def test_attention_rows_equal_across_prefill_chunks_decode_and_batches(layout):
     torch.testing.assert_close(torch.cat(outs), ref, rtol=1e-5, atol=1e-5)
     ref_whole = case.run(reference.KERNELS, [(0, 0, n)])[0]
     torch.testing.assert_close(whole, ref_whole, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["gqa", "mla"])
+def test_head_grouped_decode_equals_the_fixed_split_kernel_row_for_row(layout):
+    """Decode steps read a KV row once per head group; the bits are the prefill kernel's."""
+    split = attention.SPLIT if DEVICE == "cuda" else 2 * attention.BLOCK_N
+    case = PagedCase(layout, [split + 21, 5, 40], device=DEVICE)
+    decodes = [(0, split + 20, 1), (1, 4, 1), (2, 39, 1), (0, split - 1, 1)]
+    want = case.run(
+        dataclasses.replace(TK, paged_attention=attention.TritonPagedAttention(split)), decodes
+    )
+    grouped = dataclasses.replace(TK, paged_attention=InvariantPagedAttention(split))
+    got = case.run(grouped, decodes)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert torch.equal(case.run(grouped, [(2, 39, 1)])[0], got[2])  # alone = in the batch

@@ -1,8 +1,10 @@
 """The GPU kernels of the default path against their torch oracles, on fresh random inputs:
-fused MoE (decode and prefill tiles) against a float32 loop, the decode attention kernel (MLA and
+the fused rope + KV write (GQA) and absorbed query (MLA) against the torch ops (bitwise), fused MoE
+(decode and prefill tiles) against a float32 loop, the decode attention kernel (MLA and
 GQA layouts, shuffled block tables) against kernels/attention_ref.py, the fixed-split kernel's
 device-side decode layout against its host layout (bitwise), and graph-replayed decode steps
-against eager ones. Imported by run_all.py; returns rows of max relative errors."""
+against eager ones; and V2-Lite prefill's fused-MoE tiles and attention row tiles, timed. Imported
+by run_all.py; returns rows of max relative errors."""
 
 from __future__ import annotations
 
@@ -29,10 +31,20 @@ def check_moe(rows: list) -> None:
             ids = torch.rand(t, e, device="cuda", generator=g).topk(k, dim=-1)[1]
             w = torch.rand(t, k, device="cuda", generator=g)
             want = fused_moe.fused_moe_reference(x, gate_up, down, w, ids)
-            for cname, cfg in (("decode", fused_moe.DECODE), ("prefill", fused_moe.PREFILL)):
+            cfgs = (
+                ("decode", fused_moe.DECODE),
+                ("prefill", fused_moe.PREFILL),
+                ("large", fused_moe.LARGE),
+            )
+            for cname, cfg in cfgs:
                 got = fused_moe.fused_moe(x, gate_up, down, w, ids, cfg)
                 rows.append(dict(op="fused_moe", dtype=str(dtype), tokens=t, cfg=cname,
                                  rel_err=rel(got, want), nan=bool(got.isnan().any())))  # fmt: skip
+            shared = torch.randn(t, h, device="cuda", generator=g, dtype=dtype)
+            plus = fused_moe.fused_moe(x, gate_up, down, w, ids, add=shared)
+            alone = fused_moe.fused_moe(x, gate_up, down, w, ids)
+            rows.append(dict(op="fused_moe_add_shared", dtype=str(dtype), tokens=t,
+                             equal=bool(torch.equal(plus, alone + shared))))  # fmt: skip
             # batch invariance of the fixed tile: a row alone equals the row in the batch
             full = fused_moe.fused_moe(x, gate_up, down, w, ids, fused_moe.DECODE)
             one = fused_moe.fused_moe(x[:1], gate_up, down, w[:1], ids[:1], fused_moe.DECODE)
@@ -143,6 +155,112 @@ def check_routing(rows: list) -> None:
                              rel_err=rel(w1, w0), row_invariant=bool(torch.equal(one[0], w1[-1:]))))  # fmt: skip
 
 
+def check_rope_kernels(rows: list) -> None:
+    """The GQA fused rope + KV write against apply_rope + write_kv (bitwise, as torch rounds
+    each op), and MLA's absorbed query against rope_into_ + the latent copy (bitwise)."""
+    from deepserve.kernels.attention_ref import write_kv
+    from deepserve.kernels.rope import apply_rope, build_rope_tables, rope_at
+    from deepserve.kernels.triton import mla, rope
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    hq, hkv, d = 9, 3, 64  # SmolLM2
+    tables = build_rope_tables(d, 10000.0, None, 4096, "cuda")
+    for dtype in (torch.bfloat16, torch.float32):
+        for t in (1, 32, 2000):
+            qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda", generator=g).to(dtype)
+            pos = torch.randperm(4096, device="cuda", generator=g)[:t]
+            cos, sin = rope_at(tables, pos, dtype)
+            layer = torch.randn(300, 16, 2 * hkv * d, device="cuda", generator=g).to(dtype)
+            want_layer = layer.clone()
+            k_c, v_c = (c.unflatten(-1, (hkv, d)) for c in layer.chunk(2, dim=-1))
+            wk_c, wv_c = (c.unflatten(-1, (hkv, d)) for c in want_layer.chunk(2, dim=-1))
+            slots = torch.randperm(300 * 16, device="cuda", generator=g)[:t]
+            qk = apply_rope(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
+            write_kv(wk_c, slots, qk[:, hq:])
+            write_kv(wv_c, slots, qkv[:, (hq + hkv) * d :].view(t, hkv, d))
+            ok = rope.rope_qk_write_kv_(qkv, cos, sin, k_c, v_c, slots, hq)
+            q_equal = torch.equal(qkv[:, : hq * d].view(t, hq, d), qk[:, :hq])
+            rows.append(dict(op="rope_qk_write_kv_", dtype=str(dtype), tokens=t, used=ok,
+                             q_equal=q_equal, cache_equal=torch.equal(layer, want_layer)))  # fmt: skip
+    heads, lora, nope, r = 16, 512, 128, 64  # V2-Lite
+    tables = build_rope_tables(r, 10000.0, None, 4096, "cuda")
+    for t in (1, 64, 2000):
+        q = torch.randn(t, heads, nope + r, device="cuda", generator=g, dtype=torch.bfloat16)
+        latent = torch.randn(heads, t, lora, device="cuda", generator=g, dtype=torch.bfloat16)
+        cos, sin = rope_at(tables, torch.arange(t, device="cuda"), torch.bfloat16)
+        want = q.new_zeros(t, heads, lora + r)
+        mla.rope_into_(q[..., nope:], cos, sin, want[..., lora:])
+        want[..., :lora] = latent.transpose(0, 1)
+        got = q.new_zeros(t, heads, lora + r)
+        ok = mla.absorbed_query_(latent.transpose(0, 1), q[..., nope:], cos, sin, got)
+        torch_rope = apply_rope(q[..., nope:], cos, sin)
+        rows.append(dict(op="absorbed_query_", tokens=t, used=ok, equal=torch.equal(got, want),
+                         rel_err_vs_torch_rope=rel(got[..., lora:], torch_rope)))  # fmt: skip
+
+
+def _timed(row: dict, fn, want: torch.Tensor, part) -> None:
+    """`row` gains fn's error against `want` (on `part` of its output) and its median ms by CUDA
+    events, or the error text of a configuration that does not build."""
+    import triton.testing
+
+    try:
+        row["rel_err"] = rel(part(fn()), want)
+        row["ms"] = triton.testing.do_bench(fn, return_mode="median")
+    except Exception as exc:  # e.g. a tile over the shared memory: recorded, the rest go on
+        row["error"] = str(exc)[-200:]
+
+
+def time_prefill_tiles(rows: list) -> None:
+    """V2-Lite's 2,000-token prefill: the fused MoE (64 experts, top-6) under candidate tiles
+    and the varlen attention (MLA: one 576-wide latent head, 16 query heads) under candidate
+    row tiles, splits and warps, each against a float32 reference."""
+    from deepserve.kernels import attention_ref
+    from deepserve.kernels.triton import attention, fused_moe
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    e, h, i, k, t = 64, 2048, 1408, 6, 2000
+    gate_up = torch.randn(e, 2 * i, h, device="cuda", generator=g, dtype=torch.bfloat16) / h**0.5
+    down = torch.randn(e, h, i, device="cuda", generator=g, dtype=torch.bfloat16) / i**0.5
+    x = torch.randn(t, h, device="cuda", generator=g, dtype=torch.bfloat16)
+    ids = torch.rand(t, e, device="cuda", generator=g).topk(k, dim=-1)[1]
+    w = torch.rand(t, k, device="cuda", generator=g)
+    want = fused_moe.fused_moe_reference(x[:8], gate_up, down, w[:8], ids[:8])
+    cfgs = {
+        "prefill": fused_moe.PREFILL,
+        "64x128x64w4s4": fused_moe.MoeConfig(64, 128, 64, 4, 4),
+        "128x128x64w8s3": fused_moe.MoeConfig(128, 128, 64, 8, 3),
+        "128x128x64w4s4": fused_moe.MoeConfig(128, 128, 64, 4, 4),
+        "64x256x64w8s3": fused_moe.MoeConfig(64, 256, 64, 8, 3),
+        "128x256x64w8s3": fused_moe.MoeConfig(128, 256, 64, 8, 3),
+        "64x128x128w8s3": fused_moe.MoeConfig(64, 128, 128, 8, 3),
+        "128x64x64w4s4": fused_moe.MoeConfig(128, 64, 64, 4, 4),
+    }
+    for name, cfg in cfgs.items():
+        fn = lambda cfg=cfg: fused_moe.fused_moe(x, gate_up, down, w, ids, cfg)  # noqa: E731
+        row = dict(op="moe_prefill_tile", cfg=name, tokens=t)
+        _timed(row, fn, want, lambda y: y[:8])
+        rows.append(row)
+    k_cache = torch.randn(130, 16, 1, 576, device="cuda", generator=g, dtype=torch.bfloat16)
+    v_cache = k_cache[..., :512]
+    q = torch.randn(t, 16, 576, device="cuda", generator=g, dtype=torch.bfloat16)
+    attn = AttentionMetadata(
+        query_start_loc=torch.tensor([0, t], dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor([t], dtype=torch.int32, device="cuda"),
+        context_lens=torch.tensor([0], dtype=torch.int32, device="cuda"),
+        slot_mapping=torch.arange(t, device="cuda"),
+        block_tables=torch.randperm(130, device="cuda", generator=g)[None].to(torch.int32),
+        block_size=16, query_lens_cpu=[t], seq_lens_cpu=[t], context_lens_cpu=[0],
+    )  # fmt: skip
+    want = attention_ref.paged_attention(q.float(), k_cache.float(), v_cache.float(), attn, 0.1)
+    for split, block_m, warps in ((512, 16, 4), (2048, 16, 4), (512, 32, 4), (512, 64, 4),
+                                  (512, 64, 8), (2048, 64, 8), (512, 128, 8)):  # fmt: skip
+        kernel = attention.TritonPagedAttention(split, block_m, warps)
+        fn = lambda kernel=kernel: kernel(q, k_cache, v_cache, attn, 0.1)  # noqa: E731
+        row = dict(op="mla_prefill_attention", split=split, block_m=block_m, warps=warps)
+        _timed(row, fn, want, lambda y: y)
+        rows.append(row)
+
+
 def _bench_graph(fn) -> float:
     """Median ms of `fn` replayed from a CUDA graph: device time, no host launch cost."""
     import triton.testing
@@ -188,6 +306,8 @@ def time_matmul_grid(rows: list) -> None:
 def run(out: dict) -> None:
     rows = out.setdefault("kernel_checks", [])
     for fn in (
+        check_rope_kernels,
+        time_prefill_tiles,
         check_fused_rows,
         check_routing,
         time_matmul_grid,
@@ -200,4 +320,235 @@ def run(out: dict) -> None:
             import traceback
 
             rows.append(dict(op=fn.__name__, error=traceback.format_exc()[-1500:]))
+            print(e, flush=True)
+
+
+# ---- `--batch-invariant`'s matmul and decode attention: candidates timed, bits checked ---------
+
+MATMUL_SHAPES = {  # (K, N, heads of a bmm or 0 for linear, dtype) -> its layer; most calls first
+    (2048, 3072, 0, "bf16"): "v2 q_proj",
+    (2048, 576, 0, "bf16"): "v2 kv_a",
+    (2048, 2048, 0, "bf16"): "v2 o_proj",
+    (2048, 2816, 0, "bf16"): "v2 shared gate_up",
+    (1408, 2048, 0, "bf16"): "v2 down (1408)",
+    (2816, 2048, 0, "bf16"): "v2 shared down",
+    (2048, 64, 0, "fp32"): "v2 router gate",
+    (128, 512, 16, "bf16"): "v2 bmm q absorb",
+    (512, 128, 16, "bf16"): "v2 bmm out absorb",
+    (576, 960, 0, "bf16"): "smol qkv",
+    (576, 576, 0, "bf16"): "smol o_proj",
+    (576, 3072, 0, "bf16"): "smol gate_up",
+    (1536, 576, 0, "bf16"): "smol down",
+    (2048, 102400, 0, "bf16"): "v2 lm_head",
+    (576, 49152, 0, "bf16"): "smol lm_head",
+}
+TILE_CANDIDATES = {  # (block_n, block_k, num_warps, num_stages); block_m is always 64
+    "n64k64w4s4": (64, 64, 4, 4),
+    "n64k128w4s3": (64, 128, 4, 3),
+    "n32k128w4s4": (32, 128, 4, 4),
+    "n128k64w8s3": (128, 64, 8, 3),
+    "n128k128w8s3": (128, 128, 8, 3),
+}
+
+
+def _graph_us(fn, calls: int) -> float:
+    """Device us per call of `fn`, from `calls` launches captured in one CUDA graph (best of 3)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    best = float("inf")
+    for _ in range(3):
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        graph.replay()
+        t1.record()
+        torch.cuda.synchronize()
+        best = min(best, t0.elapsed_time(t1) * 1e3 / calls)
+    del graph
+    return best
+
+
+def _matmul_operands(k: int, n: int, heads: int, dtype: torch.dtype, g):
+    """x [2048 rows] and the weight as linear / bmm take them, plus the op for a config."""
+    from deepserve.kernels.triton import matmul
+
+    if heads:
+        a = torch.randn(2048, heads, k, device="cuda", generator=g, dtype=dtype).transpose(0, 1)
+        b = torch.randn(heads, k, n, device="cuda", generator=g, dtype=dtype) / k**0.5
+        return a, b, lambda x, cfg: matmul.bmm(x, b, cfg), lambda x: torch.matmul(x, b)
+    w = torch.randn(n, k, device="cuda", generator=g, dtype=dtype) / k**0.5
+    x = torch.randn(2048, k, device="cuda", generator=g, dtype=dtype)
+    return x, w, lambda x, cfg: matmul.linear(x, w, cfg), lambda x: x @ w.t()
+
+
+def _rows(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    return x[..., lo:hi, :] if x.dim() == 3 else x[lo:hi]
+
+
+def _candidate_row(op, x, cfg, ref) -> dict:
+    full = op(x, cfg)
+    same = all(torch.equal(op(_rows(x, 0, m), cfg), _rows(full, 0, m)) for m in (1, 3, 17, 64, 65))
+    same &= torch.equal(op(_rows(x, 5, 6), cfg), _rows(full, 5, 6))
+    row = dict(invariant=bool(same), rel_err=rel(full, ref))
+    for m, calls in ((1, 20), (64, 20), (2048, 3)):
+        row[f"us_m{m}"] = round(_graph_us(lambda m=m: op(_rows(x, 0, m), cfg), calls), 2)
+    return row
+
+
+def _pick(cands: list[dict]) -> dict | None:
+    """Fastest decode (M=1 plus M=64) among the invariant candidates whose M=2,048 time is within
+    10% of the best M=2,048 time."""
+    ok = [c for c in cands if c["invariant"] and c["rel_err"] < 2e-2]
+    if not ok:
+        return None
+    best_prefill = min(c["us_m2048"] for c in ok)
+    fair = [c for c in ok if c["us_m2048"] <= 1.1 * best_prefill]
+    return min(fair, key=lambda c: c["us_m1"] + c["us_m64"])
+
+
+def tune_matmul(rows: list, deadline: float) -> dict:
+    """Every tile candidate x K-split count on each engine weight shape: bits across M, error vs
+    float64, device us at M = 1 / 64 / 2,048 beside cuBLAS; the winners go into matmul.TUNED for
+    the rest of this process (the speed section) and are printed to be hard-coded."""
+    import time
+
+    from deepserve.kernels.triton import matmul
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    winners = {}
+    for (k, n, heads, dt), layer in MATMUL_SHAPES.items():
+        if time.time() > deadline:
+            rows.append(dict(op="tune_matmul", error=f"out of time before {layer}"))
+            break
+        dtype = torch.bfloat16 if dt == "bf16" else torch.float32
+        x, w, op, torch_op = _matmul_operands(k, n, heads, dtype, g)
+        ref = torch.matmul(x.double(), w.double()) if heads else x.double() @ w.double().t()
+        base = dict(op="matmul_tune", layer=layer, k=k, n=n, heads=heads, dtype=dt)
+        cublas = dict(base, config="cublas")
+        for m, calls in ((1, 20), (64, 20), (2048, 3)):
+            cublas[f"us_m{m}"] = round(
+                _graph_us(lambda m=m, x=x, f=torch_op: f(_rows(x, 0, m)), calls), 2
+            )
+        rows.append(cublas)
+        cands = []
+        for cname, (bn, bk, warps, stages) in TILE_CANDIDATES.items():
+            if dt == "fp32" and bn > 64:
+                continue  # the router gate: 64 columns
+            for splits in (1, 2, 4, 8, 16):
+                cfg = matmul.TileConfig(64, bn, bk, 8, warps, stages, splits)
+                if splits > 1 and (cfg.chunk(k) * (splits - 1) >= k or k // splits < bk):
+                    continue  # an empty or repeated chunk count
+                cfg = cfg.fitted(x.element_size())
+                try:
+                    row = dict(base, config=f"{cname}x{splits}", **_candidate_row(op, x, cfg, ref))
+                except Exception as e:  # e.g. out of shared memory: recorded, not chosen
+                    row = dict(base, config=f"{cname}x{splits}", error=str(e)[:200])
+                row["cfg"] = cfg
+                rows.append(row)
+                if "error" not in row:
+                    cands.append(row)
+        win = _pick(cands)
+        if win is None:
+            rows.append(dict(base, error="no invariant candidate"))
+            continue
+        winners[(k, n)] = win["cfg"]
+        rows.append(dict(base, config="chosen:" + win["config"], us_m1=win["us_m1"],
+                         us_m64=win["us_m64"], us_m2048=win["us_m2048"]))  # fmt: skip
+        print(rows[-1], "cublas", cublas, flush=True)
+    for row in rows:
+        if "cfg" in row:
+            row["cfg"] = str(row["cfg"])
+    matmul.TUNED.update(winners)
+    print("TUNED = {", flush=True)
+    for key, cfg in winners.items():
+        print(f"    {key}: {cfg!r},", flush=True)
+    print("}", flush=True)
+    return winners
+
+
+def check_invariant_decode_attention(rows: list) -> None:
+    """The head-grouped decode kernel against the fixed-split kernel (bitwise, its host layout as
+    a prefill builds it) and attention_ref; device us beside the fixed-split kernel and the
+    default set's decode kernel at V2-Lite's (MLA, 16 heads) and SmolLM2's (GQA 9/3) shapes."""
+    from deepserve.kernels import attention_ref
+    from deepserve.kernels.triton import attention
+    from deepserve.kernels.triton.decode_attention import InvariantPagedAttention
+
+    gen = torch.Generator().manual_seed(4)
+    bs, nb = 16, 9000
+    for layout in ("mla", "gqa"):
+        for dtype in (torch.bfloat16, torch.float32):
+            for lens in ([1], [7, 300, 33], [17] * 64 + [2000], [256] * 64, [256]):
+                if layout == "mla":
+                    cache = torch.randn(nb, bs, 576, generator=gen).to("cuda", dtype).unsqueeze(2)
+                    k_cache, v_cache, hq = cache, cache[..., :512], 16
+                else:
+                    cache = torch.randn(nb, bs, 2 * 3 * 64, generator=gen).to("cuda", dtype)
+                    k_cache = cache[..., :192].unflatten(-1, (3, 64))
+                    v_cache = cache[..., 192:].unflatten(-1, (3, 64))
+                    hq = 9
+                q = torch.randn(len(lens), hq, k_cache.shape[-1], generator=gen).to("cuda", dtype)
+                attn = _metadata(lens, bs, nb, gen)
+                want = attention_ref.paged_attention(q, k_cache, v_cache, attn, 0.07)
+                fixed = attention.TritonPagedAttention()
+                fixed._layout = fixed._host_layout(attn, q.device)
+                ref = fixed(q, k_cache, v_cache, attn, 0.07)
+                grouped = InvariantPagedAttention()
+                got = grouped(q, k_cache, v_cache, attn, 0.07)
+                alone = grouped(q[-1:], k_cache, v_cache, _metadata_rows(attn, len(lens) - 1), 0.07)
+                row = dict(op="invariant_decode_attention", layout=layout, dtype=str(dtype),
+                           lens=str(lens[:4]), batch=len(lens), equal_fixed_split=bool(torch.equal(got, ref)),
+                           equal_alone=bool(torch.equal(alone, got[-1:])), rel_err=rel(got, want))  # fmt: skip
+                if dtype == torch.bfloat16 and lens[0] == 256:
+                    row.update(_attention_us(grouped, q, k_cache, v_cache, attn))
+                rows.append(row)
+                print(row, flush=True)
+
+
+def _attention_us(grouped, q, k_cache, v_cache, attn) -> dict:
+    """Device us of a decode step's attention: head-grouped, fixed-split, the default set's."""
+    from deepserve.kernels.triton import attention
+    from deepserve.kernels.triton.decode_attention import decode_attention
+
+    fixed = attention.TritonPagedAttention()
+    fns = {"grouped": grouped, "fixed_split": fixed, "flag_off": decode_attention}
+    return {
+        f"us_{name}": round(_graph_us(lambda f=f: f(q, k_cache, v_cache, attn, 0.07), 20), 2)
+        for name, f in fns.items()
+    }
+
+
+def _metadata_rows(attn: AttentionMetadata, i: int) -> AttentionMetadata:
+    """Sequence i of a decode step's metadata, as a step of its own."""
+    return AttentionMetadata(
+        query_start_loc=torch.arange(2, device="cuda", dtype=torch.int32),
+        seq_lens=attn.seq_lens[i : i + 1],
+        context_lens=attn.context_lens[i : i + 1],
+        slot_mapping=attn.slot_mapping[i : i + 1],
+        block_tables=attn.block_tables[i : i + 1],
+        block_size=attn.block_size,
+        query_lens_cpu=[1],
+        seq_lens_cpu=attn.seq_lens_cpu[i : i + 1],
+        context_lens_cpu=attn.context_lens_cpu[i : i + 1],
+    )
+
+
+def run_invariant(out: dict, deadline: float) -> None:
+    """`--only invariant`: the attention checks, then the matmul tuning (its winners are used by
+    the sections after it in the same process)."""
+    import traceback
+
+    rows = out.setdefault("invariant", [])
+    for name, fn in (
+        ("attention", lambda: check_invariant_decode_attention(rows)),
+        ("matmul", lambda: tune_matmul(rows, deadline)),
+    ):
+        try:
+            fn()
+        except Exception as e:
+            rows.append(dict(op=name, error=traceback.format_exc()[-1500:]))
             print(e, flush=True)

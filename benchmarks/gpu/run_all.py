@@ -408,8 +408,9 @@ def section_determinism(out: dict, models: dict[str, Path], sc: Scale, deadline:
 def markdown(out: dict) -> str:
     lines = [f"GPU: {out.get('gpu')}, torch {out.get('torch')}, triton {out.get('triton')}, "
              f"transformers {out.get('transformers')}", ""]  # fmt: skip
-    keys = ("kernel_checks", "kernel_tests", "linear", "parity", "throughput", "determinism",
-            "speed", "profile", "serve", "serve_log_tail", "build_s", "errors")  # fmt: skip
+    keys = ("kernel_checks", "invariant", "kernel_tests", "linear", "parity", "throughput",
+            "determinism", "speed", "profile", "prefill_profile", "serve", "serve_log_tail",
+            "build_s", "errors")  # fmt: skip
     for key in keys:
         if key not in out:
             continue
@@ -471,6 +472,7 @@ def main() -> int:
         if "tiny-deepseek" in wanted:
             models["tiny-deepseek"] = write_tiny_deepseek(work / "tiny-deepseek")
 
+    import async_ab
     import kernel_checks
     import serve_bench
     import speed
@@ -481,13 +483,15 @@ def main() -> int:
         ("kernels", lambda: section_kernels(out)),
         ("linear", lambda: section_kernel_invariance_and_speed(out)),
         ("models", write_models),
+        ("invariant", lambda: kernel_checks.run_invariant(out, deadline - 240)),  # speed: ~130 s
         ("speed", lambda: speed.section_speed(out, args.shapes, batches, 128, deadline - 200)),
+        ("async", lambda: async_ab.section_async(out, args.shapes, batches, 128, deadline - 150)),
         ("parity", lambda: section_parity(out, models, sc)),
         ("determinism", lambda: section_determinism(out, models, sc, deadline - 100)),
         ("throughput", lambda: section_throughput(out, models, sc, deadline - 90)),
         ("serve", lambda: serve_bench.section_serve(out, work, serve_bench.ServeRun())),
     ]
-    default_off = {"throughput", "linear", "kernels"}  # superseded by speed / checks
+    default_off = {"throughput", "linear", "kernels", "invariant"}  # superseded by speed / checks
     for name, fn in sections:
         if name == "models":
             if args.only and not {"parity", "determinism", "throughput"} & set(args.only):

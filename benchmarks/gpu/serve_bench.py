@@ -1,6 +1,8 @@
 """HTTP serving against the offline engine in one call (issue 15): `deepserve serve` on a
 real-shape checkpoint, loaded by `deepserve bench serve` at `concurrency` streams, beside the
-offline `LLM.generate` of the very same prompts on the same engine settings.
+offline `LLM.generate` of the very same prompts on the same engine settings. Each side reports
+its steps in the timed window (step_log.py: rows and tokens per step, graph or eager), and the
+HTTP side the bench client's own CPU time against wall time (is the client the limit?).
 
 Both sides run the same work (and, between them, the in-process AsyncEngine without HTTP): `num_prompts` completions prompts (bench.make_prompts, tokenized
 by the checkpoint's own tokenizer for the offline side), `output_len` greedy tokens each with
@@ -29,7 +31,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import step_log
 import torch
+
+# Every step of the timed runs (step_log.py): offline, the AsyncEngine and the servers append to it.
+STEP_LOG = Path("/tmp/deepserve-steps.log")
 
 QUICK_OVERRIDES = {
     "num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 256,
@@ -86,18 +92,22 @@ def offline_tok_s(folder: Path, run: ServeRun) -> dict:
         warm = [llm.encode(p) for p in make_prompts(run.concurrency, run.input_len, 1)]
         llm.generate(warm, _greedy(16))
         prompts = [llm.encode(p) for p in make_prompts(run.num_prompts, run.input_len, 0)]
+        log = step_log.install(STEP_LOG)
         _sync(run)
-        t0 = time.perf_counter()
+        w0, t0 = time.time(), time.perf_counter()
         results = llm.generate(prompts, _greedy(run.output_len))
         _sync(run)
         wall = time.perf_counter() - t0
+        log()
+        steps = step_log.summary(STEP_LOG, w0, w0 + wall)
     finally:
         llm.close()
         del llm
         _free(run)
     tokens = sum(len(r.token_ids) for r in results)
     return dict(side="offline", load_s=load_s, wall_s=wall, output_tokens=tokens,
-                prompt_tokens=sum(map(len, prompts)), output_tok_s=tokens / wall)  # fmt: skip
+                prompt_tokens=sum(map(len, prompts)), output_tok_s=tokens / wall,
+                steps=steps)  # fmt: skip
 
 
 def async_engine_tok_s(folder: Path, run: ServeRun) -> dict:
@@ -125,17 +135,23 @@ def async_engine_tok_s(folder: Path, run: ServeRun) -> dict:
             warm = [enc(p).ids for p in make_prompts(run.concurrency, run.input_len, 1)]
             await asyncio.gather(*(one(f"w{i}", p, 16) for i, p in enumerate(warm)))
             prompts = [enc(p).ids for p in make_prompts(run.num_prompts, run.input_len, 0)]
+            stop_log = step_log.install(STEP_LOG)
             t0 = time.perf_counter()
             counts = await asyncio.gather(
                 *(one(f"r{i}", p, run.output_len) for i, p in enumerate(prompts))
             )
-            return time.perf_counter() - t0, sum(counts)
+            wall = time.perf_counter() - t0
+            stop_log()
+            return wall, sum(counts)
         finally:
             await engine.shutdown()
 
+    w0 = time.time()
     wall, tokens = asyncio.run(main())
+    steps = step_log.summary(STEP_LOG, w0, time.time())
     _free(run)
-    return dict(side="async_engine", wall_s=wall, output_tokens=tokens, output_tok_s=tokens / wall)
+    return dict(side="async_engine", wall_s=wall, output_tokens=tokens, output_tok_s=tokens / wall,
+                steps=steps)  # fmt: skip
 
 
 def _engine_config(folder: Path, run: ServeRun):
@@ -171,7 +187,7 @@ def start_server(
     folder: Path, run: ServeRun, port: int, log: Path, extra: tuple[str, ...] = ()
 ) -> subprocess.Popen:
     cmd = [
-        sys.executable, "-m", "deepserve.server.cli", "serve", "--model", str(folder),
+        sys.executable, str(Path(step_log.__file__)), str(STEP_LOG), "serve", "--model", str(folder),
         "--device", run.device, "--dtype", run.dtype, "--port", str(port),
         "--max-num-seqs", str(run.concurrency), "--kv-cache-bytes", str(run.kv_cache_bytes),
         "--max-num-batched-tokens", str(run.max_num_batched_tokens), "--no-prefix-caching",
@@ -221,18 +237,22 @@ def served_tok_s(folder: Path, run: ServeRun, log: Path, extra: tuple[str, ...] 
         warm = BenchConfig(**base, num_prompts=run.concurrency, output_len=16, seed=1)
         run_client(warm)
         spy = start_profile(proc.pid, log.with_name("pyspy.txt"))
+        w0, cpu0 = time.time(), time.process_time()  # the bench client's own CPU time
         summary = run_client(BenchConfig(**base, num_prompts=run.num_prompts,
                                          output_len=run.output_len, seed=0))  # fmt: skip
+        w1, cpu1 = time.time(), time.process_time()
         profile = stop_profile(spy, log.with_name("pyspy.txt"))
     finally:
         stop_server(proc)
+    steps = step_log.summary(STEP_LOG, w0, w1)
+    client = dict(cpu_s=round(cpu1 - cpu0, 3), cpu_over_wall=round((cpu1 - cpu0) / (w1 - w0), 3))
     keep = ("completed", "failed", "duration_s", "total_output_tokens", "total_input_tokens",
             "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
             "median_itl_ms", "p99_itl_ms", "first_error")  # fmt: skip
     row = {k: summary[k] for k in keep if k in summary}
     side = " ".join(("http", *extra))
-    return dict(side=side, healthy_after_s=ready_s, **row,
-                output_tok_s=summary["output_throughput"], profile=profile)  # fmt: skip
+    return dict(side=side, healthy_after_s=ready_s, **row, output_tok_s=summary["output_throughput"],
+                steps=steps, client=client, profile=profile)  # fmt: skip
 
 
 def start_profile(pid: int, path: Path) -> subprocess.Popen | None:
@@ -285,9 +305,9 @@ def section_serve(out: dict, work: Path, run: ServeRun, quick: bool = False) -> 
     offline = rows[-1]["output_tok_s"]
     rows.append(async_engine_tok_s(folder, run))
     print(rows[-1], flush=True)
-    # The server as users start it, and with the scheduler's prefill gathering off (the A/B of
-    # engine/scheduler.py's hold, in the same call).
-    for extra in ((), ("--prefill-gather-ms", "0")):
+    # The server as users start it, and with async scheduling off (the A/B of
+    # engine/async_scheduling.py, in the same call).
+    for extra in ((), ("--no-async-scheduling",)):
         log = work / "serve.log"
         try:
             rows.append(served_tok_s(folder, run, log, extra))

@@ -1,6 +1,7 @@
 """Real-shape speed on the GPU (issue 15): decode and prefill tokens/s of deepserve (default and
 `--batch-invariant`) beside transformers `generate` on the same random bf16 weights in one
-process, and a profile of one decode step (kernels, device-to-host copies, GPU busy fraction).
+process, a profile of one decode step (kernels, device-to-host copies, GPU busy fraction) and
+one of a 2,000-token prefill.
 
 Shapes: DeepSeek-V2-Lite (15.7B: MLA, 64 routed experts top-6 + 2 shared, 27 layers, in the
 DeepseekV3 architecture with a 4K context) and SmolLM2-135M. transformers builds the model with
@@ -149,6 +150,33 @@ def profile_decode_step(llm, batch: int, vocab: int, rng: random.Random) -> dict
         engine.step()
         _sync()
         wall = time.perf_counter() - t0
+    while engine.has_unfinished():
+        engine.step()
+    return dict(batch=batch, **_summary(prof, wall))
+
+
+def profile_prefill(llm, vocab: int, rng: random.Random, length: int) -> dict:
+    """One `length`-token prompt's prefill (its one step, or its chunks) under torch.profiler:
+    the same summary as a decode step's, plus the host ops that took the most CPU time (eager
+    prefill launches every kernel from Python)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    llm.generate(prompts(rng, 1, length, vocab), greedy(1))  # warm: this length's kernels built
+    p = prompts(rng, 1, length, vocab)
+    _sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        llm.generate(p, greedy(1))
+        _sync()
+        wall = time.perf_counter() - t0
+    ops = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:10]
+    host = [(a.key[:50], a.count, round(a.self_cpu_time_total)) for a in ops]
+    return dict(tokens=length, **_summary(prof, wall, top=20), host_top_us=host)
+
+
+def _summary(prof, wall: float, top: int = 12) -> dict:
+    """Kernels launched (inside graphs too), device-to-host copies, synchronizing calls, kernel
+    time, the GPU busy fraction (kernel time over wall) and the costliest kernels."""
     kernels = d2h = syncs = 0
     busy_us = 0.0
     by_name: dict[str, list[float]] = {}
@@ -165,12 +193,10 @@ def profile_decode_step(llm, batch: int, vocab: int, rng: random.Random) -> dict
                 entry[1] += e.device_time
         elif "Synchronize" in name:
             syncs += 1
-    while engine.has_unfinished():
-        engine.step()
     return dict(
-        batch=batch, wall_ms=wall * 1e3, kernels=kernels, d2h_copies=d2h, sync_calls=syncs,
+        wall_ms=wall * 1e3, kernels=kernels, d2h_copies=d2h, sync_calls=syncs,
         kernel_ms=busy_us / 1e3, gpu_busy=busy_us / 1e6 / wall,
-        top=[(n, c, round(us)) for n, (c, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]],
+        top=[(n, c, round(us)) for n, (c, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]],
     )  # fmt: skip
 
 
@@ -198,6 +224,10 @@ def section_speed(out: dict, shapes: list[str], batches: dict, tokens: int, dead
                 print(rows[-1], flush=True)
             rows.append(dict(row, prefill_2000_tok_s=engine_prefill_tok_s(llm, vocab, rng, 2000)))
             print(rows[-1], flush=True)
+            if not flag:
+                prof = profile_prefill(llm, vocab, rng, 2000)
+                out.setdefault("prefill_profile", []).append(dict(shape=name, **prof))
+                print(out["prefill_profile"][-1], flush=True)
             if name == "v2-lite" or not flag:
                 for b in batches[name][:: max(1, len(batches[name]) - 1)]:
                     prof = profile_decode_step(llm, b, vocab, rng)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from deepserve.engine.errors import UnsupportedModelError
 from deepserve.engine.models.base import KVCacheSpec
-from deepserve.engine.models.common import WeightStore, require, swiglu
+from deepserve.engine.models.common import WeightStore, add_rms_norm, require, swiglu
 from deepserve.engine.parallel.plan import ModelShard
 from deepserve.kernels import moe_routing
 from deepserve.kernels.attention_metadata import AttentionMetadata
@@ -120,10 +120,11 @@ class DeepseekV3Args:
 
 @dataclass
 class _Attention:
-    q_a: torch.Tensor | None  # [q_lora, hidden]; None when q_lora_rank is None
-    q_a_norm: torch.Tensor | None
-    q_b: torch.Tensor  # [H * qk_head_dim, q_lora or hidden]
-    kv_a: torch.Tensor  # [kv_lora + rope, hidden]
+    # The two matmuls on the layer's input as one: [q_b (or q_a with a low-rank query) | kv_a]
+    x_proj: torch.Tensor  # [q_rows + kv_lora + rope, hidden]
+    q_rows: int  # H * qk_head_dim, or q_lora
+    q_a_norm: torch.Tensor | None  # None when q_lora_rank is None
+    q_b: torch.Tensor | None  # [H * qk_head_dim, q_lora] with a low-rank query
     kv_a_norm: torch.Tensor
     w_uk: torch.Tensor  # [H, nope, kv_lora]: no-rope query -> latent space
     w_uv_t: torch.Tensor  # [H, kv_lora, v]: latent -> value space
@@ -225,11 +226,12 @@ class DeepseekV3ForCausalLM:
             q_b = _rope_rows_to_half_split(q_b, a.qk_head_dim, a.qk_rope_head_dim)
             kv_a = _rope_rows_to_half_split(kv_a, kv_a.shape[0], a.qk_rope_head_dim)
         kv_b = w.get(p + "kv_b_proj.weight").view(a.num_heads, -1, a.kv_lora_rank)
+        q_x = w.get(p + "q_a_proj.weight") if low_rank else q_b
         return _Attention(
-            q_a=w.get(p + "q_a_proj.weight") if low_rank else None,
+            x_proj=torch.cat([q_x, kv_a]),  # one launch where a decode step took two
+            q_rows=q_x.shape[0],
             q_a_norm=w.get(p + "q_a_layernorm.weight") if low_rank else None,
-            q_b=q_b,
-            kv_a=kv_a,
+            q_b=q_b if low_rank else None,
             kv_a_norm=w.get(p + "kv_a_layernorm.weight"),
             w_uk=kv_b[:, : a.qk_nope_head_dim].contiguous(),
             w_uv_t=kv_b[:, a.qk_nope_head_dim :].transpose(1, 2).contiguous(),
@@ -286,9 +288,11 @@ class DeepseekV3ForCausalLM:
     ) -> torch.Tensor:
         h = F.embedding(input_ids, self.embed)
         cos, sin = rope_at(self.rope, positions, self.dtype)
-        for i, layer in enumerate(self.layers):
-            h = self._decoder_layer(layer, h, cos, sin, attn, kv_cache[i])
-        return self.k.rms_norm(h, self.norm, self.args.rms_norm_eps)
+        x = self.k.rms_norm(h, self.layers[0].attn_norm, self.args.rms_norm_eps)
+        norms = [layer.attn_norm for layer in self.layers[1:]] + [self.norm]
+        for i, (layer, next_norm) in enumerate(zip(self.layers, norms, strict=True)):
+            h, x = self._decoder_layer(layer, h, x, next_norm, cos, sin, attn, kv_cache[i])
+        return x
 
     def forward_mtp(
         self,
@@ -306,8 +310,8 @@ class DeepseekV3ForCausalLM:
         h = k.linear(torch.cat([e, k.rms_norm(previous_hidden, m.hnorm, eps)], dim=-1), m.eh_proj)
         cos, sin = rope_at(self.rope, positions, self.dtype)
         cache = kv_cache[self.args.num_layers + mtp_index]
-        h = self._decoder_layer(m.layer, h, cos, sin, attn, cache)
-        return k.rms_norm(h, m.norm, eps)
+        x = k.rms_norm(h, m.layer.attn_norm, eps)
+        return self._decoder_layer(m.layer, h, x, m.norm, cos, sin, attn, cache)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.k.linear(hidden, self.lm_head).float()
@@ -319,19 +323,24 @@ class DeepseekV3ForCausalLM:
         self,
         layer: _Layer,
         h: torch.Tensor,
+        x: torch.Tensor,
+        next_norm: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         attn: AttentionMetadata,
         cache: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream `h` (updated in place where the KernelSet fuses the add) and
+        `x = attn_norm(h)` -> the new `h` and `next_norm(h)`: each residual add shares a launch
+        with the norm after it."""
         k, eps = self.k, self.args.rms_norm_eps
-        h = h + self._sum_ranks(
-            self._attention(layer.attn, k.rms_norm(h, layer.attn_norm, eps), cos, sin, attn, cache)
-        )
-        x = k.rms_norm(h, layer.mlp_norm, eps)
+        delta = self._sum_ranks(self._attention(layer.attn, x, cos, sin, attn, cache))
+        h, x = add_rms_norm(k, h, delta, layer.mlp_norm, eps)
         if isinstance(layer.mlp, _MoE):
-            return h + self._sum_ranks(self._moe(layer.mlp, x))
-        return h + self._sum_ranks(swiglu(k, x, layer.mlp.gate_up, layer.mlp.down))
+            delta = self._sum_ranks(self._moe(layer.mlp, x))
+        else:
+            delta = self._sum_ranks(swiglu(k, x, layer.mlp.gate_up, layer.mlp.down))
+        return add_rms_norm(k, h, delta, next_norm, eps)
 
     def _sum_ranks(self, partial: torch.Tensor) -> torch.Tensor:
         """Tensor/expert parallel: every rank's partial output summed (nothing on one process)."""
@@ -348,15 +357,22 @@ class DeepseekV3ForCausalLM:
     ) -> torch.Tensor:
         a, k, eps = self.args, self.k, self.args.rms_norm_eps
         tokens, heads, nope, lora = x.shape[0], a.num_heads, a.qk_nope_head_dim, a.kv_lora_rank
-        q_in = x if w.q_a is None else k.rms_norm(k.linear(x, w.q_a), w.q_a_norm, eps)
-        q = k.linear(q_in, w.q_b).view(tokens, heads, a.qk_head_dim)
-        ckv = k.linear(x, w.kv_a)
+        projected = k.linear(x, w.x_proj)
+        q, ckv = projected[:, : w.q_rows], projected[:, w.q_rows :]
+        if w.q_b is not None:
+            q = k.linear(k.rms_norm(q, w.q_a_norm, eps), w.q_b)
+        q = q.view(tokens, heads, a.qk_head_dim)
         q_latent = k.bmm(q[..., :nope].transpose(0, 1), w.w_uk)  # [H, T, lora]
-        if self._fused_kv_write(w, ckv, cos, sin, attn, cache):  # 1-2 launches, not ~16
+        if self._fused_kv_write(w, ckv, cos, sin, attn, cache):  # 2-3 launches, not ~16
             q_full = q.new_empty(tokens, heads, lora + a.qk_rope_head_dim)
-            if not k.rope_into_(q[..., nope:], cos, sin, q_full[..., lora:]):
-                q_full[..., lora:] = apply_rope(q[..., nope:], cos, sin)
-            q_full[..., :lora] = q_latent.transpose(0, 1)
+            q_pe, latent = q[..., nope:], q_latent.transpose(0, 1)
+            whole = k.absorbed_query_ is not None and k.absorbed_query_(
+                latent, q_pe, cos, sin, q_full
+            )
+            if not whole:
+                if not k.rope_into_(q_pe, cos, sin, q_full[..., lora:]):
+                    q_full[..., lora:] = apply_rope(q_pe, cos, sin)
+                q_full[..., :lora] = latent
         else:
             latent = k.rms_norm(ckv[:, :lora], w.kv_a_norm, eps)
             k_pe = apply_rope(ckv[:, lora:].unsqueeze(1), cos, sin)
@@ -391,10 +407,10 @@ class DeepseekV3ForCausalLM:
         if self.parallel is not None:  # expert parallel: other ranks' experts masked out
             weights, experts = self.parallel.own_experts(weights, experts, self.k.moe is not None)
         if self.k.moe is not None:  # all experts in one fused op, no host sync
-            out = self.k.moe(x, w.gate_up, w.down, weights, experts)
-            if w.shared is not None:
-                out = out + swiglu(self.k, x, w.shared.gate_up, w.shared.down)
-            return out
+            shared = (
+                None if w.shared is None else swiglu(self.k, x, w.shared.gate_up, w.shared.down)
+            )
+            return self.k.moe(x, w.gate_up, w.down, weights, experts, add=shared)
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
             if e < 0:  # held by another rank (expert parallel)

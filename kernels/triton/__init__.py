@@ -2,10 +2,11 @@
 configuration per op, so a row's result never depends on how many rows share the launch).
 
 - `lang.py`: the import shim (these modules import without Triton; kernels are only launched with it)
-- `matmul.py`: persistent matmul for `linear` and `bmm` (fixed tiles, no split-K)
+- `matmul.py`: invariant matmul for `linear` and `bmm` (tiles and K chunks fixed by the weight)
 - `rows.py`: row-per-program RMSNorm, softmax and log_softmax
 - `attention.py`: fixed-split paged attention over the block-table KV cache (prefill and decode alike)
-- `decode_attention.py`: graph-safe paged attention for pure decode steps (MLA and GQA)
+- `decode_attention.py`: graph-safe paged attention for pure decode steps (MLA and GQA), and the
+  invariant set's head-grouped decode path
 - `fused_moe.py`: every routed expert in two grouped GEMMs, pairs sorted by expert on the device
 - `kernelset.py`: `fast_kernels()` (the CUDA default) and `triton_kernels()` (`--batch-invariant`)
 """

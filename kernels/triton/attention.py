@@ -134,8 +134,9 @@ class _StepLayout:
 class TritonPagedAttention:
     """`paged_attention(q, k_cache, v_cache, attn, scale)` as in kernels/attention_ref.py."""
 
-    def __init__(self, split: int = SPLIT) -> None:
+    def __init__(self, split: int = SPLIT, block_m: int = BLOCK_M, num_warps: int = 4) -> None:
         self.split = split  # a multiple of BLOCK_N; tests use a small one
+        self.block_m, self.num_warps = block_m, num_warps  # query rows per program, its warps
         self._layout: _StepLayout | None = None  # the current step's, reused by every layer
 
     def _step_layout(self, attn: AttentionMetadata, device: torch.device) -> _StepLayout:
@@ -150,7 +151,7 @@ class TritonPagedAttention:
     def _host_layout(self, attn: AttentionMetadata, device: torch.device) -> _StepLayout:
         tile_seq, tile_row, positions, start = [], [], [], 0
         for i, n in enumerate(attn.query_lens_cpu):
-            for r in range(0, n, BLOCK_M):
+            for r in range(0, n, self.block_m):
                 tile_seq.append(i)
                 tile_row.append(start + r)
             ctx = attn.context_lens_cpu[i]
@@ -205,8 +206,8 @@ class TritonPagedAttention:
             *q.stride(), *k_cache.stride(), *v_cache.stride(), tables.stride(0),
             *part_m.stride(), *part_acc.stride()[:3],
             scale, dk, dv, attn.block_size, hq // hkv,
-            SPLIT=self.split, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=block_dv,
-            PRECISION=precision, num_warps=4, num_stages=2,
+            SPLIT=self.split, BLOCK_M=self.block_m, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+            BLOCK_DV=block_dv, PRECISION=precision, num_warps=self.num_warps, num_stages=2,
         )  # fmt: skip
         _combine_kernel[(tokens, hq)](
             part_m, part_l, part_acc, lay.positions, out,

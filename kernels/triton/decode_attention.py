@@ -9,8 +9,13 @@ latent is both). The split count is fixed by the batch size alone and each split
 derived from the sequence length on the device, so the launch depends on no host value that
 changes between steps; a second kernel folds the splits.
 
-Not batch invariant (the split width follows the length and the batch): `--batch-invariant`
-keeps the fixed-split kernel of attention.py. What does not live here: prefill (attention.py).
+`decode_attention` is not batch invariant (the split width follows the length and the batch).
+`InvariantPagedAttention` is `--batch-invariant`'s: pure decode steps take `_invariant_split_kernel`,
+which does attention.py's `_split_kernel` arithmetic row for row (the same fixed splits, key
+blocks, head-dim chunks, tile shape and warps, so a decode row gets the bits it gets in a prefill
+or mixed step) but puts the query heads that share a KV head in the tile's rows instead of query
+tokens: every KV row is read once per head group, not once per head (16x fewer reads for MLA).
+What does not live here: prefill (attention.py).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from deepserve.kernels.attention_metadata import AttentionMetadata
+from deepserve.kernels.triton import attention
 from deepserve.kernels.triton.lang import cdiv, constexpr, jit, next_power_of_2, tl
 
 BLOCK_H = 16  # query heads per program: the smallest row count of a tensor-core product
@@ -177,3 +183,133 @@ def decode_attention(
         dv, splits, BLOCK_N=32 if wide else 64, BLOCK_DV=block_dv, num_warps=4,
     )  # fmt: skip
     return out
+
+
+@jit
+def _invariant_split_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, pm_ptr, pl_ptr, pacc_ptr,
+    s_qt, s_qh, s_qd, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, s_tb,
+    s_pt, s_ph, s_ps, s_at, s_ah, s_as,
+    scale, HQ, DK, DV, block_size, GROUP, HEAD_BLOCKS,
+    SPLIT: constexpr, BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_D: constexpr,
+    BLOCK_DV: constexpr, PRECISION: constexpr,
+):  # fmt: skip
+    # attention.py `_split_kernel`'s body with rows = heads of one token; keep the two in step
+    t, hg, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    kvh = hg // HEAD_BLOCKS
+    heads = kvh * GROUP + (hg % HEAD_BLOCKS) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = (heads < (kvh + 1) * GROUP) & (heads < HQ)
+    last_pos = tl.load(seq_lens_ptr + t) - 1
+    pos = tl.zeros((BLOCK_M,), tl.int32) + last_pos
+    key_lo = split * SPLIT
+    key_hi = tl.minimum(key_lo + SPLIT, last_pos + 1)
+    if key_lo >= key_hi:  # past the sequence: the combine never reads this split
+        return
+    dv = tl.arange(0, BLOCK_DV)
+    dv_ok = dv < DV
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    for n0 in range(key_lo, key_hi, BLOCK_N):
+        keys = n0 + tl.arange(0, BLOCK_N)
+        key_ok = keys < key_hi
+        blk = tl.load(tables_ptr + t * s_tb + keys // block_size, mask=key_ok, other=0)
+        slot = keys % block_size
+        scores = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for d0 in range(0, DK, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            q = tl.load(
+                q_ptr + t * s_qt + heads[:, None] * s_qh + d[None, :] * s_qd,
+                mask=row_ok[:, None] & (d[None, :] < DK),
+                other=0.0,
+            )
+            k = tl.load(
+                k_ptr + blk[None, :] * s_kb + slot[None, :] * s_ks + kvh * s_kh + d[:, None] * s_kd,
+                mask=(d[:, None] < DK) & key_ok[None, :],
+                other=0.0,
+            )
+            scores = tl.dot(q, k, scores, input_precision=PRECISION)
+        visible = (keys[None, :] <= pos[:, None]) & key_ok[None, :] & row_ok[:, None]
+        scores = tl.where(visible, scores * scale, float("-inf"))
+        sees = tl.max(visible.to(tl.int32), axis=1) > 0
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_use = tl.where(sees, m_new, 0.0)
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(scores - m_use[:, None])
+        v = tl.load(
+            v_ptr + blk[:, None] * s_vb + slot[:, None] * s_vs + kvh * s_vh + dv[None, :] * s_vd,
+            mask=key_ok[:, None] & dv_ok[None, :],
+            other=0.0,
+        )
+        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = tl.where(sees[:, None], acc * alpha[:, None] + pv, acc)
+        l_i = tl.where(sees, l_i * alpha + tl.sum(p, axis=1), l_i)
+        m_i = tl.where(sees, m_new, m_i)
+    part = t * s_pt + heads * s_ph + split * s_ps
+    tl.store(pm_ptr + part, m_i, mask=row_ok)
+    tl.store(pl_ptr + part, l_i, mask=row_ok)
+    pacc = pacc_ptr + t * s_at + heads[:, None] * s_ah + split * s_as + dv[None, :]
+    tl.store(pacc, acc, mask=row_ok[:, None] & dv_ok[None, :])
+
+
+def invariant_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    scale: float,
+    split: int = attention.SPLIT,
+) -> torch.Tensor:
+    """attention.py's `TritonPagedAttention` for a step where every sequence brings one query,
+    bitwise, from device tensors and the block-table width alone (capturable in a CUDA graph)."""
+    tokens, hq, dk = q.shape
+    hkv, dv = k_cache.shape[2], v_cache.shape[-1]
+    group = hq // hkv
+    out = torch.empty(tokens, hq, dv, device=q.device, dtype=q.dtype)
+    if tokens == 0:
+        return out
+    splits = cdiv(attn.block_tables.shape[1] * attn.block_size, split)
+    part_m = torch.empty(tokens, hq, splits, device=q.device, dtype=torch.float32)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty(tokens, hq, splits, dv, device=q.device, dtype=torch.float32)
+    block_dv = next_power_of_2(dv)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    head_blocks = cdiv(group, attention.BLOCK_M)
+    tables = attn.block_tables
+    _invariant_split_kernel[(tokens, hkv * head_blocks, splits)](
+        q, k_cache, v_cache, tables, attn.seq_lens, part_m, part_l, part_acc,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), tables.stride(0),
+        *part_m.stride(), *part_acc.stride()[:3],
+        scale, hq, dk, dv, attn.block_size, group, head_blocks,
+        SPLIT=split, BLOCK_M=attention.BLOCK_M, BLOCK_N=attention.BLOCK_N,
+        BLOCK_D=attention.BLOCK_D, BLOCK_DV=block_dv, PRECISION=precision,
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    positions = (attn.seq_lens - 1).to(torch.int32)
+    attention._combine_kernel[(tokens, hq)](
+        part_m, part_l, part_acc, positions, out,
+        *part_m.stride(), *part_acc.stride()[:3], out.stride(0), out.stride(1), dv,
+        SPLIT=split, BLOCK_DV=block_dv, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+class InvariantPagedAttention:
+    """`--batch-invariant`'s paged attention: pure decode steps through the head-grouped kernel,
+    the rest through attention.py's fixed-split kernel; a query row gets the same bits either way."""
+
+    def __init__(self, split: int = attention.SPLIT) -> None:
+        self.split = split  # a multiple of attention.BLOCK_N; tests use a small one
+        self.varlen = attention.TritonPagedAttention(split)
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        attn: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if attn.num_tokens == attn.num_seqs:
+            return invariant_decode_attention(q, k_cache, v_cache, attn, scale, self.split)
+        return self.varlen(q, k_cache, v_cache, attn, scale)

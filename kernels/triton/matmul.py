@@ -1,116 +1,208 @@
-"""Matmul with one fixed tile configuration: `linear` (x @ w.T) and `bmm`.
+"""Batch-invariant matmul: `linear` (x @ w.T) and `bmm`, with tiles chosen from the weight alone.
 
-Why it is batch-invariant: the tile sizes never depend on M, K is never split across programs, and
-each output tile accumulates its K blocks in order from 0, so an output row gets the same sequence of
-tensor-core instructions whatever the number of rows (the row count only changes how many tiles
-exist). The kernel can walk tiles `pid, pid + P, ...` (persistent, P programs); the engine launches
-one program per tile (P = tiles), which gives the same bits (a tile's instructions do not depend on
-the program that runs it) and was 1.6x faster at 2,048 rows on the H200 (benchmarks/RESULTS.md).
-Nothing that varies with M is a compile-time constant (`M`, `BATCH` and `NUM_PROGRAMS` are not
-specialised on), so a new row count never triggers a compile.
+Why it is batch-invariant: every launch parameter that shapes the arithmetic (tile sizes, warps,
+pipeline depth, and the K chunks) comes from the weight's (K, N) and dtype, never from M. An
+output element is the sum, in chunk order, of per-chunk partials, each partial a chain of
+tensor-core products over its chunk's K blocks in order from the chunk's start:
+`out = ((0 + p_0) + p_1) + ... + p_{S-1}`. Two launch modes compute exactly that sum:
+- split: one program per (tile, chunk) writes its partial in float32; a second pass adds the
+  partials in chunk order. Used when the tiles alone cannot fill the GPU (decode: few rows),
+  so the weight is streamed by S times more programs.
+- inline: one program per tile walks its chunks in order and adds each partial as it ends.
+  Used when there are enough tiles (prefill); no workspace.
+Both run the same compiled kernel (the mode is a runtime argument), so which one a launch takes
+(it follows M) cannot change a bit. Rows past M read row M - 1 again (never stored) and columns
+past N read column N - 1 (unless BLOCK_N divides N), so the K loop has no masks when BLOCK_K
+divides K. Nothing that varies with M is specialised on, so a new row count never triggers a
+compile.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from deepserve.kernels.triton.lang import cdiv, constexpr, jit, tl
 
+SMEM_BYTES = 200 * 1024  # shared memory a config's pipeline may take (the H200 has 227 KB a block)
+FILL_PROGRAMS = 132  # below this many tiles, split mode (one H200 wave)
+
 
 @dataclass(frozen=True)
 class TileConfig:
-    """One launch configuration. The engine uses DEFAULT for every shape; others exist to be timed."""
+    """One launch configuration; `splits` is the number of K chunks (1: one chain over all K)."""
 
     block_m: int = 64
-    block_n: int = 128
+    block_n: int = 64
     block_k: int = 64
     group_m: int = 8  # tiles of group_m row-blocks share their B columns in L2
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 4
+    splits: int = 1
+
+    def chunk(self, k: int) -> int:
+        """K per chunk: a multiple of block_k, from K alone."""
+        return cdiv(cdiv(k, self.splits), self.block_k) * self.block_k
+
+    def fitted(self, itemsize: int) -> TileConfig:
+        """The same tiles with a pipeline shallow enough for the shared memory at this dtype."""
+        stage = (self.block_m * self.block_k + self.block_k * self.block_n) * itemsize
+        return replace(self, num_stages=max(2, min(self.num_stages, SMEM_BYTES // stage)))
 
 
 DEFAULT = TileConfig()
 
+# Measured winners per weight shape (K, N) on the H200 (benchmarks/gpu/kernel_checks.py
+# `tune_matmul`, run 8-2: benchmarks/gpu/results/run8-2.md, the fastest at M=1 and M=64 among the
+# candidates with rows bitwise equal at every M); shapes not listed take `heuristic`. V2-Lite's
+# shapes only: the tuning ran out of its time before the bmm and SmolLM2 shapes.
+_WIDE = TileConfig(block_m=64, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=3)
+TUNED: dict[tuple[int, int], TileConfig] = {
+    (2048, 3072): replace(_WIDE, splits=4),  # q_proj (no q_lora)
+    (2048, 576): replace(_WIDE, splits=4),  # kv_a
+    (2048, 2048): replace(_WIDE, splits=4),  # o_proj
+    (2048, 2816): replace(_WIDE, splits=4),  # shared experts' gate_up
+    (1408, 2048): replace(_WIDE, splits=2),  # a dense layer's down
+    (2816, 2048): replace(_WIDE, splits=4),  # shared experts' down
+    (2048, 64): TileConfig(block_n=64, block_k=64, num_warps=4, num_stages=4, splits=8),  # router
+}
 
-@jit(do_not_specialize=["M", "BATCH", "NUM_PROGRAMS", "s_ab", "s_cb"])
+
+def heuristic(k: int, n: int) -> TileConfig:
+    """Narrow weights get K chunks so that N tiles x chunks is about one wave of programs."""
+    block_n = 64 if n <= 8192 else 128
+    tiles_n = cdiv(n, block_n)
+    splits = 1
+    while tiles_n * splits * 2 <= FILL_PROGRAMS and k // (splits * 2) >= 256:
+        splits *= 2
+    return TileConfig(block_n=block_n, splits=splits)
+
+
+def config_for(k: int, n: int, dtype: torch.dtype) -> TileConfig:
+    """The configuration of a (K, N) weight: a function of the weight alone, never of M."""
+    cfg = TUNED.get((k, n)) or heuristic(k, n)
+    return cfg.fitted(dtype.itemsize)
+
+
+@jit(do_not_specialize=["M", "CHUNKS_PER_PROGRAM", "s_ab", "s_cb", "s_wb", "s_ws", "s_wm"])
 def _matmul_kernel(
-    a_ptr, b_ptr, c_ptr, M, N, K, BATCH,
-    s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn, NUM_PROGRAMS,
+    a_ptr, b_ptr, c_ptr, ws_ptr, M, N, K, KC, CHUNKS_PER_PROGRAM,
+    s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn, s_wb, s_ws, s_wm,
     BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_K: constexpr,
-    GROUP_M: constexpr, PRECISION: constexpr,
+    GROUP_M: constexpr, EVEN_K: constexpr, EVEN_N: constexpr, PRECISION: constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
+    pid, part, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    per_batch = tiles_m * tiles_n
-    for tile in tl.range(pid, per_batch * BATCH, NUM_PROGRAMS):
-        batch = tile // per_batch
-        t = tile % per_batch
-        in_group = GROUP_M * tiles_n
-        first_m = (t // in_group) * GROUP_M
-        group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-        pm = first_m + (t % in_group) % group_rows
-        pn = (t % in_group) // group_rows
-        rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        a_base = a_ptr + batch * s_ab
-        b_base = b_ptr + batch * s_bb
+    in_group = GROUP_M * tiles_n
+    first_m = (pid // in_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pm = first_m + (pid % in_group) % group_rows
+    pn = (pid % in_group) // group_rows
+    rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    ra = tl.minimum(rm, M - 1)  # rows past M repeat a real row: no mask in the K loop
+    # no clamp when BLOCK_N divides N: loads along N (B's contiguous dim in bmm) stay vectorized
+    rb = rn if EVEN_N else tl.minimum(rn, N - 1)
+    rk = tl.arange(0, BLOCK_K)
+    a_base = a_ptr + batch * s_ab + ra[:, None] * s_am
+    b_base = b_ptr + batch * s_bb + rb[None, :] * s_bn
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    first_chunk = part * CHUNKS_PER_PROGRAM
+    for c in range(first_chunk, first_chunk + CHUNKS_PER_PROGRAM):
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_end = tl.minimum(c * KC + KC, K)
+        for k0 in range(c * KC, k_end, BLOCK_K):
             ka = k0 + rk
-            a = tl.load(
-                a_base + rm[:, None] * s_am + ka[None, :] * s_ak,
-                mask=(rm[:, None] < M) & (ka[None, :] < K),
-                other=0.0,
-            )
-            b = tl.load(
-                b_base + ka[:, None] * s_bk + rn[None, :] * s_bn,
-                mask=(ka[:, None] < K) & (rn[None, :] < N),
-                other=0.0,
-            )
+            if EVEN_K:
+                a = tl.load(a_base + ka[None, :] * s_ak)
+                b = tl.load(b_base + ka[:, None] * s_bk)
+            else:
+                a = tl.load(a_base + ka[None, :] * s_ak, mask=ka[None, :] < K, other=0.0)
+                b = tl.load(b_base + ka[:, None] * s_bk, mask=ka[:, None] < K, other=0.0)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        c = c_ptr + batch * s_cb + rm[:, None] * s_cm + rn[None, :] * s_cn
-        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+        total = total + acc  # chunk partials in chunk order, from 0 (split mode: 0 + p_c)
+    keep = (rm[:, None] < M) & (rn[None, :] < N)
+    if (CHUNKS_PER_PROGRAM == 1) & (tl.num_programs(1) > 1):  # split mode: the partial
+        w = ws_ptr + batch * s_wb + part * s_ws + rm[:, None] * s_wm + rn[None, :]
+        tl.store(w, total, mask=keep)
+    else:
+        out = c_ptr + batch * s_cb + rm[:, None] * s_cm + rn[None, :] * s_cn
+        tl.store(out, total.to(c_ptr.dtype.element_ty), mask=keep)
+
+
+@jit(do_not_specialize=["MN", "s_wb", "s_ws", "s_cb"])
+def _sum_chunks_kernel(
+    ws_ptr, c_ptr, MN, N, SPLITS, s_wb, s_ws, s_cb, s_cm, s_cn, BLOCK: constexpr
+):  # fmt: skip
+    """c = ((0 + p_0) + p_1) + ... in chunk order, as the inline mode adds them."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    batch = tl.program_id(1)
+    ok = i < MN
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, SPLITS):
+        total = total + tl.load(ws_ptr + batch * s_wb + s * s_ws + i, mask=ok, other=0.0)
+    c = c_ptr + batch * s_cb + (i // N) * s_cm + (i % N) * s_cn
+    tl.store(c, total.to(c_ptr.dtype.element_ty), mask=ok)
 
 
 def _launch(
-    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cfg: TileConfig = DEFAULT
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    cfg: TileConfig,
+    split_mode: bool | None = None,
 ) -> torch.Tensor:
-    """c[B, M, N] = a[B, M, K] @ b[B, K, N], any strides."""
+    """c[B, M, N] = a[B, M, K] @ b[B, K, N], any strides. `split_mode` None: split mode when the
+    tiles alone leave the GPU idle (it changes where partials are added, never their order)."""
     batch, m, k = a.shape
     n = b.shape[2]
     if m == 0 or n == 0:
         return c
-    tiles = batch * cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
-    programs = tiles
+    kc = cfg.chunk(k)
+    chunks = cdiv(k, kc)
+    tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
+    if split_mode is None:
+        split_mode = chunks > 1 and tiles * batch < FILL_PROGRAMS
+    split_mode = split_mode and chunks > 1
+    parts = chunks if split_mode else 1
+    # float32 in both modes (a 1-element stand-in inline), so both launch the same binary
+    ws_shape = (batch, chunks, m, n) if split_mode else (1, 1, 1, 1)
+    ws = torch.empty(ws_shape, device=a.device, dtype=torch.float32)
     precision = "ieee" if a.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
-    _matmul_kernel[(programs,)](
-        a, b, c, m, n, k, batch,
-        a.stride(0), a.stride(1), a.stride(2),
-        b.stride(0), b.stride(1), b.stride(2),
-        c.stride(0), c.stride(1), c.stride(2), programs,
+    _matmul_kernel[(tiles, parts, batch)](
+        a, b, c, ws, m, n, k, kc, chunks // parts,
+        a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
+        c.stride(0), c.stride(1), c.stride(2),
+        ws.stride(0), ws.stride(1), ws.stride(2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, PRECISION=precision, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0,
+        PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    if split_mode:
+        block = 1024
+        _sum_chunks_kernel[(cdiv(m * n, block), batch)](
+            ws, c, m * n, n, chunks, ws.stride(0), ws.stride(1),
+            c.stride(0), c.stride(1), c.stride(2), BLOCK=block, num_warps=4,
+        )  # fmt: skip
     return c
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, cfg: TileConfig = DEFAULT) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, cfg: TileConfig | None = None) -> torch.Tensor:
     """x[..., in] @ w[out, in].T"""
     lead, k = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, k)
     if w.dtype != flat.dtype:
         flat = flat.to(w.dtype)
     out = torch.empty(flat.shape[0], w.shape[0], device=x.device, dtype=w.dtype)
+    cfg = cfg or config_for(k, w.shape[0], w.dtype)
     _launch(flat[None], w.t()[None], out[None], cfg)
     return out.reshape(*lead, w.shape[0])
 
 
-def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def bmm(a: torch.Tensor, b: torch.Tensor, cfg: TileConfig | None = None) -> torch.Tensor:
     """torch.matmul(a, b) for a [..., M, K] and b [..., K, N] (leading dims broadcast)."""
     if a.dtype != b.dtype:
         a = a.to(b.dtype)
@@ -118,5 +210,6 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     a3 = a.expand(*lead, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
     b3 = b.expand(*lead, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
     out = torch.empty(a3.shape[0], a3.shape[1], b3.shape[2], device=a.device, dtype=a.dtype)
-    _launch(a3, b3, out)
+    cfg = cfg or config_for(b3.shape[1], b3.shape[2], b3.dtype)
+    _launch(a3, b3, out, cfg)
     return out.reshape(*lead, a.shape[-2], b.shape[-1])

@@ -1,7 +1,8 @@
 """MLA's per-token elementwise work in single launches: the latent's RMSNorm, the rope key's
 rotation and the cache write in one program per token (`kv_write_`), and the query's rope part
-rotated straight into its slot of the absorbed query (`rope_into_`). Without them these are about
-sixteen small torch launches per layer, which is what a decode step of one sequence waits on.
+rotated straight into its slot of the absorbed query (`rope_into_`; `absorbed_query_` also copies
+the latent part in). Without them these are about sixteen small torch launches per layer, which is
+what a decode step of one sequence waits on.
 
 Rows are independent and reduced in a fixed order, so both are batch invariant. Each returns
 False (nothing written) for shapes it does not take; the model then composes the torch ops.
@@ -56,6 +57,26 @@ def _rope_into_kernel(
     tl.store(dst + HALF, (x2 * c + x1 * s).to(dst_ptr.dtype.element_ty), mask=ok)
 
 
+@jit
+def _absorbed_query_kernel(
+    lat_ptr, src_ptr, cos_ptr, sin_ptr, out_ptr, s_lt, s_lh, s_st, s_sh, s_ot, s_oh, s_cos,
+    LORA: constexpr, HALF: constexpr,
+):  # fmt: skip
+    t, h = tl.program_id(0), tl.program_id(1)
+    dt = out_ptr.dtype.element_ty
+    out = out_ptr + t * s_ot + h * s_oh
+    d = tl.arange(0, LORA)
+    tl.store(out + d, tl.load(lat_ptr + t * s_lt + h * s_lh + d).to(dt))
+    r = tl.arange(0, HALF)
+    src = src_ptr + t * s_st + h * s_sh + r
+    x1 = tl.load(src).to(tl.float32)
+    x2 = tl.load(src + HALF).to(tl.float32)
+    c = tl.load(cos_ptr + t * s_cos + r).to(tl.float32)
+    s = tl.load(sin_ptr + t * s_cos + r).to(tl.float32)
+    tl.store(out + LORA + r, (x1 * c - x2 * s).to(dt))
+    tl.store(out + LORA + HALF + r, (x2 * c + x1 * s).to(dt))
+
+
 def _pow2(n: int) -> bool:
     return n > 0 and n == next_power_of_2(n)
 
@@ -102,5 +123,34 @@ def rope_into_(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dst: tor
         _rope_into_kernel[(tokens,)](
             src, dst, cos, sin, src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
             cos.stride(0), heads, BLOCK_H=next_power_of_2(heads), HALF=dim // 2, num_warps=4,
+        )  # fmt: skip
+    return True
+
+
+def absorbed_query_(
+    latent: torch.Tensor,
+    src: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    out: torch.Tensor,
+) -> bool:
+    """`out [T, H, lora + rope] = [latent | rope(src)]` in one launch: the absorbed query from
+    the no-rope part mapped into latent space (`latent [T, H, lora]`, the bmm's output, strided)
+    and the query's rope part (`src [T, H, rope]`), the values of `rope_into_` plus a copy."""
+    tokens, heads, lora = latent.shape
+    dim = src.shape[-1]
+    usable = (
+        _pow2(lora) and _pow2(dim // 2) and dim % 2 == 0 and latent.stride(2) == 1
+        and src.stride(2) == 1 and out.stride(2) == 1 and src.shape[:2] == latent.shape[:2]
+        and out.shape == (tokens, heads, lora + dim)
+        and cos.stride(-1) == 1 and cos.stride() == sin.stride()
+    )  # fmt: skip
+    if not usable:
+        return False
+    if tokens:
+        _absorbed_query_kernel[(tokens, heads)](
+            latent, src, cos, sin, out, latent.stride(0), latent.stride(1), src.stride(0),
+            src.stride(1), out.stride(0), out.stride(1), cos.stride(0), LORA=lora,
+            HALF=dim // 2, num_warps=4,
         )  # fmt: skip
     return True

@@ -1,0 +1,86 @@
+"""GQA attention's per-token elementwise work in one launch: the rope rotation of the q and k
+heads of a fused `[q | k | v]` projection, in place, and the k and v heads' cache write
+(`rope_qk_write_kv_`, the contract of kernels/cpu_ops.py). Composed from torch ops this is about
+nine launches per layer (two slices, four multiplies, a subtract, an add, a concatenation and two
+index copies), which is most of a small model's decode step at batch 1.
+
+Every product and sum is rounded to the tensor's dtype as torch's elementwise ops round them
+(and launched without FMA contraction), so the values are bitwise torch's `apply_rope` +
+`write_kv`. One program per token, nothing reduced: batch invariant.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepserve.kernels.triton.lang import constexpr, jit, next_power_of_2, tl
+
+
+@jit
+def _rope_qk_write_kv_kernel(
+    qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slot_ptr, s_qkv, s_cos, block_size,
+    sk_block, sk_row, sk_head, sv_block, sv_row, sv_head, HQ, HKV,
+    BLOCK_H: constexpr, HALF: constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    hh = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, HALF)[None, :]
+    dt = qkv_ptr.dtype.element_ty
+    row = qkv_ptr + t * s_qkv
+    rotated = hh < HQ + HKV
+    f32 = tl.float32
+    x1 = tl.load(row + hh * (2 * HALF) + d, mask=rotated, other=0.0).to(f32)
+    x2 = tl.load(row + hh * (2 * HALF) + HALF + d, mask=rotated, other=0.0).to(f32)
+    c = tl.load(cos_ptr + t * s_cos + d).to(dt).to(f32)
+    s = tl.load(sin_ptr + t * s_cos + d).to(dt).to(f32)
+    # torch computes each op in float32 and rounds it to the dtype: so do we
+    y1 = ((x1 * c).to(dt).to(f32) - (x2 * s).to(dt).to(f32)).to(dt)
+    y2 = ((x2 * c).to(dt).to(f32) + (x1 * s).to(dt).to(f32)).to(dt)
+    tl.store(row + hh * (2 * HALF) + d, y1, mask=rotated)
+    tl.store(row + hh * (2 * HALF) + HALF + d, y2, mask=rotated)
+    slot = tl.load(slot_ptr + t)
+    block, offset = slot // block_size, slot % block_size
+    kh = hh - HQ
+    is_k = (kh >= 0) & rotated
+    k_dst = k_ptr + block * sk_block + offset * sk_row + kh * sk_head + d
+    tl.store(k_dst, y1.to(k_ptr.dtype.element_ty), mask=is_k)
+    tl.store(k_dst + HALF, y2.to(k_ptr.dtype.element_ty), mask=is_k)
+    vh = tl.arange(0, BLOCK_H)[:, None]
+    is_v = vh < HKV
+    v_src = row + (HQ + HKV + vh) * (2 * HALF) + d
+    v_dst = v_ptr + block * sv_block + offset * sv_row + vh * sv_head + d
+    tl.store(v_dst, tl.load(v_src, mask=is_v).to(v_ptr.dtype.element_ty), mask=is_v)
+    tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=is_v).to(v_ptr.dtype.element_ty), mask=is_v)
+
+
+def rope_qk_write_kv_(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+) -> bool:
+    """Rotate the q and k heads of `qkv [T, (Hq + 2 Hkv) * D]` in place (cos/sin `[T, 1, D/2]`,
+    kernels/rope.py's `rope_at`) and store k and v at `slot_mapping` in the caches
+    `[blocks, block_size, Hkv, D]` (strided views); False, nothing done, for other layouts."""
+    tokens, width = qkv.shape
+    hkv, dim = k_cache.shape[2], k_cache.shape[3]
+    half = dim // 2
+    usable = (
+        dim % 2 == 0 and half == next_power_of_2(half) and qkv.stride(1) == 1
+        and width == (num_heads + 2 * hkv) * dim and cos.shape[-1] == half
+        and cos.stride(-1) == 1 and cos.stride() == sin.stride()
+        and k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and v_cache.shape == k_cache.shape
+    )  # fmt: skip
+    if not usable:
+        return False
+    if tokens:
+        _rope_qk_write_kv_kernel[(tokens,)](
+            qkv, cos, sin, k_cache, v_cache, slot_mapping, qkv.stride(0), cos.stride(0),
+            k_cache.shape[1], *k_cache.stride()[:3], *v_cache.stride()[:3], num_heads, hkv,
+            BLOCK_H=next_power_of_2(num_heads + hkv), HALF=half, num_warps=1,
+            enable_fp_fusion=False,
+        )  # fmt: skip
+    return True
