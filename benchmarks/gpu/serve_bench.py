@@ -57,6 +57,9 @@ class ServeRun:
     output_len: int = 128
     kv_cache_bytes: int = 8 * 2**30
     max_num_batched_tokens: int = 4096
+    # The servers started in turn, each by its extra flags: as users start it, the A/B of the
+    # scheduler's arrival hold, and as users start it again (the spread between two servers).
+    servers: tuple[tuple[str, ...], ...] = ((), ("--prefill-gather-ms", "0"), ())
 
 
 QUICK = ServeRun("cpu", "float32", concurrency=4, num_prompts=8, input_len=16, output_len=8,
@@ -298,6 +301,7 @@ def stop_profile(spy: subprocess.Popen | None, path: Path) -> dict:
 def section_serve(out: dict, work: Path, run: ServeRun, quick: bool = False) -> None:
     """Offline engine, then the HTTP server, on one V2-Lite-shaped checkpoint."""
     rows = out.setdefault("serve", [])
+    STEP_LOG.unlink(missing_ok=True)  # each run reads its own steps, not an earlier run's
     folder, write_s = write_checkpoint(work / "v2-lite-ckpt", run, quick)
     rows.append(dict(side="checkpoint", folder=str(folder), write_s=write_s))
     rows.append(offline_tok_s(folder, run))
@@ -305,9 +309,7 @@ def section_serve(out: dict, work: Path, run: ServeRun, quick: bool = False) -> 
     offline = rows[-1]["output_tok_s"]
     rows.append(async_engine_tok_s(folder, run))
     print(rows[-1], flush=True)
-    # The server as users start it, and with async scheduling off (the A/B of
-    # engine/async_scheduling.py, in the same call).
-    for extra in ((), ("--no-async-scheduling",)):
+    for extra in run.servers:
         log = work / "serve.log"
         try:
             rows.append(served_tok_s(folder, run, log, extra))

@@ -39,11 +39,14 @@ def install(path: Path):
 
 
 def summary(path: Path, t0: float, t1: float) -> dict:
-    steps = []
+    steps, times = [], []
     for line in Path(path).read_text().splitlines():
         t, rows, tokens, graph, ahead = line.split()
         if t0 <= float(t) <= t1:
             steps.append((int(rows), int(tokens), graph == "1", ahead == "1"))
+            times.append(float(t))
+    # Launch-to-launch gaps over 10 ms: the engine idle or in a long (eager) step.
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False) if b - a > 0.01]
     graph = [s for s in steps if s[2]]
     eager = [s for s in steps if not s[2]]
 
@@ -58,6 +61,10 @@ def summary(path: Path, t0: float, t1: float) -> dict:
         tokens_per_eager_step=mean([s[1] for s in eager]),
         graph_rows_hist=_hist([s[0] for s in graph]),
         window_s=round(t1 - t0, 3),
+        long_gaps=len(gaps), long_gaps_s=round(sum(gaps), 3),
+        # each eager step: ms from the window's start, rows, tokens
+        eager_timeline=[[round((t - t0) * 1000, 1), s[0], s[1]]
+                        for t, s in zip(times, steps, strict=True) if not s[2]],
     )  # fmt: skip
 
 
