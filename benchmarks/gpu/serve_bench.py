@@ -57,9 +57,9 @@ class ServeRun:
     output_len: int = 128
     kv_cache_bytes: int = 8 * 2**30
     max_num_batched_tokens: int = 4096
-    # The servers started in turn, each by its extra flags: as users start it, the A/B of the
-    # scheduler's arrival hold, and as users start it again (the spread between two servers).
-    servers: tuple[tuple[str, ...], ...] = ((), ("--prefill-gather-ms", "0"), ())
+    # The servers started in turn, each by its extra flags: as users start it, and the A/B of
+    # the scheduler's arrival hold (that of async scheduling is in RESULTS.md, run 8-3).
+    servers: tuple[tuple[str, ...], ...] = ((), ("--prefill-gather-ms", "0"))
 
 
 QUICK = ServeRun("cpu", "float32", concurrency=4, num_prompts=8, input_len=16, output_len=8,
