@@ -12,8 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from deepserve.kernels.causal_attention import CausalAttention
-
 Tensor = torch.Tensor
 
 
@@ -50,10 +48,6 @@ class KernelSet:
     # MoE routing in one op, (logits, bias, RouteSpec) -> (weights, ids) or None when it does not
     # cover the call (kernels/moe_routing.py is the composition it replaces).
     moe_route: Callable[..., tuple[Tensor, Tensor] | None] | None = None
-    # Causal attention over a fresh prompt's own tokens (kernels/causal_attention.py): MLA runs
-    # fresh prompts decompressed, as plain multi-head attention. None: every row takes the
-    # absorbed paged path (--batch-invariant: a prompt's bits must not depend on a cache hit).
-    prefill_attention: CausalAttention | None = None
     # Every op above runs without a host sync or a host value that changes between decode
     # steps, so the model runner may capture decode steps in CUDA graphs.
     graph_safe: bool = False

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from deepserve.kernels import causal_attention, cpu_native, cpu_ops
+from deepserve.kernels import cpu_native, cpu_ops
 from deepserve.kernels.kernel_set import KernelSet
 from deepserve.kernels.quant_panels import FORMATS, QuantizedMatrix, pack_quant_panels
 
@@ -143,6 +143,5 @@ KERNELS = KernelSet(
     add_rms_norm_=cpu_ops.add_rms_norm_,
     silu_mul=cpu_ops.silu_mul,
     rope_qk_write_kv_=cpu_ops.rope_qk_write_kv_,
-    prefill_attention=causal_attention.CPU,
     packed_weights=True,
 )

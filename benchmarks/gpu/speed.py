@@ -171,29 +171,7 @@ def profile_prefill(llm, vocab: int, rng: random.Random, length: int) -> dict:
         wall = time.perf_counter() - t0
     ops = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:10]
     host = [(a.key[:50], a.count, round(a.self_cpu_time_total)) for a in ops]
-    summary = _summary(prof, wall, top=20)
-    return dict(tokens=length, **summary, host_top_us=host, **_attention_path(llm, prof))
-
-
-# kernel-name parts of the attention kernels a prefill may run: SDPA's flash and mem-efficient
-# kernels (MLA's decompressed form for fresh prompts), our paged Triton kernels (absorbed MLA, GQA)
-_ATTENTION_KERNELS = ("flash", "fmha", "_split_kernel", "decode_attention")
-
-
-def _attention_path(llm, prof) -> dict:
-    """Which MLA form the model may take for fresh prompts, and the attention kernels that ran:
-    the prefill profile shows which path a 2,000-token prompt took."""
-    model = llm.engine.runner.model
-    form = "decompressed" if getattr(model, "fresh_attention", None) is not None else "absorbed"
-    ran: dict[str, list[float]] = {}
-    for e in prof.events():
-        cuda = e.device_type == torch.autograd.DeviceType.CUDA
-        if cuda and any(part in e.name for part in _ATTENTION_KERNELS):
-            entry = ran.setdefault(e.name[:70], [0, 0.0])
-            entry[0] += 1
-            entry[1] += e.device_time
-    kernels = [(n, c, round(us)) for n, (c, us) in ran.items()]
-    return dict(mla_fresh_prefill=form, attention_kernels_us=kernels)
+    return dict(tokens=length, **_summary(prof, wall, top=20), host_top_us=host)
 
 
 def _summary(prof, wall: float, top: int = 12) -> dict:

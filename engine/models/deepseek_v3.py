@@ -2,13 +2,9 @@
 
 MLA: queries through an optional low-rank `q_a -> norm -> q_b`; keys/values through a compressed latent
 `kv_a -> norm` (kv_lora_rank) plus one shared rope key (qk_rope_head_dim). The KV cache holds only
-`[latent | rope key]` per token per layer. Attention runs in the absorbed form: the no-rope query is
-mapped into latent space with kv_b's key half (W_UK), attention is MQA over the cached latent, and the
-result leaves latent space through kv_b's value half (W_UV). Fresh prompts (nothing cached before
-the step, engine/models/fresh_prefill.py) run decompressed instead, where the KernelSet has
-`prefill_attention`: kv_b turns their latent rows into per-head keys and values, and plain causal
-multi-head attention runs over their own tokens (far fewer FLOPs than MQA over the 576-wide latent
-once a prompt is long). Both read the latent back from the cache, as the model wrote it.
+`[latent | rope key]` per token per layer. Attention always runs in the absorbed form: the no-rope
+query is mapped into latent space with kv_b's key half (W_UK), attention is MQA over the cached latent,
+and the result leaves latent space through kv_b's value half (W_UV). Prefill and decode share it.
 
 DeepSeekMoE: shared experts plus routed top-k with group-limited routing (n_group / topk_group),
 sigmoid or softmax scores, e_score_correction_bias (selection only), norm_topk_prob and
@@ -32,7 +28,6 @@ import torch.nn.functional as F
 from deepserve.engine.errors import UnsupportedModelError
 from deepserve.engine.models.base import KVCacheSpec
 from deepserve.engine.models.common import WeightStore, add_rms_norm, require, swiglu
-from deepserve.engine.models.fresh_prefill import FreshSplit, fresh_split
 from deepserve.engine.parallel.plan import ModelShard
 from deepserve.kernels import moe_routing
 from deepserve.kernels.attention_metadata import AttentionMetadata
@@ -134,7 +129,6 @@ class _Attention:
     w_uk: torch.Tensor  # [H, nope, kv_lora]: no-rope query -> latent space
     w_uv_t: torch.Tensor  # [H, kv_lora, v]: latent -> value space
     o: torch.Tensor
-    kv_b: torch.Tensor | None  # [H * (nope + v), kv_lora]: fresh prompts' latent -> [k | v] rows
 
 
 @dataclass
@@ -202,9 +196,6 @@ class DeepseekV3ForCausalLM:
         width = a.kv_lora_rank + a.qk_rope_head_dim
         self.kv_cache_spec = KVCacheSpec(a.num_layers + a.num_mtp_layers, width, self.dtype)
         self.scale = a.softmax_scale
-        fresh = kernels.prefill_attention
-        covered = fresh is not None and fresh.covers(a.qk_head_dim, a.v_head_dim, self.dtype)
-        self.fresh_attention = fresh if covered else None  # None: every row runs absorbed
         self.embed = weights.get("model.embed_tokens.weight")
         self.layers = [self._load_layer(weights, i) for i in range(a.num_layers)]
         self.norm = weights.get("model.norm.weight")
@@ -234,8 +225,7 @@ class DeepseekV3ForCausalLM:
         if a.rope_interleave:
             q_b = _rope_rows_to_half_split(q_b, a.qk_head_dim, a.qk_rope_head_dim)
             kv_a = _rope_rows_to_half_split(kv_a, kv_a.shape[0], a.qk_rope_head_dim)
-        kv_b_rows = w.get(p + "kv_b_proj.weight")
-        kv_b = kv_b_rows.view(a.num_heads, -1, a.kv_lora_rank)
+        kv_b = w.get(p + "kv_b_proj.weight").view(a.num_heads, -1, a.kv_lora_rank)
         q_x = w.get(p + "q_a_proj.weight") if low_rank else q_b
         return _Attention(
             x_proj=torch.cat([q_x, kv_a]),  # one launch where a decode step took two
@@ -246,7 +236,6 @@ class DeepseekV3ForCausalLM:
             w_uk=kv_b[:, : a.qk_nope_head_dim].contiguous(),
             w_uv_t=kv_b[:, a.qk_nope_head_dim :].transpose(1, 2).contiguous(),
             o=w.get(p + "o_proj.weight"),
-            kv_b=kv_b_rows if self.fresh_attention is not None else None,
         )
 
     @staticmethod
@@ -367,62 +356,15 @@ class DeepseekV3ForCausalLM:
         cache: torch.Tensor,  # [num_blocks, block_size, kv_lora + rope]
     ) -> torch.Tensor:
         a, k, eps = self.args, self.k, self.args.rms_norm_eps
-        tokens, heads, lora = x.shape[0], a.num_heads, a.kv_lora_rank
+        tokens, heads, nope, lora = x.shape[0], a.num_heads, a.qk_nope_head_dim, a.kv_lora_rank
         projected = k.linear(x, w.x_proj)
         q, ckv = projected[:, : w.q_rows], projected[:, w.q_rows :]
         if w.q_b is not None:
             q = k.linear(k.rms_norm(q, w.q_a_norm, eps), w.q_b)
         q = q.view(tokens, heads, a.qk_head_dim)
-        fused = self._fused_kv_write(w, ckv, cos, sin, attn, cache)  # 2-3 launches, not ~16
-        if not fused:
-            latent = k.rms_norm(ckv[:, :lora], w.kv_a_norm, eps)
-            k_pe = apply_rope(ckv[:, lora:].unsqueeze(1), cos, sin)
-            write_kv(cache, attn.slot_mapping, torch.cat([latent, k_pe[:, 0]], dim=-1))
-        split = fresh_split(attn) if self.fresh_attention is not None else None
-        if split is None:
-            out = self._absorbed(w, q, cos, sin, attn, cache, fused).transpose(0, 1)
-        elif split.fresh_rows is None:
-            out = self._decompressed(w, q, cos, sin, cache, split, fused)
-        else:
-            out = self._mixed(w, q, cos, sin, cache, split, fused)
-        return k.linear(out.reshape(tokens, heads * a.v_head_dim), w.o)
-
-    def _mixed(
-        self,
-        w: _Attention,
-        q: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        cache: torch.Tensor,
-        split: FreshSplit,
-        fused: bool,
-    ) -> torch.Tensor:
-        """A step of fresh prompts and other rows: each form on its rows, put back in order."""
-        out = q.new_empty(q.shape[0], q.shape[1], self.args.v_head_dim)
-        rows = split.fresh_rows
-        c, s = cos[rows], sin[rows]
-        out[rows] = self._decompressed(w, q[rows], c, s, cache, split, fused)
-        rows = split.other_rows
-        c, s = cos[rows], sin[rows]
-        out[rows] = self._absorbed(w, q[rows], c, s, split.other, cache, fused).transpose(0, 1)
-        return out
-
-    def _absorbed(
-        self,
-        w: _Attention,
-        q: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attn: AttentionMetadata,
-        cache: torch.Tensor,
-        fused: bool,
-    ) -> torch.Tensor:
-        """MQA over the cached latent (any row: decodes, chunks, prefix-cache hits) -> `[H, T, v]`."""
-        a, k = self.args, self.k
-        nope, lora = a.qk_nope_head_dim, a.kv_lora_rank
         q_latent = k.bmm(q[..., :nope].transpose(0, 1), w.w_uk)  # [H, T, lora]
-        if fused:
-            q_full = q.new_empty(q.shape[0], q.shape[1], lora + a.qk_rope_head_dim)
+        if self._fused_kv_write(w, ckv, cos, sin, attn, cache):  # 2-3 launches, not ~16
+            q_full = q.new_empty(tokens, heads, lora + a.qk_rope_head_dim)
             q_pe, latent = q[..., nope:], q_latent.transpose(0, 1)
             whole = k.absorbed_query_ is not None and k.absorbed_query_(
                 latent, q_pe, cos, sin, q_full
@@ -432,41 +374,15 @@ class DeepseekV3ForCausalLM:
                     q_full[..., lora:] = apply_rope(q_pe, cos, sin)
                 q_full[..., :lora] = latent
         else:
+            latent = k.rms_norm(ckv[:, :lora], w.kv_a_norm, eps)
+            k_pe = apply_rope(ckv[:, lora:].unsqueeze(1), cos, sin)
+            write_kv(cache, attn.slot_mapping, torch.cat([latent, k_pe[:, 0]], dim=-1))
             q_pe = apply_rope(q[..., nope:], cos, sin)
             q_full = torch.cat([q_latent.transpose(0, 1), q_pe], dim=-1)  # [T, H, lora + rope]
         k_cache = cache.unsqueeze(2)  # MQA: one latent "head" shared by all query heads
         out = k.paged_attention(q_full, k_cache, k_cache[..., :lora], attn, self.scale)
-        return k.bmm(out.transpose(0, 1), w.w_uv_t)  # [H, T, v]
-
-    def _decompressed(
-        self,
-        w: _Attention,
-        q: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        cache: torch.Tensor,
-        split: FreshSplit,
-        fused: bool,
-    ) -> torch.Tensor:
-        """Fresh prompts' rows as causal multi-head attention over their own tokens -> `[T, H, v]`:
-        keys `[k_nope | shared rope key]` and values from kv_b applied to the cached latent."""
-        a, k = self.args, self.k
-        tokens, heads, nope, lora = q.shape[0], a.num_heads, a.qk_nope_head_dim, a.kv_lora_rank
-        rows = cache.view(-1, cache.shape[-1])[split.slots]  # [T, lora + rope], as cached
-        kv = k.linear(rows[:, :lora], w.kv_b).view(tokens, heads, nope + a.v_head_dim)
-        k_pe = rows[:, None, lora:].expand(tokens, heads, a.qk_rope_head_dim)
-        keys = torch.cat([kv[..., :nope], k_pe], dim=-1)
-        query = q.clone()
-        q_pe = q[..., nope:]
-        if not (fused and k.rope_into_(q_pe, cos, sin, query[..., nope:])):
-            query[..., nope:] = apply_rope(q_pe, cos, sin)
-        values = kv[..., nope:]
-        if len(split.spans) == 1:
-            return self.fresh_attention(query, keys, values, self.scale)
-        out = q.new_empty(tokens, heads, a.v_head_dim)
-        for lo, hi in split.spans:  # prefill steps are eager and hold few fresh prompts
-            out[lo:hi] = self.fresh_attention(query[lo:hi], keys[lo:hi], values[lo:hi], self.scale)
-        return out
+        out = k.bmm(out.transpose(0, 1), w.w_uv_t)  # [H, T, v]
+        return k.linear(out.transpose(0, 1).reshape(tokens, heads * a.v_head_dim), w.o)
 
     def _fused_kv_write(
         self,

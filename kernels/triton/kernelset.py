@@ -9,7 +9,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from deepserve.kernels import causal_attention, reference
+from deepserve.kernels import reference
 from deepserve.kernels.attention_metadata import AttentionMetadata
 from deepserve.kernels.errors import KernelUnavailableError
 from deepserve.kernels.kernel_set import KernelSet
@@ -60,7 +60,6 @@ def fast_kernels() -> KernelSet | None:
         add_rms_norm_=rows.add_rms_norm_,  # row-per-program and elementwise: invariant too
         silu_mul=rows.silu_mul,
         moe_route=routing.route,
-        prefill_attention=causal_attention.CUDA,  # fresh prompts' MLA: flash, not the paged kernel
         graph_safe=True,
     )
 
