@@ -269,40 +269,6 @@ def _bench_graph(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
 
 
-def time_matmul_grid(rows: list) -> None:
-    """The invariant matmul's ~65 us a call at M=1 whatever the shape: its persistent grid (one
-    program per SM walking tiles) against the same kernel with one program per tile. A tile's
-    instructions are the same either way, so the outputs must be bitwise equal."""
-    from deepserve.kernels.triton import matmul
-
-    def launch(x, w, programs: int | None) -> torch.Tensor:
-        cfg, (m, k), n = matmul.DEFAULT, x.shape, w.shape[0]
-        out = torch.empty(m, n, device="cuda", dtype=x.dtype)
-        tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-        p = tiles if programs is None else min(tiles, programs)
-        a, b, c = x[None], w.t()[None], out[None]
-        matmul._matmul_kernel[(p,)](
-            a, b, c, m, n, k, 1, a.stride(0), a.stride(1), a.stride(2), b.stride(0),
-            b.stride(1), b.stride(2), c.stride(0), c.stride(1), c.stride(2), p,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            PRECISION="tf32", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
-        return out
-
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for k, n in [(2048, 3072), (2048, 576), (2048, 2048), (2048, 5632), (2816, 2048)]:
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-        for m in (1, 64, 2048):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            row = dict(op="matmul_grid", k=k, n=n, m=m)
-            row["equal"] = bool(torch.equal(launch(x, w, sms), launch(x, w, None)))
-            for name, p in (("persistent", sms), ("per_tile", None)):
-                fn = lambda x=x, w=w, p=p: launch(x, w, p)  # noqa: E731
-                row[f"us_{name}"] = 1e3 * _bench_graph(fn)
-            row["us_cublas"] = 1e3 * _bench_graph(lambda x=x, w=w: x @ w.t())
-            rows.append(row)
-
-
 def run(out: dict) -> None:
     rows = out.setdefault("kernel_checks", [])
     for fn in (
@@ -310,7 +276,6 @@ def run(out: dict) -> None:
         time_prefill_tiles,
         check_fused_rows,
         check_routing,
-        time_matmul_grid,
         check_moe,
         check_decode_attention,
     ):
