@@ -261,14 +261,6 @@ def time_prefill_tiles(rows: list) -> None:
         rows.append(row)
 
 
-def _bench_graph(fn) -> float:
-    """Median ms of `fn` replayed from a CUDA graph: device time, no host launch cost."""
-    import triton.testing
-
-    fn()  # compile outside the capture
-    return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
-
-
 def run(out: dict) -> None:
     rows = out.setdefault("kernel_checks", [])
     for fn in (
