@@ -200,6 +200,15 @@ def _summary(prof, wall: float, top: int = 12) -> dict:
     )  # fmt: skip
 
 
+def _out_of_time(out: dict, deadline: float, what: str) -> bool:
+    """Past the section's deadline: say what is skipped in the results' errors (run 8-4 lost its
+    deepserve figures to a deadline without a word)."""
+    if time.time() <= deadline:
+        return False
+    out["errors"].append(f"{what}: skipped, out of time")
+    return True
+
+
 def section_speed(out: dict, shapes: list[str], batches: dict, tokens: int, deadline: float):
     torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN plans per length skew transformers
     rows = out.setdefault("speed", [])
@@ -211,13 +220,13 @@ def section_speed(out: dict, shapes: list[str], batches: dict, tokens: int, dead
         hf = build_hf(config)
         out.setdefault("build_s", {})[name] = round(time.time() - t0, 1)
         for flag in (False, True):
-            if time.time() > deadline:
+            if _out_of_time(out, deadline, f"speed: deepserve {name}, flag {flag}"):
                 break
             rng = random.Random(3)
             llm = build_llm(config, hf, flag, max_model_len=4096)
             row = dict(shape=name, system="deepserve", batch_invariant=flag)
             for b in batches[name]:
-                if time.time() > deadline:
+                if _out_of_time(out, deadline, f"speed: deepserve {name} batch {b}, flag {flag}"):
                     break
                 tok_s = engine_decode_tok_s(llm, b, vocab, rng, tokens)
                 rows.append(dict(row, batch=b, decode_tok_s=tok_s))
@@ -238,7 +247,7 @@ def section_speed(out: dict, shapes: list[str], batches: dict, tokens: int, dead
             torch.cuda.empty_cache()
         rng = random.Random(3)
         for b in batches[name]:
-            if time.time() > deadline:
+            if _out_of_time(out, deadline, f"speed: transformers {name} batch {b}"):
                 break
             rows.append(dict(shape=name, system="transformers", batch=b,
                              decode_tok_s=hf_decode_tok_s(hf, b, vocab, rng, tokens)))  # fmt: skip
