@@ -1,5 +1,6 @@
-"""Compile `--batch-invariant`'s matmul for the H200 (sm_90) on any machine, no GPU needed: the
-kernel each engine weight shape launches (config_for), specialised as Triton specialises it at run
+"""Compile `--batch-invariant`'s matmul and fixed-split attention for the H200 (sm_90) on any
+machine, no GPU needed: the matmul each engine weight shape launches (config_for) and the
+attention kernels at the two models' head shapes, specialised as Triton specialises them at run
 time, through ptxas; prints registers, spill stores, shared memory, and the SASS counts that say
 whether the tensor-core (HGMMA) and pipelined-copy (LDGSTS) paths were taken. Run it before a
 device call: a kernel that does not compile here does not compile there.
@@ -19,7 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from deepserve.kernels.triton import matmul
+from deepserve.kernels.triton import attention, decode_attention, matmul
 
 SHAPES = [  # (K, N, bmm heads or 0, dtype): the V2-Lite and SmolLM2 weights
     (2048, 3072, 0, "bf16"),
@@ -78,6 +79,48 @@ def compile_matmul(k: int, n: int, bmm: bool, dtype: str) -> dict:
     )
 
 
+ATTENTION = [  # (name, DK, DV): V2-Lite's absorbed MLA (latent + rope key), SmolLM2's GQA
+    ("mla", 576, 512),
+    ("gqa", 64, 64),
+]
+
+
+def compile_attention(fn, dk: int, dv: int) -> dict:
+    """A fixed-split attention kernel (attention.py's or decode_attention.py's invariant one) in
+    bf16 with the engine's tile constants."""
+    names = fn.arg_names
+    sig = {name: "i32" for name in names}
+    sig.update({n: "*i32" for n in names if n.endswith("_ptr")})  # tables, lengths, offsets
+    sig.update(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", scale="fp32")
+    sig.update(pm_ptr="*fp32", pl_ptr="*fp32", pacc_ptr="*fp32")
+    const = dict(
+        SPLIT=attention.SPLIT, BLOCK_M=attention.BLOCK_M, BLOCK_N=attention.BLOCK_N,
+        BLOCK_D=attention.BLOCK_D, BLOCK_DV=triton.next_power_of_2(dv), PRECISION="tf32",
+        s_qd=1, s_kd=1, s_vd=1,
+    )  # fmt: skip
+    sig.update({name: "constexpr" for name in const})
+    kernel = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=4, num_stages=2))  # fmt: skip
+    return _resources(kernel, f"{fn.__name__} DK={dk} DV={dv}")
+
+
+def _resources(kernel, what: str) -> dict:
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([f"{tools}/cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout  # fmt: skip
+        res = subprocess.run([f"{tools}/cuobjdump", "-res-usage", f.name], capture_output=True, text=True).stdout  # fmt: skip
+    return dict(
+        what=what,
+        regs=int(re.findall(r"REG:(\d+)", res)[0]),
+        spill_stores=sass.count("STL"),
+        shared=kernel.metadata.shared,
+        hgmma=sass.count("HGMMA"),
+        ldgsts=sass.count("LDGSTS"),
+    )
+
+
 def main() -> int:
     print(f"triton {triton.__version__}, target sm_90")
     failed = 0
@@ -87,6 +130,13 @@ def main() -> int:
         except Exception as e:
             failed += 1
             print(k, n, heads, dtype, "FAILED:", str(e)[-600:], flush=True)
+    for fn in (attention._split_kernel, decode_attention._invariant_split_kernel):
+        for name, dk, dv in ATTENTION:
+            try:
+                print(name, compile_attention(fn, dk, dv), flush=True)
+            except Exception as e:
+                failed += 1
+                print(name, fn.__name__, "FAILED:", str(e)[-600:], flush=True)
     return 1 if failed else 0
 
 

@@ -25,6 +25,59 @@ BLOCK_D = 64  # head-dim chunk of the q.k products
 
 
 @jit
+def _walk_split(
+    q_rows, k_ptr, v_ptr, table, pos, row_ok, key_lo, key_hi, k_head, v_head,
+    s_qd, s_kb, s_ks, s_kd, s_vb, s_vs, s_vd, scale, DK, DV, block_size,
+    BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr,
+    PRECISION: constexpr,
+):  # fmt: skip
+    """One split's keys for BLOCK_M query rows (pointers `q_rows`, positions `pos`): the online
+    softmax's (max, sum, accumulator). The one body of every fixed-split kernel, so that a row
+    gets the same bits whichever kernel walks it (decode_attention.py's head-grouped one too)."""
+    dv = tl.arange(0, BLOCK_DV)
+    dv_ok = dv < DV
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    for n0 in range(key_lo, key_hi, BLOCK_N):
+        keys = n0 + tl.arange(0, BLOCK_N)
+        key_ok = keys < key_hi
+        blk = tl.load(table + keys // block_size, mask=key_ok, other=0)
+        slot = keys % block_size
+        scores = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for d0 in range(0, DK, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            q = tl.load(
+                q_rows[:, None] + d[None, :] * s_qd,
+                mask=row_ok[:, None] & (d[None, :] < DK),
+                other=0.0,
+            )
+            k = tl.load(
+                k_ptr + blk[None, :] * s_kb + slot[None, :] * s_ks + k_head + d[:, None] * s_kd,
+                mask=(d[:, None] < DK) & key_ok[None, :],
+                other=0.0,
+            )
+            scores = tl.dot(q, k, scores, input_precision=PRECISION)
+        visible = (keys[None, :] <= pos[:, None]) & key_ok[None, :] & row_ok[:, None]
+        scores = tl.where(visible, scores * scale, float("-inf"))
+        sees = tl.max(visible.to(tl.int32), axis=1) > 0
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_use = tl.where(sees, m_new, 0.0)
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(scores - m_use[:, None])
+        v = tl.load(
+            v_ptr + blk[:, None] * s_vb + slot[:, None] * s_vs + v_head + dv[None, :] * s_vd,
+            mask=key_ok[:, None] & dv_ok[None, :],
+            other=0.0,
+        )
+        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = tl.where(sees[:, None], acc * alpha[:, None] + pv, acc)
+        l_i = tl.where(sees, l_i * alpha + tl.sum(p, axis=1), l_i)
+        m_i = tl.where(sees, m_new, m_i)
+    return m_i, l_i, acc
+
+
+@jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, tile_seq_ptr, tile_row_ptr, qstart_ptr, ctx_ptr,
     pm_ptr, pl_ptr, pacc_ptr,
@@ -47,51 +100,17 @@ def _split_kernel(
     key_lo = split * SPLIT
     key_hi = tl.minimum(key_lo + SPLIT, last_pos + 1)
     kvh = h // GROUP
+    m_i, l_i, acc = _walk_split(
+        q_ptr + rows * s_qt + h * s_qh, k_ptr, v_ptr, tables_ptr + seq * s_tb, pos, row_ok,
+        key_lo, key_hi, kvh * s_kh, kvh * s_vh, s_qd, s_kb, s_ks, s_kd, s_vb, s_vs, s_vd,
+        scale, DK, DV, block_size, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION,
+    )  # fmt: skip
     dv = tl.arange(0, BLOCK_DV)
-    dv_ok = dv < DV
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
-    for n0 in range(key_lo, key_hi, BLOCK_N):
-        keys = n0 + tl.arange(0, BLOCK_N)
-        key_ok = keys < key_hi
-        blk = tl.load(tables_ptr + seq * s_tb + keys // block_size, mask=key_ok, other=0)
-        slot = keys % block_size
-        scores = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for d0 in range(0, DK, BLOCK_D):
-            d = d0 + tl.arange(0, BLOCK_D)
-            q = tl.load(
-                q_ptr + rows[:, None] * s_qt + h * s_qh + d[None, :] * s_qd,
-                mask=row_ok[:, None] & (d[None, :] < DK),
-                other=0.0,
-            )
-            k = tl.load(
-                k_ptr + blk[None, :] * s_kb + slot[None, :] * s_ks + kvh * s_kh + d[:, None] * s_kd,
-                mask=(d[:, None] < DK) & key_ok[None, :],
-                other=0.0,
-            )
-            scores = tl.dot(q, k, scores, input_precision=PRECISION)
-        visible = (keys[None, :] <= pos[:, None]) & key_ok[None, :] & row_ok[:, None]
-        scores = tl.where(visible, scores * scale, float("-inf"))
-        sees = tl.max(visible.to(tl.int32), axis=1) > 0
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_use = tl.where(sees, m_new, 0.0)
-        alpha = tl.exp(m_i - m_use)
-        p = tl.exp(scores - m_use[:, None])
-        v = tl.load(
-            v_ptr + blk[:, None] * s_vb + slot[:, None] * s_vs + kvh * s_vh + dv[None, :] * s_vd,
-            mask=key_ok[:, None] & dv_ok[None, :],
-            other=0.0,
-        )
-        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        acc = tl.where(sees[:, None], acc * alpha[:, None] + pv, acc)
-        l_i = tl.where(sees, l_i * alpha + tl.sum(p, axis=1), l_i)
-        m_i = tl.where(sees, m_new, m_i)
     part = rows * s_pt + h * s_ph + split * s_ps
     tl.store(pm_ptr + part, m_i, mask=row_ok)
     tl.store(pl_ptr + part, l_i, mask=row_ok)
     pacc = pacc_ptr + rows[:, None] * s_at + h * s_ah + split * s_as + dv[None, :]
-    tl.store(pacc, acc, mask=row_ok[:, None] & dv_ok[None, :])
+    tl.store(pacc, acc, mask=row_ok[:, None] & (dv[None, :] < DV))
 
 
 @jit
