@@ -62,21 +62,8 @@ def compile_matmul(k: int, n: int, bmm: bool, dtype: str) -> dict:
     attrs = {(names.index(d),): [["tt.divisibility", 16]] for d in div}
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     kernel = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32), options=opts)  # fmt: skip
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([f"{tools}/cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout  # fmt: skip
-        res = subprocess.run([f"{tools}/cuobjdump", "-res-usage", f.name], capture_output=True, text=True).stdout  # fmt: skip
-    return dict(
-        cfg=f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} "
-        f"splits{cfg.splits}",
-        regs=int(re.findall(r"REG:(\d+)", res)[0]),
-        spill_stores=sass.count("STL"),
-        shared=kernel.metadata.shared,
-        hgmma=sass.count("HGMMA"),
-        ldgsts=sass.count("LDGSTS"),
-    )
+    cfg_name = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+    return _resources(kernel, f"{cfg_name} splits{cfg.splits}")
 
 
 ATTENTION = [  # (name, DK, DV): V2-Lite's absorbed MLA (latent + rope key), SmolLM2's GQA

@@ -69,6 +69,21 @@ def _metadata(lens: list[int], block_size: int, num_blocks: int, gen) -> Attenti
     )
 
 
+def _decode_case(layout: str, dtype, lens: list[int], bs: int, nb: int, gen):
+    """A decode step's query and shuffled paged caches: MLA's (16 heads over one latent "head",
+    V its leading 512 columns) or a GQA's (9 query heads over 3 KV heads of 64)."""
+    if layout == "mla":
+        cache = torch.randn(nb, bs, 576, generator=gen).to("cuda", dtype).unsqueeze(2)
+        k_cache, v_cache, hq = cache, cache[..., :512], 16
+    else:
+        cache = torch.randn(nb, bs, 2 * 3 * 64, generator=gen).to("cuda", dtype)
+        k_cache = cache[..., :192].unflatten(-1, (3, 64))
+        v_cache = cache[..., 192:].unflatten(-1, (3, 64))
+        hq = 9
+    q = torch.randn(len(lens), hq, k_cache.shape[-1], generator=gen).to("cuda", dtype)
+    return q, k_cache, v_cache, _metadata(lens, bs, nb, gen)
+
+
 def check_decode_attention(rows: list) -> None:
     from deepserve.kernels import attention_ref
     from deepserve.kernels.triton import attention
@@ -79,16 +94,7 @@ def check_decode_attention(rows: list) -> None:
     for layout in ("mla", "gqa"):
         for dtype in (torch.bfloat16, torch.float32):
             for lens in ([1], [7, 300, 33], [1000] * 4, [17] * 64 + [2000]):
-                if layout == "mla":
-                    cache = torch.randn(nb, bs, 576, generator=gen).to("cuda", dtype).unsqueeze(2)
-                    k_cache, v_cache, hq = cache, cache[..., :512], 16
-                else:
-                    cache = torch.randn(nb, bs, 2 * 3 * 64, generator=gen).to("cuda", dtype)
-                    k_cache = cache[..., :192].unflatten(-1, (3, 64))
-                    v_cache = cache[..., 192:].unflatten(-1, (3, 64))
-                    hq = 9
-                q = torch.randn(len(lens), hq, k_cache.shape[-1], generator=gen).to("cuda", dtype)
-                attn = _metadata(lens, bs, nb, gen)
+                q, k_cache, v_cache, attn = _decode_case(layout, dtype, lens, bs, nb, gen)
                 want = attention_ref.paged_attention(q, k_cache, v_cache, attn, 0.07)
                 got = decode_attention(q, k_cache, v_cache, attn, 0.07)
                 rows.append(dict(op="decode_attention", layout=layout, dtype=str(dtype),
@@ -440,16 +446,7 @@ def check_invariant_decode_attention(rows: list) -> None:
     for layout in ("mla", "gqa"):
         for dtype in (torch.bfloat16, torch.float32):
             for lens in ([1], [7, 300, 33], [17] * 64 + [2000], [256] * 64, [256]):
-                if layout == "mla":
-                    cache = torch.randn(nb, bs, 576, generator=gen).to("cuda", dtype).unsqueeze(2)
-                    k_cache, v_cache, hq = cache, cache[..., :512], 16
-                else:
-                    cache = torch.randn(nb, bs, 2 * 3 * 64, generator=gen).to("cuda", dtype)
-                    k_cache = cache[..., :192].unflatten(-1, (3, 64))
-                    v_cache = cache[..., 192:].unflatten(-1, (3, 64))
-                    hq = 9
-                q = torch.randn(len(lens), hq, k_cache.shape[-1], generator=gen).to("cuda", dtype)
-                attn = _metadata(lens, bs, nb, gen)
+                q, k_cache, v_cache, attn = _decode_case(layout, dtype, lens, bs, nb, gen)
                 want = attention_ref.paged_attention(q, k_cache, v_cache, attn, 0.07)
                 fixed = attention.TritonPagedAttention()
                 fixed._layout = fixed._host_layout(attn, q.device)
