@@ -100,6 +100,7 @@ class EngineStats:
     num_preemptions: int
     spec_decode: Any | None  # engine/spec_decode/stats.py SpecDecodeStats; None when off
     kv_registry: Any | None  # the KV tiers' prometheus CollectorRegistry; None without tiers
+    async_scheduling: Any | None = None  # engine/async_scheduling.py OverlapStats; None when off
 
 
 class EngineClient(Protocol):

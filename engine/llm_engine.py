@@ -139,7 +139,8 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         registry = self.kv_tiering.registry if self.kv_tiering is not None else None
         spec = self.spec.stats if self.spec is not None else None
-        return EngineStats(self.scheduler.num_preemptions, spec, registry)
+        overlap = self.overlap if self.async_scheduling else None
+        return EngineStats(self.scheduler.num_preemptions, spec, registry, overlap)
 
     def check_request(
         self, prompt_token_ids: list[int], params: SamplingParams, resume_token_ids=()

@@ -39,6 +39,7 @@ class EngineCollector(Collector):
         preemptions.add_metric(values, float(stats.num_preemptions))
         yield preemptions
         yield from _spec_decode(stats.spec_decode, names, values)
+        yield from _async_scheduling(stats.async_scheduling, names, values)
         if stats.kv_registry is not None:
             for family in stats.kv_registry.collect():
                 yield _with_labels(family, self._labels)
@@ -71,6 +72,32 @@ def _spec_decode(stats: Any, names: list[str], values: list[str]) -> Iterator[Me
         family = CounterMetricFamily(P + name, doc, labels=[*names, "position"])
         for pos, count in enumerate(getattr(stats, attr, [])):
             family.add_metric([*values, str(pos)], float(count))
+        yield family
+
+
+def _async_scheduling(stats: Any, names: list[str], values: list[str]) -> Iterator[Metric]:
+    """How often decode steps ran one step ahead of their sampled ids, and why not; zeros while
+    async scheduling is off (the CPU's default)."""
+    for name, doc, attr in (
+        (
+            "async_scheduling_steps_ahead",
+            "Decode steps launched before the previous step's sampled ids reached the host.",
+            "ahead",
+        ),
+        (
+            "async_scheduling_fallbacks",
+            "Steps after one in flight that waited for its ids first (arrivals, grammars, "
+            "penalties, forks).",
+            "fallbacks",
+        ),
+        (
+            "async_scheduling_wasted_rows",
+            "Rows run ahead for a sequence that had stopped (their samples dropped).",
+            "wasted_rows",
+        ),
+    ):
+        family = CounterMetricFamily(P + name, doc, labels=names)
+        family.add_metric(values, float(getattr(stats, attr, 0)))
         yield family
 
 

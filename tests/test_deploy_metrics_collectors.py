@@ -103,3 +103,21 @@ def test_engine_collector_labels_kv_tier_series_like_every_other():
     assert value("kv_store_errors_total", tier="store", op="get") == 0
     assert value("num_preemptions_total") == 2
     assert value("spec_decode_num_draft_tokens_total") == 0
+
+
+def test_engine_collector_counts_async_scheduling_steps():
+    from deepserve.engine.async_scheduling import OverlapStats
+    from deepserve.engine.client import EngineStats
+    from deepserve.server.component_metrics import EngineCollector
+
+    overlap = OverlapStats(ahead=130, fallbacks=2, wasted_rows=5)
+    stats = EngineStats(2, None, None, async_scheduling=overlap)
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(lambda: stats, {"model_name": "m"}))
+
+    def value(name: str) -> float | None:
+        return registry.get_sample_value(
+            f"deepserve:async_scheduling_{name}_total", {"model_name": "m"}
+        )
+
+    assert (value("steps_ahead"), value("fallbacks"), value("wasted_rows")) == (130, 2, 5)

@@ -188,6 +188,12 @@ def test_n_samples_fork_identically(loaded):
     assert engine.overlap.ahead > 0
 
 
+def test_stats_report_the_steps_run_ahead_only_when_on(loaded):
+    _, _, engine = both(loaded, [(p, greedy(8)) for p in PROMPTS])
+    assert engine.stats().async_scheduling.ahead == engine.overlap.ahead > 0
+    assert make_engine(loaded, False).stats().async_scheduling is None
+
+
 def test_off_by_default_on_the_cpu(loaded):
     engine = LLMEngine(EngineConfig(model=MODEL, num_kv_blocks=64, num_threads=1), loaded)
     assert engine.async_scheduling is False
