@@ -282,7 +282,7 @@ class LLMEngine:
         step as usual, without the rows that stopped."""
         prev, self._in_flight = self._in_flight, None
         out = self._schedule()
-        ahead = continuation(out, self._stops_for_sure)
+        ahead = continuation(out, self._at_length)  # a pending token that ends it for sure
         launched = None
         if ahead is not None:
             if self.threads is not None:
@@ -345,8 +345,8 @@ class LLMEngine:
             touched[id(seq.request)] = seq.request
         return touched
 
-    def _stops_for_sure(self, seq: Sequence) -> bool:
-        """Its pending token ends it whatever that token is (max_tokens or the context)."""
+    def _at_length(self, seq: Sequence) -> bool:
+        """No room for another token: max_tokens reached, or the context full."""
         return (
             seq.num_output_tokens >= seq.request.max_tokens or seq.num_tokens >= self.max_model_len
         )
@@ -439,7 +439,7 @@ class LLMEngine:
                 return "stop"
         if seq.num_output_tokens >= params.min_tokens and self._is_stop_token(seq, token):
             return "stop"
-        if seq.num_output_tokens >= seq.request.max_tokens or seq.num_tokens >= self.max_model_len:
+        if self._at_length(seq):
             return "length"
         return None
 
