@@ -20,6 +20,9 @@ What does not live here: prefill (attention.py).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 
 from deepserve.kernels.attention_metadata import AttentionMetadata
@@ -260,13 +263,12 @@ def invariant_decode_attention(
     return out
 
 
-class InvariantPagedAttention:
-    """`--batch-invariant`'s paged attention: pure decode steps through the head-grouped kernel,
-    the rest through attention.py's fixed-split kernel; a query row gets the same bits either way."""
+class DecodeOrVarlen:
+    """Paged attention that sends pure decode steps (one query per sequence) to `decode` and the
+    rest (prefill, chunks mixed with decodes) to `varlen` (attention.py's kernel)."""
 
-    def __init__(self, split: int = attention.SPLIT) -> None:
-        self.split = split  # a multiple of attention.BLOCK_N; tests use a small one
-        self.varlen = attention.TritonPagedAttention(split)
+    def __init__(self, decode: Callable[..., torch.Tensor], varlen: Callable[..., torch.Tensor]):
+        self.decode, self.varlen = decode, varlen
 
     def __call__(
         self,
@@ -277,5 +279,15 @@ class InvariantPagedAttention:
         scale: float,
     ) -> torch.Tensor:
         if attn.num_tokens == attn.num_seqs:
-            return invariant_decode_attention(q, k_cache, v_cache, attn, scale, self.split)
+            return self.decode(q, k_cache, v_cache, attn, scale)
         return self.varlen(q, k_cache, v_cache, attn, scale)
+
+
+class InvariantPagedAttention(DecodeOrVarlen):
+    """`--batch-invariant`'s paged attention: pure decode steps through the head-grouped kernel,
+    the rest through attention.py's fixed-split kernel; a query row gets the same bits either way."""
+
+    def __init__(self, split: int = attention.SPLIT) -> None:
+        # `split`: a multiple of attention.BLOCK_N; tests use a small one
+        decode = functools.partial(invariant_decode_attention, split=split)
+        super().__init__(decode, attention.TritonPagedAttention(split))

@@ -10,34 +10,25 @@ import torch
 import torch.nn.functional as F
 
 from deepserve.kernels import reference
-from deepserve.kernels.attention_metadata import AttentionMetadata
 from deepserve.kernels.errors import KernelUnavailableError
 from deepserve.kernels.kernel_set import KernelSet
 from deepserve.kernels.triton import attention, fused_moe, matmul, mla, rope, routing, rows
-from deepserve.kernels.triton.decode_attention import InvariantPagedAttention, decode_attention
+from deepserve.kernels.triton.decode_attention import (
+    DecodeOrVarlen,
+    InvariantPagedAttention,
+    decode_attention,
+)
 from deepserve.kernels.triton.lang import HAVE_TRITON
 
 
-class FastPagedAttention:
+class FastPagedAttention(DecodeOrVarlen):
     """Decode-only steps through the graph-safe decode kernel, the rest (prefill, chunks mixed
     with decodes) through the varlen kernel of attention.py."""
 
     def __init__(self) -> None:
         # 32 query rows per program, not the invariant set's 16: V2-Lite's 2,000-token prefill
         # attention took 1.13 ms a layer against 1.21 (H200, run-kern-1)
-        self.varlen = attention.TritonPagedAttention(block_m=32)
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        attn: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        if attn.num_tokens == attn.num_seqs:
-            return decode_attention(q, k_cache, v_cache, attn, scale)
-        return self.varlen(q, k_cache, v_cache, attn, scale)
+        super().__init__(decode_attention, attention.TritonPagedAttention(block_m=32))
 
 
 def fast_kernels() -> KernelSet | None:
