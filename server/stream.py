@@ -67,7 +67,10 @@ async def stream_chunks(
 ) -> AsyncIterator[tuple[int, list]]:
     processors = [
         _ChoiceProcessor(
-            dr.StreamProcessor(job.make_generator(), job.parsing, tokenizer), job, tokenizer
+            dr.StreamProcessor(job.make_generator(), job.parsing, tokenizer),
+            job,
+            tokenizer,
+            backend.tokenizer,
         )
         for _ in range(job.params.n)
     ]
@@ -118,13 +121,22 @@ def _ready(out: RequestOutput) -> dr.InferenceChunk:
 class _ChoiceProcessor:
     """One choice's StreamProcessor, fed token ids (or decoded text, see GenerationJob)."""
 
-    def __init__(self, sp: dr.StreamProcessor, job: GenerationJob, tokenizer: dr.Tokenizer) -> None:
+    def __init__(
+        self,
+        sp: dr.StreamProcessor,
+        job: GenerationJob,
+        tokenizer: dr.Tokenizer,
+        decoder: Tokenizer,
+    ) -> None:
         self.sp = sp
         self.tokenizer = job.text_tokenizer
+        self.decoder = decoder
         self.ids: list[int] = []
         self.sent = 0  # characters of the decoded text already pushed
         self.job = job
-        self.shadow = _LogprobShadow(job, tokenizer) if job.logprob_feed is not None else None
+        self.shadow = (
+            _LogprobShadow(job, tokenizer, decoder) if job.logprob_feed is not None else None
+        )
 
     @property
     def finished(self) -> bool:
@@ -152,7 +164,10 @@ class _ChoiceProcessor:
         final = c.finish_reason is not None
         if self.shadow is not None:
             self.shadow.push(ids, logprobs, final=False)
-        chunks = self.sp.push(self._chunk(ids, logprobs, final)) if ids else []
+        chunks = []
+        for a, b in utf8_pieces(self.decoder, ids):
+            lp = logprobs[a:b] if logprobs is not None else None
+            chunks += self.sp.push(self._chunk(ids[a:b], lp, final))
         if c.finish_reason is not None and not self.sp.finished:
             reason = _FINISH.get(c.finish_reason, _FINISH["stop"])
             chunks += self.sp.push(dr.InferenceChunk.finish(reason))
@@ -189,7 +204,8 @@ class _LogprobShadow:
     `logprobs.content` covers every token, in the recipe's own format (token, bytes, top).
     """
 
-    def __init__(self, job: GenerationJob, tokenizer: dr.Tokenizer) -> None:
+    def __init__(self, job: GenerationJob, tokenizer: dr.Tokenizer, decoder: Tokenizer) -> None:
+        self.decoder = decoder
         options = dr.ParsingOptions(
             parse_tool_calls=False, stop_sequences=job.parsing.stop_sequences
         )
@@ -202,9 +218,9 @@ class _LogprobShadow:
         if self.done:
             return
         chunks = []
-        if ids:
-            lp = [(t.logprob, [(tid, v) for tid, v in t.top]) for t in logprobs or []]
-            chunks += self.sp.push(dr.InferenceChunk.tokens(ids, lp))
+        for a, b in utf8_pieces(self.decoder, ids):
+            lp = [(t.logprob, [(tid, v) for tid, v in t.top]) for t in (logprobs or [])[a:b]]
+            chunks += self.sp.push(dr.InferenceChunk.tokens(ids[a:b], lp))
         if final and not self.sp.finished:
             chunks += self.sp.push(dr.InferenceChunk.finish(_FINISH["stop"]))
         if final or self.sp.finished:
@@ -221,6 +237,23 @@ class _LogprobShadow:
     def close(self) -> None:
         if not self.done:
             self.sp.close()
+
+
+def utf8_pieces(decoder: Tokenizer, ids: list[int]) -> list[tuple[int, int]]:
+    """`ids` as (start, end) pieces to push one after another: one piece, or two when the delta's
+    text ends inside a UTF-8 sequence after some complete text.
+
+    The recipe holds a token chunk back while its text ends inside a character and drops what it
+    holds when the request finishes, so a delta of complete tokens plus the first bytes of a
+    character cut by max_tokens would lose the complete ones too. Deltas hold several tokens only
+    when the consumer lags (or speculation), so the text a client gets would depend on timing.
+    """
+    if len(ids) < 2 or not decoder.decode(ids, skip_special_tokens=False).endswith("\ufffd"):
+        return [(0, len(ids))] if ids else []
+    for k in range(len(ids) - 1, 0, -1):
+        if not decoder.decode(ids[:k], skip_special_tokens=False).endswith("\ufffd"):
+            return [(0, k), (k, len(ids))]
+    return [(0, len(ids))]
 
 
 def record_prompt(metrics: ServerMetrics, out: RequestOutput) -> None:
