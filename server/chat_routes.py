@@ -61,7 +61,16 @@ async def handle(request: Request, spec: ProtocolSpec, state: AppState) -> Respo
     body = await read_json(request, state.config.max_body_bytes)
     check_model(body, state.config.served_model_name)
     stored = await _conversation(spec, body, state) if spec is RESPONSES else None
-    prepared = await prepare_off_loop(request, body, prepare, spec, body, state, tenant_of(request))
+    prepared = await prepare_off_loop(
+        request,
+        body,
+        state.family.inline_prepare_bytes,
+        prepare,
+        spec,
+        body,
+        state,
+        tenant_of(request),
+    )
     job = prepared.job
     chunks = stream_chunks(state.backend, job, state.family.recipe_tokenizer, state.metrics)
     info = FrameInfo(
@@ -104,7 +113,9 @@ async def count_tokens(request: Request, state: AppState) -> Response:
     """Anthropic's POST /v1/messages/count_tokens: the prompt a Messages body would render to."""
     body = await read_json(request, state.config.max_body_bytes)
     check_model(body, state.config.served_model_name)
-    n = await prepare_off_loop(request, body, _count_tokens, body, state)
+    n = await prepare_off_loop(
+        request, body, state.family.inline_prepare_bytes, _count_tokens, body, state
+    )
     return JSONResponse({"input_tokens": n})
 
 

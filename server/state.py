@@ -58,9 +58,6 @@ def tenant_of(request: Request) -> str | None:
     return request.scope.get("state", {}).get("tenant")
 
 
-# Preparing a request this small (render, encode, validate) takes a fraction of a millisecond, less
-# than handing it to a thread and back; larger bodies go to a thread so the loop never waits long.
-INLINE_PREPARE_BYTES = 4096
 # Fields that make preparing a request compile a grammar: even a short regex or schema can take
 # seconds, so such requests are always prepared on a thread.
 _CONSTRAINT_FIELDS = (
@@ -74,11 +71,13 @@ _CONSTRAINT_FIELDS = (
 )
 
 
-async def prepare_off_loop(request: Request, body: dict, fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` inline for a small request `body` without an output constraint, else on a
-    worker thread."""
+async def prepare_off_loop(
+    request: Request, body: dict, inline_bytes: int, fn: Callable[..., T], *args: Any
+) -> T:
+    """`fn(*args)` inline for a request `body` of at most `inline_bytes` without an output
+    constraint (the family's `inline_prepare_bytes`), else on a worker thread."""
     size = request.headers.get("content-length")
-    small = size is not None and size.isdigit() and int(size) <= INLINE_PREPARE_BYTES
+    small = size is not None and size.isdigit() and int(size) <= inline_bytes
     if small and not any(k in body for k in _CONSTRAINT_FIELDS):
         return fn(*args)
     return await asyncio.to_thread(fn, *args)
