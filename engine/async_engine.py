@@ -19,7 +19,7 @@ import contextlib
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -69,6 +69,7 @@ class AsyncEngine:
         self.config = config
         self._cond = threading.Condition()
         self._adds: list[_Add] = []
+        self._arriving = 0  # requests being read and prepared for `generate` (`arriving`)
         self._aborts: list[str] = []
         self._streams: dict[str, _Stream] = {}
         self._stopping = False
@@ -127,6 +128,18 @@ class AsyncEngine:
         finally:
             if not finished:
                 await self.abort(request_id)
+
+    @contextlib.contextmanager
+    def arriving(self) -> Iterator[None]:
+        with self._cond:
+            self._arriving += 1
+        try:
+            yield
+        finally:
+            # No notify: the request is added right after, and a wake-up now would end a burst
+            # gather just before that add.
+            with self._cond:
+                self._arriving -= 1
 
     async def abort(self, request_id: str) -> None:
         """Stop a request; its blocks are freed before the next step runs."""
@@ -249,9 +262,9 @@ class AsyncEngine:
         parsed, tokenized and admitted on the event loop), and stepping at the first one cut
         a burst into many small eager prefill and mixed steps, each costing about what a full
         one does; that held `bench serve` at 64 streams to 0.69 of offline (benchmarks/RESULTS.md,
-        run 6). The wait ends when arrivals pause for `BURST_QUIET_S`, after `BURST_MAX_S`, or
-        once the first step is full (token budget or sequence slots): a lone request pays at
-        most the quiet gap."""
+        run 6). The wait ends when arrivals pause for `BURST_QUIET_S` with no request still
+        being prepared (`arriving`), after `BURST_MAX_S`, or once the first step is full (token
+        budget or sequence slots): a lone request pays at most the quiet gap."""
         config = self.config
         deadline = time.monotonic() + BURST_MAX_S
         while not self._stopping and time.monotonic() < deadline:
@@ -260,7 +273,7 @@ class AsyncEngine:
                 return
             seen = len(self._adds)
             self._cond.wait(min(BURST_QUIET_S, max(0.0, deadline - time.monotonic())))
-            if len(self._adds) == seen:  # nothing new in the quiet gap: the burst is over
+            if len(self._adds) == seen and not self._arriving:  # nothing new, none coming
                 return
 
     def _keep_block_events(self) -> None:

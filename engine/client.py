@@ -8,6 +8,7 @@ Implemented by the in-process `AsyncEngine` (engine/async_engine.py) and by the 
 engine.card                      # ModelCard: ModelInfo, EngineLimits, batch_invariant, block_size
 engine.tokenizer                 # tokenizers.Tokenizer
 admitted = engine.admit(prompt_token_ids, params, resume_token_ids=())   # InvalidRequestError
+with engine.arriving(): ...      # around reading and preparing a request (an idle engine waits)
 async for out in engine.generate(request_id, admitted): ...              # RequestOutput deltas
 await engine.abort(request_id)
 engine.load() -> EngineLoad
@@ -25,6 +26,7 @@ Not here: the checks `admit` runs (engine/admission.py), the wire format (disagg
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -115,6 +117,10 @@ class EngineClient(Protocol):
 
     def generate(self, request_id: str, admitted: AdmittedRequest) -> AsyncIterator[RequestOutput]:
         """Stream the request's deltas; leaving the iteration early aborts it."""
+
+    def arriving(self) -> AbstractContextManager[None]:
+        """Held while a request is read and prepared for `generate`: an idle engine holds its
+        first step while more requests are on their way (a burst reaches it one by one)."""
 
     async def abort(self, request_id: str) -> None: ...
 

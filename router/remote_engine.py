@@ -64,6 +64,9 @@ class RemoteEngine:
             async for ev in stream:
                 yield ev.to_output()
 
+    def arriving(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # each worker's engine gathers its own bursts
+
     async def abort(self, request_id: str) -> None:
         self.router.abort(request_id)
 

@@ -58,19 +58,20 @@ class Prepared:
 
 
 async def handle(request: Request, spec: ProtocolSpec, state: AppState) -> Response:
-    body = await read_json(request, state.config.max_body_bytes)
-    check_model(body, state.config.served_model_name)
-    stored = await _conversation(spec, body, state) if spec is RESPONSES else None
-    prepared = await prepare_off_loop(
-        request,
-        body,
-        state.family.inline_prepare_bytes,
-        prepare,
-        spec,
-        body,
-        state,
-        tenant_of(request),
-    )
+    with state.backend.arriving():
+        body = await read_json(request, state.config.max_body_bytes)
+        check_model(body, state.config.served_model_name)
+        stored = await _conversation(spec, body, state) if spec is RESPONSES else None
+        prepared = await prepare_off_loop(
+            request,
+            body,
+            state.family.inline_prepare_bytes,
+            prepare,
+            spec,
+            body,
+            state,
+            tenant_of(request),
+        )
     job = prepared.job
     chunks = stream_chunks(state.backend, job, state.family.recipe_tokenizer, state.metrics)
     info = FrameInfo(

@@ -97,11 +97,12 @@ class _Event:
 
 
 async def handle(request: Request, state: AppState) -> Response:
-    body = await read_json(request, state.config.max_body_bytes)
-    check_model(body, state.config.served_model_name)
-    job = await prepare_off_loop(
-        request, body, INLINE_ENCODE_BYTES, _prepare, body, state, tenant_of(request)
-    )
+    with state.backend.arriving():
+        body = await read_json(request, state.config.max_body_bytes)
+        check_model(body, state.config.served_model_name)
+        job = await prepare_off_loop(
+            request, body, INLINE_ENCODE_BYTES, _prepare, body, state, tenant_of(request)
+        )
     rid = "cmpl-" + uuid.uuid4().hex[:24]
     events = _generate(state, rid, job)
     n_prompt = len(job.admitted.prompt_token_ids)

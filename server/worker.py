@@ -287,8 +287,9 @@ class GenerateRoute:
             await _error(405, "generate takes POST")(scope, receive, send)
             return
         try:
-            req = P.GenerateRequest.from_json(json_object(await _read_body(receive)))
-            admitted = self.worker.admit(req)
+            with self.worker.engine.arriving():
+                req = P.GenerateRequest.from_json(json_object(await _read_body(receive)))
+                admitted = self.worker.admit(req)
         except (InvalidRequestError, TypeError, ValueError) as e:
             await _error(400, str(e))(scope, receive, send)
             return

@@ -129,6 +129,39 @@ async def test_idle_engine_gathers_a_burst_of_arrivals_into_its_first_step(engin
     assert len({tuple(tokens) for tokens, _ in results}) == 1
 
 
+async def test_a_request_still_being_prepared_joins_the_idle_engines_first_step(
+    engine, monkeypatch
+):
+    # The second request is prepared for longer than the quiet gap (a slow tokenization, a
+    # loaded event loop); while it is `arriving`, the first one waits for it.
+    import deepserve.engine.async_engine as async_engine
+
+    monkeypatch.setattr(async_engine, "BURST_QUIET_S", 0.02)
+    monkeypatch.setattr(async_engine, "BURST_MAX_S", 5.0)
+    first_step: list[int] = []
+    step = engine.engine.step
+
+    def spy(**kwargs):
+        if not first_step:
+            first_step.append(engine.engine.scheduler.num_waiting)
+        return step(**kwargs)
+
+    engine.engine.step = spy
+    prompt = engine.tokenizer.encode(PROMPT).ids
+
+    async def slow_arrival() -> tuple:
+        with engine.arriving():
+            await asyncio.sleep(0.5)
+        return await collect(engine, "slow", prompt, GREEDY)
+
+    with engine.arriving():  # as the server does: the first request, prepared and sent
+        pass
+    first = asyncio.create_task(collect(engine, "first", prompt, GREEDY))
+    second = asyncio.create_task(slow_arrival())
+    await asyncio.gather(first, second)
+    assert first_step == [2]
+
+
 async def test_shutdown_stops_the_thread_and_refuses_new_work(loaded):
     eng = AsyncEngine(EngineConfig(num_kv_blocks=16), loaded)
     await eng.shutdown()
