@@ -35,7 +35,7 @@ from deepserve.server.admission import (
 )
 from deepserve.server.disconnect import ClientDisconnected, until_disconnect
 from deepserve.server.errors import HTTPError
-from deepserve.server.family import INLINE_ENCODE_BYTES, encode_text
+from deepserve.server.family import INLINE_PREPARE_BYTES, encode_text
 from deepserve.server.framing import sse
 from deepserve.server.state import (
     AppState,
@@ -101,7 +101,7 @@ async def handle(request: Request, state: AppState) -> Response:
         body = await read_json(request, state.config.max_body_bytes)
         check_model(body, state.config.served_model_name)
         job = await prepare_off_loop(
-            request, body, INLINE_ENCODE_BYTES, _prepare, body, state, tenant_of(request)
+            request, body, INLINE_PREPARE_BYTES, _prepare, body, state, tenant_of(request)
         )
     rid = "cmpl-" + uuid.uuid4().hex[:24]
     events = _generate(state, rid, job)

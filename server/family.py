@@ -32,7 +32,7 @@ from deepserve.server.tool_calls import (
 # Preparing a request this small (render, encode with `encode_text`, validate) takes a fraction of
 # a millisecond, less than handing it to a thread and back; larger bodies go to a thread so the loop
 # never waits long.
-INLINE_ENCODE_BYTES = 4096
+INLINE_PREPARE_BYTES = 4096
 
 _XGRAMMAR_FORMATS = {
     dr.ModelVersion.DeepseekV4Pro: "deepseek_v4",
@@ -59,7 +59,7 @@ class ModelFamily:
     recipe_tokenizer: dr.Tokenizer  # decodes `tokens` chunks inside the StreamProcessor
     # Bodies up to this size are prepared (converted, rendered, encoded, admitted) on the event
     # loop, larger ones on a worker thread (server/state.py prepare_off_loop).
-    inline_prepare_bytes = INLINE_ENCODE_BYTES
+    inline_prepare_bytes = INLINE_PREPARE_BYTES
 
     def prepare(
         self,

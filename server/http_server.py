@@ -1,8 +1,8 @@
 """Running an ASGI app under uvicorn, the same way for `serve`, `frontend` and `worker`.
 
-One place for the uvicorn settings (graceful shutdown bound, no access log), FastAPI's own settings
-every app shares, and for the event loop choice: "auto" takes uvloop and httptools when installed (a routed request crosses two HTTP stacks,
-so their per-request cost counts twice).
+One place for the uvicorn settings (graceful shutdown bound, no access log), the FastAPI settings
+every app shares, and the event loop choice: "auto" takes uvloop and httptools when installed (a
+routed request crosses two HTTP stacks, so their per-request cost counts twice).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Any
 import uvicorn
 
 LOOPS = ("auto", "asyncio", "uvloop")
+HTTP_PARSERS = ("auto", "h11", "httptools")
 # FastAPI's native OpenTelemetry is off: the apps export their own Prometheus metrics, and its
 # per-request check for a configured provider (environment reads, provider lookups) was ~5% of
 # the event loop's time per chat request.
 FASTAPI_TELEMETRY = {"tracing": False, "metrics": False, "logs": False}
-HTTP_PARSERS = ("auto", "h11", "httptools")
 
 
 async def serve_http(
