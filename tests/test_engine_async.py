@@ -103,13 +103,8 @@ async def test_idle_engine_thread_sleeps(engine):
     assert time.process_time() - start < 0.1
 
 
-async def test_idle_engine_gathers_a_burst_of_arrivals_into_its_first_step(engine, monkeypatch):
-    # Requests trickling in (as HTTP delivers a burst) start together instead of in one small
-    # step each; the gaps are far inside the quiet window so a slow CI box cannot split them.
-    import deepserve.engine.async_engine as async_engine
-
-    monkeypatch.setattr(async_engine, "BURST_QUIET_S", 0.2)
-    monkeypatch.setattr(async_engine, "BURST_MAX_S", 2.0)
+def waiting_at_first_step(engine: AsyncEngine) -> list[int]:
+    """Filled with the number of requests waiting when the engine runs its first step."""
     first_step: list[int] = []
     step = engine.engine.step
 
@@ -119,6 +114,17 @@ async def test_idle_engine_gathers_a_burst_of_arrivals_into_its_first_step(engin
         return step(**kwargs)
 
     engine.engine.step = spy
+    return first_step
+
+
+async def test_idle_engine_gathers_a_burst_of_arrivals_into_its_first_step(engine, monkeypatch):
+    # Requests trickling in (as HTTP delivers a burst) start together instead of in one small
+    # step each; the gaps are far inside the quiet window so a slow CI box cannot split them.
+    import deepserve.engine.async_engine as async_engine
+
+    monkeypatch.setattr(async_engine, "BURST_QUIET_S", 0.2)
+    monkeypatch.setattr(async_engine, "BURST_MAX_S", 2.0)
+    first_step = waiting_at_first_step(engine)
     prompt = engine.tokenizer.encode(PROMPT).ids
     tasks = []
     for i in range(4):
@@ -138,15 +144,7 @@ async def test_a_request_still_being_prepared_joins_the_idle_engines_first_step(
 
     monkeypatch.setattr(async_engine, "BURST_QUIET_S", 0.02)
     monkeypatch.setattr(async_engine, "BURST_MAX_S", 5.0)
-    first_step: list[int] = []
-    step = engine.engine.step
-
-    def spy(**kwargs):
-        if not first_step:
-            first_step.append(engine.engine.scheduler.num_waiting)
-        return step(**kwargs)
-
-    engine.engine.step = spy
+    first_step = waiting_at_first_step(engine)
     prompt = engine.tokenizer.encode(PROMPT).ids
 
     async def slow_arrival() -> tuple:
