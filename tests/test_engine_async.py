@@ -152,10 +152,9 @@ async def test_a_request_still_being_prepared_joins_the_idle_engines_first_step(
             await asyncio.sleep(0.5)
         return await collect(engine, "slow", prompt, GREEDY)
 
-    with engine.arriving():  # as the server does: the first request, prepared and sent
-        pass
-    first = asyncio.create_task(collect(engine, "first", prompt, GREEDY))
     second = asyncio.create_task(slow_arrival())
+    await asyncio.sleep(0)  # it is arriving before the first one is added
+    first = asyncio.create_task(collect(engine, "first", prompt, GREEDY))
     await asyncio.gather(first, second)
     assert first_step == [2]
 
