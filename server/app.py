@@ -22,7 +22,7 @@ from deepserve.server import chat_routes, completions
 from deepserve.server.config import ServerConfig
 from deepserve.server.errors import HTTPError, error_response, message_of_conversion_error
 from deepserve.server.family import ModelFamily
-from deepserve.server.http_server import FASTAPI_TELEMETRY
+from deepserve.server.http_server import fastapi_app
 from deepserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from deepserve.server.middleware import FrontMiddleware
 from deepserve.server.protocols import CHAT, MESSAGES, RESPONSES
@@ -41,13 +41,7 @@ def create_app(
     metrics = metrics or ServerMetrics(config.served_model_name, config.role, backend.load)
     store = ResponseStore(ResponseStoreConfig(redis_url=config.response_store_url))
     state = AppState(backend, family, config, metrics, store)
-    app = FastAPI(
-        title="deepserve",
-        docs_url=None,
-        redoc_url=None,
-        openapi_url=None,
-        telemetry=FASTAPI_TELEMETRY,
-    )
+    app = fastapi_app("deepserve")
     app.state.deepserve = state
     _add_routes(app, state)
     _add_error_handlers(app)

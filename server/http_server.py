@@ -12,13 +12,26 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import uvicorn
+from fastapi import FastAPI
 
 LOOPS = ("auto", "asyncio", "uvloop")
 HTTP_PARSERS = ("auto", "h11", "httptools")
-# FastAPI's native OpenTelemetry is off: the apps export their own Prometheus metrics, and its
-# per-request check for a configured provider (environment reads, provider lookups) was ~5% of
-# the event loop's time per chat request.
-FASTAPI_TELEMETRY = {"tracing": False, "metrics": False, "logs": False}
+
+
+def fastapi_app(title: str, lifespan: Any = None) -> FastAPI:
+    """A FastAPI app as every deepserve process builds it. No /docs, /redoc or /openapi.json:
+    nothing is published to whoever can reach the port. FastAPI's native OpenTelemetry is off:
+    the apps export their own Prometheus metrics, and its per-request check for a configured
+    provider (environment reads, provider lookups) was ~5% of the event loop's time per chat
+    request."""
+    return FastAPI(
+        title=title,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        telemetry={"tracing": False, "metrics": False, "logs": False},
+    )
 
 
 async def serve_http(

@@ -41,7 +41,7 @@ from deepserve.engine.sampling_params import SamplingParams
 from deepserve.router.background import BackgroundTask
 from deepserve.server.component_metrics import EngineCollector
 from deepserve.server.disconnect import ClientDisconnected, until_disconnect
-from deepserve.server.http_server import FASTAPI_TELEMETRY, run_in_loop, serve_http
+from deepserve.server.http_server import fastapi_app, run_in_loop, serve_http
 from deepserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from deepserve.server.state import json_object
 
@@ -340,16 +340,7 @@ def build_worker_app(engine: WorkerEngine, config: WorkerConfig) -> FastAPI:
             await worker.publisher.stop()
             await engine.shutdown()
 
-    # No /docs, /redoc or /openapi.json: the internal API is not published to whoever can reach
-    # the port (the secret guards /internal/*, and those pages are outside it).
-    app = FastAPI(
-        title="deepserve worker",
-        lifespan=lifespan,
-        docs_url=None,
-        redoc_url=None,
-        openapi_url=None,
-        telemetry=FASTAPI_TELEMETRY,
-    )
+    app = fastapi_app("deepserve worker", lifespan)  # the secret guards /internal/*
     app.state.worker = worker
     expected = f"Bearer {config.internal_token}".encode()
 
