@@ -133,6 +133,7 @@ class _ChoiceProcessor:
         self.decoder = decoder
         self.ids: list[int] = []
         self.sent = 0  # characters of the decoded text already pushed
+        self.held: list[int] = []  # tokens the recipe holds: their text ends inside a character
         self.job = job
         self.shadow = (
             _LogprobShadow(job, tokenizer, decoder) if job.logprob_feed is not None else None
@@ -168,7 +169,13 @@ class _ChoiceProcessor:
         for a, b in utf8_pieces(self.decoder, ids):
             lp = logprobs[a:b] if logprobs is not None else None
             chunks += self.sp.push(self._chunk(ids[a:b], lp, final))
+            if self.tokenizer is None:
+                self._hold(ids[a:b])
         if c.finish_reason is not None and not self.sp.finished:
+            if self.held:
+                # The recipe drops held tokens unsent and uncounted; usage counts every
+                # generated token (as vLLM's does), so an empty text chunk accounts for them.
+                chunks += self.sp.push(dr.InferenceChunk.text("", len(self.held)))
             reason = _FINISH.get(c.finish_reason, _FINISH["stop"])
             chunks += self.sp.push(dr.InferenceChunk.finish(reason))
         if self.sp.finished or c.finish_reason is not None:
@@ -176,6 +183,14 @@ class _ChoiceProcessor:
             if self.shadow is not None:
                 self.shadow.push([], None, True)
         return chunks
+
+    def _hold(self, ids: list[int]) -> None:
+        """Follow the recipe's hold-back: it keeps token chunks while their text ends inside a
+        character (one decode per pushed piece)."""
+        run = self.held + ids
+        self.held = (
+            run if self.decoder.decode(run, skip_special_tokens=False).endswith("\ufffd") else []
+        )
 
     def _chunk(self, ids: list[int], logprobs, final: bool) -> dr.InferenceChunk:
         if self.tokenizer is not None:

@@ -114,3 +114,15 @@ def test_a_delta_is_split_only_where_its_text_ends_inside_a_character(cut_reply)
     assert utf8_pieces(TOKENIZER, cut_reply) == [(0, 3), (3, 4)]
     assert utf8_pieces(TOKENIZER, cut_reply[3:]) == [(0, 1)]
     assert utf8_pieces(TOKENIZER, []) == []
+
+
+def test_usage_counts_the_tokens_of_a_character_cut_by_max_tokens(cut_reply):
+    assert chat_reply([[t] for t in cut_reply])[2] == len(cut_reply)
+    assert chat_reply([cut_reply])[2] == len(cut_reply)
+
+
+def test_usage_counts_a_long_run_of_bytes_that_never_completes_a_character(cut_reply):
+    opener = first_bytes_of_a_character()
+    ids = cut_reply[:3] + [opener] * 4
+    text, _, usage = chat_reply([[t] for t in ids])
+    assert (text, usage) == ("hello there的就", len(ids))
