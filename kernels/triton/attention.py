@@ -105,11 +105,23 @@ def _split_kernel(
         key_lo, key_hi, kvh * s_kh, kvh * s_vh, s_qd, s_kb, s_ks, s_kd, s_vb, s_vs, s_vd,
         scale, DK, DV, block_size, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION,
     )  # fmt: skip
+    _store_split(
+        pm_ptr, pl_ptr, pacc_ptr, rows * s_pt + h * s_ph + split * s_ps,
+        rows * s_at + h * s_ah + split * s_as, row_ok, m_i, l_i, acc, DV, BLOCK_DV,
+    )  # fmt: skip
+
+
+@jit
+def _store_split(
+    pm_ptr, pl_ptr, pacc_ptr, part, acc_rows, row_ok, m_i, l_i, acc, DV,
+    BLOCK_DV: constexpr,
+):  # fmt: skip
+    """One split's partials for BLOCK_M rows, read back by `_combine_kernel`: `part` and
+    `acc_rows` are the rows' offsets (split included) into the (max, sum) and accumulator ones."""
     dv = tl.arange(0, BLOCK_DV)
-    part = rows * s_pt + h * s_ph + split * s_ps
     tl.store(pm_ptr + part, m_i, mask=row_ok)
     tl.store(pl_ptr + part, l_i, mask=row_ok)
-    pacc = pacc_ptr + rows[:, None] * s_at + h * s_ah + split * s_as + dv[None, :]
+    pacc = pacc_ptr + acc_rows[:, None] + dv[None, :]
     tl.store(pacc, acc, mask=row_ok[:, None] & (dv[None, :] < DV))
 
 

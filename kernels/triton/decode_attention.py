@@ -213,12 +213,10 @@ def _invariant_split_kernel(
         key_lo, key_hi, kvh * s_kh, kvh * s_vh, s_qd, s_kb, s_ks, s_kd, s_vb, s_vs, s_vd,
         scale, DK, DV, block_size, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION,
     )  # fmt: skip
-    dv = tl.arange(0, BLOCK_DV)
-    part = t * s_pt + heads * s_ph + split * s_ps
-    tl.store(pm_ptr + part, m_i, mask=row_ok)
-    tl.store(pl_ptr + part, l_i, mask=row_ok)
-    pacc = pacc_ptr + t * s_at + heads[:, None] * s_ah + split * s_as + dv[None, :]
-    tl.store(pacc, acc, mask=row_ok[:, None] & (dv[None, :] < DV))
+    attention._store_split(
+        pm_ptr, pl_ptr, pacc_ptr, t * s_pt + heads * s_ph + split * s_ps,
+        t * s_at + heads * s_ah + split * s_as, row_ok, m_i, l_i, acc, DV, BLOCK_DV,
+    )  # fmt: skip
 
 
 def invariant_decode_attention(
