@@ -166,11 +166,11 @@ class _ChoiceProcessor:
         if self.shadow is not None:
             self.shadow.push(ids, logprobs, final=False)
         chunks = []
-        for a, b in utf8_pieces(self.decoder, ids):
+        # Text chunks are never held back, so only the token path follows the recipe's hold.
+        held = self.held if self.tokenizer is None else None
+        for a, b in utf8_pieces(self.decoder, ids, held):
             lp = logprobs[a:b] if logprobs is not None else None
             chunks += self.sp.push(self._chunk(ids[a:b], lp, final))
-            if self.tokenizer is None:
-                self._hold(ids[a:b])
         if c.finish_reason is not None and not self.sp.finished:
             if self.held:
                 # The recipe drops held tokens unsent and uncounted; usage counts every
@@ -183,14 +183,6 @@ class _ChoiceProcessor:
             if self.shadow is not None:
                 self.shadow.push([], None, True)
         return chunks
-
-    def _hold(self, ids: list[int]) -> None:
-        """Follow the recipe's hold-back: it keeps token chunks while their text ends inside a
-        character (one decode per pushed piece)."""
-        run = self.held + ids
-        self.held = (
-            run if self.decoder.decode(run, skip_special_tokens=False).endswith("\ufffd") else []
-        )
 
     def _chunk(self, ids: list[int], logprobs, final: bool) -> dr.InferenceChunk:
         if self.tokenizer is not None:
@@ -254,7 +246,9 @@ class _LogprobShadow:
             self.sp.close()
 
 
-def utf8_pieces(decoder: Tokenizer, ids: list[int]) -> list[tuple[int, int]]:
+def utf8_pieces(
+    decoder: Tokenizer, ids: list[int], held: list[int] | None = None
+) -> list[tuple[int, int]]:
     """`ids` as (start, end) pieces to push one after another: one piece, or two when the delta's
     text ends inside a UTF-8 sequence after some complete text.
 
@@ -262,13 +256,29 @@ def utf8_pieces(decoder: Tokenizer, ids: list[int]) -> list[tuple[int, int]]:
     holds when the request finishes, so a delta of complete tokens plus the first bytes of a
     character cut by max_tokens would lose the complete ones too. Deltas hold several tokens only
     when the consumer lags (or speculation), so the text a client gets would depend on timing.
+    `held`, when given, is what the recipe holds before `ids` (it decodes that with what follows)
+    and is updated in place to what it holds after them. One decode unless the text ends inside a
+    character (none for a single token without `held`).
     """
-    if len(ids) < 2 or not decoder.decode(ids, skip_special_tokens=False).endswith("\ufffd"):
-        return [(0, len(ids))] if ids else []
-    for k in range(len(ids) - 1, 0, -1):
-        if not decoder.decode(ids[:k], skip_special_tokens=False).endswith("\ufffd"):
-            return [(0, k), (k, len(ids))]
-    return [(0, len(ids))]
+    if not ids:
+        return []
+    if held is None and len(ids) == 1:  # nothing to split, nothing to follow
+        return [(0, 1)]
+    before = held or []
+    pieces, after = [(0, len(ids))], []
+    if _ends_inside_a_character(decoder, before + ids):
+        after = before + ids
+        for k in range(len(ids) - 1, 0, -1):
+            if not _ends_inside_a_character(decoder, before + ids[:k]):
+                pieces, after = [(0, k), (k, len(ids))], ids[k:]
+                break
+    if held is not None:
+        held[:] = after
+    return pieces
+
+
+def _ends_inside_a_character(decoder: Tokenizer, ids: list[int]) -> bool:
+    return decoder.decode(ids, skip_special_tokens=False).endswith("\ufffd")
 
 
 def record_prompt(metrics: ServerMetrics, out: RequestOutput) -> None:
