@@ -474,12 +474,14 @@ def main() -> int:
 
     import async_ab
     import kernel_checks
+    import long_prompts
     import serve_bench
     import speed
 
     batches = {"v2-lite": list(args.v2_batches), "smollm2": list(args.smollm2_batches)}
     sections = [
         ("checks", lambda: kernel_checks.run(out)),
+        ("long_checks", lambda: long_prompts.run_checks(out)),
         ("kernels", lambda: section_kernels(out)),
         ("linear", lambda: section_kernel_invariance_and_speed(out)),
         ("models", write_models),
@@ -490,8 +492,17 @@ def main() -> int:
         ("determinism", lambda: section_determinism(out, models, sc, deadline - 100)),
         ("throughput", lambda: section_throughput(out, models, sc, deadline - 90)),
         ("serve", lambda: serve_bench.section_serve(out, work, serve_bench.ServeRun())),
+        ("long", lambda: long_prompts.section_long(out, deadline - 60)),
+        ("serve_long", lambda: long_prompts.section_serve_long(out, work, args.out)),
     ]
-    default_off = {"throughput", "linear", "kernels", "invariant"}  # superseded by speed / checks
+    default_off = {
+        "throughput",
+        "linear",
+        "kernels",
+        "invariant",
+        "long",
+        "serve_long",
+    }  # superseded by speed / checks
     for name, fn in sections:
         if name == "models":
             if args.only and not {"parity", "determinism", "throughput"} & set(args.only):

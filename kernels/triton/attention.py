@@ -7,6 +7,12 @@ position p therefore always sees splits 0..p // SPLIT and, inside each, the same
 it arrives in a 2K-token prefill, a chunk, or a decode step: rows of a tile are independent in the
 tensor-core products, and a row whose keys end earlier than its tile-mates' keeps its state
 untouched (not merely rescaled by exp(0)) on the blocks it cannot see.
+
+Prefill and mixed steps fold a tile's splits inside the program that walks them (`_varlen_kernel`),
+with `_merge_split`, the fold `_combine_kernel` applies to the partials of the split-per-program
+decode kernels: no per-split partials reach memory, whose size grows with context x query rows
+(a 24K-token prompt's 8K-token chunk asked for 3.2e9 of them, past 32-bit offsets). Offsets are
+64-bit wherever rows, blocks or splits multiply a stride.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from deepserve.kernels.attention_metadata import AttentionMetadata
-from deepserve.kernels.triton.lang import cdiv, constexpr, jit, next_power_of_2, tl
+from deepserve.kernels.triton.lang import constexpr, jit, next_power_of_2, tl
 
 SPLIT = 512  # keys per split: fixed, whatever the context length or batch
 BLOCK_M = 16  # query rows per program
@@ -42,7 +48,7 @@ def _walk_split(
     for n0 in range(key_lo, key_hi, BLOCK_N):
         keys = n0 + tl.arange(0, BLOCK_N)
         key_ok = keys < key_hi
-        blk = tl.load(table + keys // block_size, mask=key_ok, other=0)
+        blk = tl.load(table + keys // block_size, mask=key_ok, other=0).to(tl.int64)
         slot = keys % block_size
         scores = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for d0 in range(0, DK, BLOCK_D):
@@ -78,16 +84,15 @@ def _walk_split(
 
 
 @jit
-def _split_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, tile_seq_ptr, tile_row_ptr, qstart_ptr, ctx_ptr,
-    pm_ptr, pl_ptr, pacc_ptr,
-    s_qt, s_qh, s_qd, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, s_tb,
-    s_pt, s_ph, s_ps, s_at, s_ah, s_as,
+def _varlen_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, tile_seq_ptr, tile_row_ptr, qstart_ptr, ctx_ptr, o_ptr,
+    s_qt, s_qh, s_qd, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, s_tb, s_ot, s_oh,
     scale, DK, DV, block_size, GROUP,
     SPLIT: constexpr, BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_D: constexpr,
     BLOCK_DV: constexpr, PRECISION: constexpr,
 ):  # fmt: skip
-    tile, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """One tile of query rows for one head: every split the tile sees, walked and folded in order."""
+    tile, h = tl.program_id(0), tl.program_id(1)
     seq = tl.load(tile_seq_ptr + tile)
     first = tl.load(tile_row_ptr + tile)
     q_begin = tl.load(qstart_ptr + seq)
@@ -97,18 +102,43 @@ def _split_kernel(
     row_ok = rows < q_end
     pos = ctx + rows - q_begin
     last_pos = ctx + tl.minimum(first + BLOCK_M, q_end) - 1 - q_begin
-    key_lo = split * SPLIT
-    key_hi = tl.minimum(key_lo + SPLIT, last_pos + 1)
     kvh = h // GROUP
+    q_rows = q_ptr + rows.to(tl.int64) * s_qt + h * s_qh
+    table = tables_ptr + seq.to(tl.int64) * s_tb
     m_i, l_i, acc = _walk_split(
-        q_ptr + rows * s_qt + h * s_qh, k_ptr, v_ptr, tables_ptr + seq * s_tb, pos, row_ok,
-        key_lo, key_hi, kvh * s_kh, kvh * s_vh, s_qd, s_kb, s_ks, s_kd, s_vb, s_vs, s_vd,
+        q_rows, k_ptr, v_ptr, table, pos, row_ok, 0, tl.minimum(SPLIT, last_pos + 1),
+        kvh * s_kh, kvh * s_vh, s_qd, s_kb, s_ks, s_kd, s_vb, s_vs, s_vd,
         scale, DK, DV, block_size, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION,
     )  # fmt: skip
-    _store_split(
-        pm_ptr, pl_ptr, pacc_ptr, rows * s_pt + h * s_ph + split * s_ps,
-        rows * s_at + h * s_ah + split * s_as, row_ok, m_i, l_i, acc, DV, BLOCK_DV,
-    )  # fmt: skip
+    for split in range(1, last_pos // SPLIT + 1):
+        key_lo = split * SPLIT
+        ms, ls, a_s = _walk_split(
+            q_rows, k_ptr, v_ptr, table, pos, row_ok, key_lo,
+            tl.minimum(key_lo + SPLIT, last_pos + 1), kvh * s_kh, kvh * s_vh, s_qd, s_kb, s_ks,
+            s_kd, s_vb, s_vs, s_vd, scale, DK, DV, block_size, BLOCK_M, BLOCK_N, BLOCK_D,
+            BLOCK_DV, PRECISION,
+        )  # fmt: skip
+        m_i, l_i, acc = _merge_split(m_i, l_i, acc, ms, ls, a_s, split <= pos // SPLIT)
+    dv = tl.arange(0, BLOCK_DV)
+    out = o_ptr + rows.to(tl.int64)[:, None] * s_ot + h * s_oh + dv[None, :]
+    val = acc / l_i[:, None]
+    tl.store(out, val.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
+
+
+@jit
+def _merge_split(m_i, l_i, acc, ms, ls, a_s, take):
+    """Fold one split's (max, sum, accumulator) of rows `[R]` / `[R, BLOCK_DV]` into the running
+    ones where `take`: the one fold of every fixed-split path, so a row gets the same bits whether
+    its splits are folded in registers (`_varlen_kernel`) or from partials (`_combine_kernel`)."""
+    m_new = tl.maximum(m_i, ms)
+    old, new = tl.exp(m_i - m_new), tl.exp(ms - m_new)
+    acc_new = acc * old[:, None] + a_s * new[:, None]
+    l_new = l_i * old + ls * new
+    return (
+        tl.where(take, m_new, m_i),
+        tl.where(take, l_new, l_i),
+        tl.where(take[:, None], acc_new, acc),
+    )
 
 
 @jit
@@ -131,24 +161,24 @@ def _combine_kernel(
     s_pt, s_ph, s_ps, s_at, s_ah, s_as, s_ot, s_oh, DV,
     SPLIT: constexpr, BLOCK_DV: constexpr,
 ):  # fmt: skip
-    t, h = tl.program_id(0), tl.program_id(1)
+    """Folds the partials of one (row, head) left by a split-per-program kernel (decode steps)."""
+    t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     splits = tl.load(pos_ptr + t) // SPLIT + 1  # every one of them holds a key this row sees
+    one = tl.arange(0, 1)  # a tile of one row, so the fold is `_merge_split` itself
     dv = tl.arange(0, BLOCK_DV)
-    base, acc_base = t * s_pt + h * s_ph, pacc_ptr + t * s_at + h * s_ah + dv
+    dv_ok = (one[:, None] >= 0) & (dv[None, :] < DV)
+    base = t * s_pt + h * s_ph + one
+    acc_base = pacc_ptr + (t * s_at + h * s_ah + one)[:, None] + dv[None, :]
     m = tl.load(pm_ptr + base)
     l_sum = tl.load(pl_ptr + base)
-    acc = tl.load(acc_base, mask=dv < DV, other=0.0)
+    acc = tl.load(acc_base, mask=dv_ok, other=0.0)
     for s in range(1, splits):
         ms = tl.load(pm_ptr + base + s * s_ps)
         ls = tl.load(pl_ptr + base + s * s_ps)
-        a_s = tl.load(acc_base + s * s_as, mask=dv < DV, other=0.0)
-        m_new = tl.maximum(m, ms)
-        old, new = tl.exp(m - m_new), tl.exp(ms - m_new)
-        acc = acc * old + a_s * new
-        l_sum = l_sum * old + ls * new
-        m = m_new
-    out = acc / l_sum
-    tl.store(o_ptr + t * s_ot + h * s_oh + dv, out.to(o_ptr.dtype.element_ty), mask=dv < DV)
+        a_s = tl.load(acc_base + s * s_as, mask=dv_ok, other=0.0)
+        m, l_sum, acc = _merge_split(m, l_sum, acc, ms, ls, a_s, one >= 0)
+    out = o_ptr + (t * s_ot + h * s_oh + one)[:, None] + dv[None, :]
+    tl.store(out, (acc / l_sum[:, None]).to(o_ptr.dtype.element_ty), mask=dv_ok)
 
 
 @dataclass
@@ -158,8 +188,6 @@ class _StepLayout:
     attn: AttentionMetadata
     tile_seq: torch.Tensor  # [tiles] int32
     tile_row: torch.Tensor  # [tiles] int32: first query row of the tile
-    positions: torch.Tensor  # [T] int32: each query row's absolute position
-    max_splits: int
 
 
 class TritonPagedAttention:
@@ -180,35 +208,24 @@ class TritonPagedAttention:
         return self._layout
 
     def _host_layout(self, attn: AttentionMetadata, device: torch.device) -> _StepLayout:
-        tile_seq, tile_row, positions, start = [], [], [], 0
+        tile_seq, tile_row, start = [], [], 0
         for i, n in enumerate(attn.query_lens_cpu):
             for r in range(0, n, self.block_m):
                 tile_seq.append(i)
                 tile_row.append(start + r)
-            ctx = attn.context_lens_cpu[i]
-            positions.extend(range(ctx, ctx + n))
             start += n
         host = torch.tensor([tile_seq, tile_row], dtype=torch.int32)
         return _StepLayout(
             attn=attn,
             tile_seq=host[0].to(device, non_blocking=True),
             tile_row=host[1].to(device, non_blocking=True),
-            positions=torch.tensor(positions, dtype=torch.int32).to(device, non_blocking=True),
-            max_splits=cdiv(max(attn.seq_lens_cpu), self.split),
         )
 
     def _decode_layout(self, attn: AttentionMetadata, device: torch.device) -> _StepLayout:
-        """One query per sequence: the layout from device tensors and the block-table width
-        alone, so a decode step can be captured in a CUDA graph and replayed at other lengths
-        (splits past a sequence's end hold no key and the combine never reads them)."""
+        """One query per sequence: the layout from device tensors alone, so a decode step can be
+        captured in a CUDA graph and replayed at other lengths (the kernel reads each length)."""
         rows = torch.arange(attn.num_seqs, dtype=torch.int32, device=device)
-        return _StepLayout(
-            attn=attn,
-            tile_seq=rows,
-            tile_row=rows,
-            positions=(attn.seq_lens - 1).to(torch.int32),
-            max_splits=cdiv(attn.block_tables.shape[1] * attn.block_size, self.split),
-        )
+        return _StepLayout(attn=attn, tile_seq=rows, tile_row=rows)
 
     def __call__(
         self,
@@ -224,25 +241,14 @@ class TritonPagedAttention:
         if tokens == 0:
             return out
         lay = self._step_layout(attn, q.device)
-        part_m = torch.empty(tokens, hq, lay.max_splits, device=q.device, dtype=torch.float32)
-        part_l = torch.empty_like(part_m)
-        part_acc = torch.empty(tokens, hq, lay.max_splits, dv, device=q.device, dtype=torch.float32)
-        block_dv = next_power_of_2(dv)
         precision = "ieee" if q.dtype == torch.float32 else "tf32"
         qsl, ctx, tables = attn.query_start_loc, attn.context_lens, attn.block_tables
-        grid = (lay.tile_seq.numel(), hq, lay.max_splits)
-        _split_kernel[grid](
-            q, k_cache, v_cache, tables, lay.tile_seq, lay.tile_row, qsl, ctx,
-            part_m, part_l, part_acc,
+        _varlen_kernel[(lay.tile_seq.numel(), hq)](
+            q, k_cache, v_cache, tables, lay.tile_seq, lay.tile_row, qsl, ctx, out,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), tables.stride(0),
-            *part_m.stride(), *part_acc.stride()[:3],
-            scale, dk, dv, attn.block_size, hq // hkv,
+            out.stride(0), out.stride(1), scale, dk, dv, attn.block_size, hq // hkv,
             SPLIT=self.split, BLOCK_M=self.block_m, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-            BLOCK_DV=block_dv, PRECISION=precision, num_warps=self.num_warps, num_stages=2,
-        )  # fmt: skip
-        _combine_kernel[(tokens, hq)](
-            part_m, part_l, part_acc, lay.positions, out,
-            *part_m.stride(), *part_acc.stride()[:3], out.stride(0), out.stride(1), dv,
-            SPLIT=self.split, BLOCK_DV=block_dv, num_warps=4,
+            BLOCK_DV=next_power_of_2(dv), PRECISION=precision, num_warps=self.num_warps,
+            num_stages=2,
         )  # fmt: skip
         return out

@@ -42,7 +42,7 @@ def _decode_split_kernel(
     DM: constexpr, DT: constexpr, DT_REAL: constexpr, BLOCK_DV: constexpr, SHARED_V: constexpr,
     HEAD_BLOCKS: constexpr, BLOCK_H: constexpr, BLOCK_N: constexpr, PRECISION: constexpr,
 ):  # fmt: skip
-    b, hg, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, hg, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     kvh = hg // HEAD_BLOCKS
     heads = kvh * GROUP + (hg % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = (heads < (kvh + 1) * GROUP) & (heads < HQ)
@@ -106,7 +106,7 @@ def _decode_combine_kernel(
     s_pb, s_ph, s_ab, s_ah, s_as, s_ob, s_oh, DV, NUM_SPLITS,
     BLOCK_N: constexpr, BLOCK_DV: constexpr,
 ):  # fmt: skip
-    b, h = tl.program_id(0), tl.program_id(1)
+    b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     splits = tl.cdiv(seq_len, per_split)
@@ -198,7 +198,7 @@ def _invariant_split_kernel(
     BLOCK_DV: constexpr, PRECISION: constexpr,
 ):  # fmt: skip
     # attention.py's `_walk_split` with rows = the query heads of one token (one KV head)
-    t, hg, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t, hg, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     kvh = hg // HEAD_BLOCKS
     heads = kvh * GROUP + (hg % HEAD_BLOCKS) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = (heads < (kvh + 1) * GROUP) & (heads < HQ)

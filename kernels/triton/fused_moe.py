@@ -59,7 +59,8 @@ def _moe_gemm_kernel(
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
         return
-    pairs = tl.load(pair_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    # 64-bit: pairs x a row's stride passes 2^31 on large steps of wide models
+    pairs = tl.load(pair_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     ok = pairs < num_pairs
     rows = pairs // A_DIV  # gate/up reads the token's row; down reads the pair's own
     rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -91,7 +92,7 @@ def _sum_slots_kernel(
 ):
     """o[t] = y[t, 0] + y[t, 1] + ... in slot order, in float32, then `+ add[t]` (the shared
     experts' output) rounded as torch's separate add would round it."""
-    t, ph = tl.program_id(0), tl.program_id(1)
+    t, ph = tl.program_id(0).to(tl.int64), tl.program_id(1)
     cols = ph * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
     acc = tl.zeros((BLOCK,), tl.float32)

@@ -20,7 +20,7 @@ def _kv_write_kernel(
     ckv_ptr, w_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, s_ckv, s_cos, s_row, eps,
     LORA: constexpr, HALF: constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, LORA)
     x = tl.load(ckv_ptr + t * s_ckv + d).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / LORA + eps)
@@ -43,7 +43,7 @@ def _rope_into_kernel(
     src_ptr, dst_ptr, cos_ptr, sin_ptr, s_st, s_sh, s_dt, s_dh, s_cos, H,
     BLOCK_H: constexpr, HALF: constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     hh = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, HALF)[None, :]
     ok = hh < H
@@ -62,7 +62,7 @@ def _absorbed_query_kernel(
     lat_ptr, src_ptr, cos_ptr, sin_ptr, out_ptr, s_lt, s_lh, s_st, s_sh, s_ot, s_oh, s_cos,
     LORA: constexpr, HALF: constexpr,
 ):  # fmt: skip
-    t, h = tl.program_id(0), tl.program_id(1)
+    t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     dt = out_ptr.dtype.element_ty
     out = out_ptr + t * s_ot + h * s_oh
     d = tl.arange(0, LORA)

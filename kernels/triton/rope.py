@@ -22,7 +22,7 @@ def _rope_qk_write_kv_kernel(
     sk_block, sk_row, sk_head, sv_block, sv_row, sv_head, HQ, HKV,
     BLOCK_H: constexpr, HALF: constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     hh = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, HALF)[None, :]
     dt = qkv_ptr.dtype.element_ty

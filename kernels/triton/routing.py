@@ -21,7 +21,7 @@ def _route_kernel(
     E_P2: constexpr, HAS_BIAS: constexpr, SOFTMAX: constexpr, N_GROUP: constexpr,
     TOPK_GROUP: constexpr, K: constexpr, K_P2: constexpr, NORMALIZE: constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_P2)
     valid = e < E
     x = tl.load(logits_ptr + row * s_l + e, mask=valid, other=float("-inf")).to(tl.float32)

@@ -16,7 +16,7 @@ CHUNK = 2048  # columns per step in softmax rows (vocabularies run to 129K)
 
 @jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, s_x, s_y, eps, BLOCK: constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # rows x stride may pass 2^31
     cols = tl.arange(0, BLOCK)
     mask = cols < D
     x = tl.load(x_ptr + row * s_x + cols, mask=mask, other=0.0).to(tl.float32)
@@ -29,7 +29,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, s_x, s_y, eps, BLOCK: constexpr):
 
 @jit
 def _softmax_kernel(x_ptr, y_ptr, D, s_x, s_y, LOG: constexpr, CHUNK: constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # rows x stride may pass 2^31
     cols = tl.arange(0, CHUNK)
     x_row = x_ptr + row * s_x
     peak = tl.full((CHUNK,), float("-inf"), tl.float32)
@@ -67,7 +67,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @jit
 def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, y_ptr, D, s_h, s_d, s_y, eps, BLOCK: constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # rows x stride may pass 2^31
     cols = tl.arange(0, BLOCK)
     mask = cols < D
     h = tl.load(h_ptr + row * s_h + cols, mask=mask, other=0.0).to(tl.float32)
@@ -106,7 +106,7 @@ SILU_BLOCK = 1024
 
 @jit
 def _silu_mul_kernel(x_ptr, y_ptr, N, s_x, s_y, BLOCK: constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # rows x stride may pass 2^31
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
     g = tl.load(x_ptr + row * s_x + cols, mask=mask, other=0.0).to(tl.float32)
