@@ -90,6 +90,11 @@ def _check_resume(
 def _resolve_max_tokens(limits: EngineLimits, n_prompt: int, requested: int | None) -> int:
     room = limits.max_model_len - n_prompt
     pool = limits.kv_pool_tokens
+    if n_prompt >= pool:  # checked before any budget: unset max_tokens would resolve to <= 0
+        raise InvalidRequestError(
+            f"the prompt has {n_prompt} tokens; the KV pool holds {pool} tokens and at least "
+            "one token must be generated"
+        )
     if requested is None:
         requested = min(room, pool - n_prompt)
     elif requested > room:
