@@ -1,6 +1,6 @@
 """The generated documentation matches the code: docs/configuration.md is the CLI's argparse
-reference, and the README's generated sections are the current configuration, metrics list and
-benchmark tables (docs/generate.py)."""
+reference, and the README's generated sections are the current compact configuration reference
+and metrics list (docs/generate.py)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,15 @@ def test_configuration_reference_lists_every_flag():
             for flag in action.option_strings:
                 if flag not in ("-h", "--help"):
                     assert f"`{flag}`" in text, f"{name} {flag}"
+
+
+def test_readme_is_short_and_links_the_details():
+    """The README is for a user: measurements live in benchmarks/RESULTS.md, and the complete
+    references in docs/, which it links."""
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) < 450
+    for linked in ("benchmarks/RESULTS.md", "docs/configuration.md", "docs/metrics.md"):
+        assert linked in text, linked
 
 
 def test_readme_keeps_the_two_setup_commands():
