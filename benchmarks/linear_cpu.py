@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from deepserve.kernels import cpu_native
+from deepserve.kernels.cpu import native as cpu_native
 
 SHAPES = {  # name: (out, in), SmolLM2-135M
     "qkv": (960, 576),
@@ -36,7 +36,7 @@ SHAPES = {  # name: (out, in), SmolLM2-135M
 
 
 def native_pack(w: torch.Tensor) -> torch.Tensor:
-    from deepserve.kernels.reference import pack_panels
+    from deepserve.kernels.cpu.packed import pack_panels
 
     return pack_panels(w)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepserve.kernels import cpu_native
-from deepserve.kernels.reference import pack_panels
+from deepserve.kernels.cpu import native as cpu_native
+from deepserve.kernels.cpu.packed import pack_panels
 
 pytestmark = pytest.mark.skipif(not cpu_native.load(), reason="native CPU kernels unavailable")
 
