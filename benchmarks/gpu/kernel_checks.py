@@ -138,8 +138,8 @@ def check_fused_rows(rows: list) -> None:
 
 
 def check_routing(rows: list) -> None:
-    """The one-launch MoE routing against kernels/reference/moe_routing.py's composition (V2-Lite's and
-    V3's settings); a row alone must equal the same row in a batch."""
+    """The one-launch MoE routing against kernels/reference/moe_routing.py's composition
+    (V2-Lite's and V3's settings); a row alone must equal the same row in a batch."""
     from deepserve.kernels.reference import moe_routing
     from deepserve.kernels.triton import routing
 
