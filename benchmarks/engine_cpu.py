@@ -43,7 +43,7 @@ TOPICS = [
 NOTES = [
     "deepserve and transformers runs of the same dtype and batch alternate (same load); both use"
     " every core (2 torch threads here, the engine's default). The "
-    "engine's CPU path runs native kernels (kernels/csrc/, AVX2 + FMA on torch's thread pool): "
+    "engine's CPU path runs native kernels (kernels/cpu/csrc/, AVX2 + FMA on torch's thread pool): "
     "matmuls through `kernels/cpu/packed.py: PackedWeight`, the weights packed in 16-column panels "
     "(float32 or bfloat16) and, for a GGUF checkpoint such as SmolLM2's (Q4_1 matrices, Q8_0 "
     "embedding), also the checkpoint's own quantized blocks regrouped into panels "

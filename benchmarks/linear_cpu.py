@@ -1,4 +1,4 @@
-"""CPU linear micro-benchmark: the native panel kernel (kernels/csrc/linear.cpp) beside the torch
+"""CPU linear micro-benchmark: the native panel kernel (kernels/cpu/csrc/linear.cpp) beside the torch
 path it replaced (a transposed-copy GEMV at one row, oneDNN's pre-packed GEMM at two rows and up),
 per SmolLM2 matmul shape and row count, in one run.
 
