@@ -27,12 +27,12 @@ lint: $(VENV)/.ready
 
 setup: $(VENV)/.ready
 
-$(VENV)/.ready: pyproject.toml setup.py $(wildcard kernels/csrc/*.cpp kernels/csrc/*.h)
+$(VENV)/.ready: pyproject.toml setup.py $(wildcard kernels/cpu/csrc/*.cpp kernels/cpu/csrc/*.h)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/deepserve fetch-model smollm2-135m
-	$(BIN)/python -m deepserve.kernels.cpu_native
+	$(BIN)/python -m deepserve.kernels.cpu.native
 	touch $@
 
 # Services the tests start themselves on free loopback ports; installed here when missing.

@@ -19,6 +19,6 @@ setup(
     package_dir=package_dir,
     package_data={
         "deepserve.server": ["py.typed"],
-        "deepserve.kernels": ["csrc/*.cpp", "csrc/*.h"],
+        "deepserve.kernels.cpu": ["csrc/*.cpp", "csrc/*.h"],
     },
 )

@@ -2,7 +2,7 @@
 
 Self-contained (torch and a C++ compiler; no other dependency of the project), so it runs on a
 bare machine with a different CPU than the one that wrote the code: it loads
-kernels/cpu_native.py by path, builds the library, and for each path the CPU supports (cpuid:
+kernels/cpu/native.py by path, builds the library, and for each path the CPU supports (cpuid:
 avx2, avx512, avx512_bf16), forced through `set_isa`:
 
 - linear (float32 and bfloat16 panels; float32 and bfloat16 rows) and paged attention (float32
@@ -36,7 +36,7 @@ ROW_COUNTS = (1, 2, 3, 5, 7, 12, 13, 16, 25, 33, 100)
 
 
 def load_cpu_native():
-    spec = importlib.util.spec_from_file_location("cpu_native", ROOT / "kernels/cpu_native.py")
+    spec = importlib.util.spec_from_file_location("cpu_native", ROOT / "kernels/cpu/native.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -65,7 +65,7 @@ def rand(*shape, seed: int) -> torch.Tensor:
 
 
 def pack_panels(w: torch.Tensor) -> torch.Tensor:
-    """kernels/reference.py's pack_panels: w[out, in] -> [ceil(out / 16), in, 16]."""
+    """kernels/cpu/packed.py's pack_panels: w[out, in] -> [ceil(out / 16), in, 16]."""
     out, inp = w.shape
     panels = -(-out // PANEL)
     padded = torch.zeros(panels * PANEL, inp, dtype=w.dtype)

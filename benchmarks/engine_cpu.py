@@ -43,8 +43,8 @@ TOPICS = [
 NOTES = [
     "deepserve and transformers runs of the same dtype and batch alternate (same load); both use"
     " every core (2 torch threads here, the engine's default). The "
-    "engine's CPU path runs native kernels (kernels/csrc/, AVX2 + FMA on torch's thread pool): "
-    "matmuls through `kernels/reference.py: PackedWeight`, the weights packed in 16-column panels "
+    "engine's CPU path runs native kernels (kernels/cpu/csrc/, AVX2 + FMA on torch's thread pool): "
+    "matmuls through `kernels/cpu/packed.py: PackedWeight`, the weights packed in 16-column panels "
     "(float32 or bfloat16) and, for a GGUF checkpoint such as SmolLM2's (Q4_1 matrices, Q8_0 "
     "embedding), also the checkpoint's own quantized blocks regrouped into panels "
     "(kernels/quant_panels.py): calls of at most 4 rows dequantize them in registers, exactly "
@@ -182,7 +182,7 @@ class Roofline:
     gemm_gflops: float  # the engine's own linear at 256 rows (prefill-sized, near peak)
 
     def tok_s(self, batch: int) -> float:
-        from deepserve.kernels.reference import QUANT_MAX_ROWS
+        from deepserve.kernels.cpu.packed import QUANT_MAX_ROWS
 
         nbytes = self.few_rows_bytes if batch <= QUANT_MAX_ROWS else self.weight_bytes
         stream_s = nbytes / (self.stream_gbs * 1e9)
@@ -191,12 +191,12 @@ class Roofline:
 
 
 def measure_roofline(engine: LLMEngine) -> Roofline:
-    from deepserve.kernels import reference
+    from deepserve.kernels.cpu import packed
 
     model = engine.model
     weights = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     weights.append(model.lm_head)
-    plain = [w.panels if isinstance(w, reference.PackedWeight) else w for w in weights]
+    plain = [w.panels if isinstance(w, packed.PackedWeight) else w for w in weights]
     nbytes = sum(w.numel() * w.element_size() for w in plain)
     few = [
         w.quant if getattr(w, "quant", None) is not None else p
@@ -204,9 +204,7 @@ def measure_roofline(engine: LLMEngine) -> Roofline:
     ]
     few_bytes = sum(w.numel() * w.element_size() for w in few)
     params = sum(w.numel() for w in plain)
-    fan_in = [
-        w.in_features if isinstance(w, reference.PackedWeight) else w.shape[1] for w in weights
-    ]
+    fan_in = [w.in_features if isinstance(w, packed.PackedWeight) else w.shape[1] for w in weights]
 
     def best(fn) -> float:
         fn()
@@ -219,9 +217,7 @@ def measure_roofline(engine: LLMEngine) -> Roofline:
 
     stream = best(lambda: [w.sum() for w in plain])
     rows = {k: torch.randn(256, k) for k in fan_in}
-    gemm = best(
-        lambda: [reference.linear(rows[k], w) for k, w in zip(fan_in, weights, strict=True)]
-    )
+    gemm = best(lambda: [packed.linear(rows[k], w) for k, w in zip(fan_in, weights, strict=True)])
     return Roofline(nbytes, few_bytes, nbytes / stream / 1e9, 2 * 256 * params / gemm / 1e9)
 
 

@@ -1,4 +1,4 @@
-"""CPU linear micro-benchmark: the native panel kernel (kernels/csrc/linear.cpp) beside the torch
+"""CPU linear micro-benchmark: the native panel kernel (kernels/cpu/csrc/linear.cpp) beside the torch
 path it replaced (a transposed-copy GEMV at one row, oneDNN's pre-packed GEMM at two rows and up),
 per SmolLM2 matmul shape and row count, in one run.
 
@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from deepserve.kernels import cpu_native
+from deepserve.kernels.cpu import native as cpu_native
 
 SHAPES = {  # name: (out, in), SmolLM2-135M
     "qkv": (960, 576),
@@ -36,7 +36,7 @@ SHAPES = {  # name: (out, in), SmolLM2-135M
 
 
 def native_pack(w: torch.Tensor) -> torch.Tensor:
-    from deepserve.kernels.reference import pack_panels
+    from deepserve.kernels.cpu.packed import pack_panels
 
     return pack_panels(w)
 

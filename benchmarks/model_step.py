@@ -17,7 +17,7 @@ import torch
 from deepserve.engine.models.common import WeightStore
 from deepserve.engine.models.llama import LlamaForCausalLM
 from deepserve.kernels.attention_metadata import AttentionMetadata
-from deepserve.kernels.reference import KERNELS
+from deepserve.kernels.registry import get_kernels
 
 
 def smollm2_shape(device: str, dtype: torch.dtype) -> LlamaForCausalLM:
@@ -38,7 +38,8 @@ def smollm2_shape(device: str, dtype: torch.dtype) -> LlamaForCausalLM:
         shapes |= {p + "mlp.gate_proj.weight": (1536, 576), p + "mlp.up_proj.weight": (1536, 576)}
         shapes[p + "mlp.down_proj.weight"] = (576, 1536)
     weights = {k: torch.randn(v) * 0.05 for k, v in shapes.items()}
-    return LlamaForCausalLM(c, WeightStore(weights, torch.device(device), dtype), KERNELS, "bench")
+    kernels = get_kernels(device, batch_invariant=False)
+    return LlamaForCausalLM(c, WeightStore(weights, torch.device(device), dtype), kernels, "bench")
 
 
 def load(name: str, device: str, dtype: str):

@@ -74,7 +74,7 @@ class ModelCard:
     batch_invariant: bool
     block_size: int
     kv_block_bytes: int  # one KV block on every layer, as the tiers store it
-    kernels: str = "torch"  # "native" when the C++ CPU kernels run (kernels/cpu_native.py)
+    kernels: str = "torch"  # "native" when the C++ CPU kernels run (kernels/cpu/native.py)
 
     def to_json(self) -> dict[str, Any]:
         return to_json(self)

@@ -40,7 +40,7 @@ from deepserve.engine.sampling_params import SamplingParams
 from deepserve.engine.scheduler import Scheduler, SchedulerOutput
 from deepserve.engine.step_isolation import find_failing, is_fatal, only
 from deepserve.engine.threads import ThreadPolicy
-from deepserve.kernels.cpu_native import kernels_in_use
+from deepserve.kernels.registry import kernels_in_use
 
 log = logging.getLogger(__name__)
 # The default `EngineConfig.prefill_gather_s` with CUDA graphs: a few graph decode steps (8-12 ms

@@ -22,7 +22,7 @@ from deepserve.engine.models.base import CausalLM
 from deepserve.engine.models.common import WeightStore
 from deepserve.engine.parallel.plan import ModelShard
 from deepserve.kernels.errors import KernelUnavailableError
-from deepserve.kernels.kernel_set import get_kernels
+from deepserve.kernels.registry import get_kernels
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _FULL_HASH_LIMIT = 4 * 2**30  # above this, weight identity hashes sampled chunks, not every byte

@@ -18,8 +18,9 @@ import torch
 
 from deepserve.engine.outputs import TokenLogprob
 from deepserve.engine.request import Sequence
-from deepserve.kernels.cpu_ops import argmax
+from deepserve.kernels.kernel_set import KernelSet
 from deepserve.kernels.random import as_int64, gumbel_noise, token_keys
+from deepserve.kernels.registry import get_kernels
 
 Tensor = torch.Tensor
 
@@ -230,12 +231,16 @@ class DeviceSample:
 
 
 class Sampler:
-    """Stateless apart from a cached per-token hash table."""
+    """Stateless apart from a cached per-token hash table. Its argmax comes from `kernels`
+    (by default the device's default KernelSet: every set's argmax picks the same ids)."""
 
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
+    def __init__(
+        self, vocab_size: int, device: torch.device, kernels: KernelSet | None = None
+    ) -> None:
         self.vocab_size = vocab_size
         self.device = device
         self._token_keys = token_keys(vocab_size, device)
+        self._argmax = (kernels or get_kernels(device, batch_invariant=False)).argmax
 
     def sample(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: [N, V] float32 (may be padded past the vocabulary; extra columns are dropped)."""
@@ -246,7 +251,7 @@ class Sampler:
         logits = logits[:, : self.vocab_size].float()
         raw = logits
         logits = self._process(logits, batch)
-        tokens = argmax(logits)
+        tokens = self._argmax(logits)
         if not batch.all_greedy:
             sampled = self._sample_random(logits, batch)
             tokens = torch.where(batch.greedy, tokens, sampled)
@@ -286,7 +291,7 @@ class Sampler:
         scaled = logits / batch.temperature
         scaled = apply_filters(scaled, batch.top_k, batch.top_p, batch.min_p)
         noise = gumbel_noise(batch.seeds, batch.positions, self._token_keys)
-        return argmax(scaled + noise)
+        return self._argmax(scaled + noise)
 
     def _logprobs(
         self, raw: Tensor, tokens: Tensor, batch: SamplingBatch

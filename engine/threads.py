@@ -11,9 +11,9 @@ it also leaves one core to the HTTP server and the scheduler. OpenMP's spinning 
 kernels then only happen on cores nobody else asked for.
 
 With `--batch-invariant` the count is chosen once, at start: the native kernels give the same
-bits on any thread count, but the torch ops that fill in for them (kernels/batch_invariant.py)
+bits on any thread count, but the torch ops that fill in for them (kernels/reference/invariant.py)
 are only checked at the count they were probed with. What does not live here: the kernels'
-own split of work over the threads (kernels/csrc/, torch).
+own split of work over the threads (kernels/cpu/csrc/, torch).
 """
 
 from __future__ import annotations

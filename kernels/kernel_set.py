@@ -1,41 +1,59 @@
-"""Picks the implementation of each op for a device and mode; models call ops only through here.
+"""`KernelSet`: the ops a model and the sampler call, one field per op; the contract every backend
+fills in.
 
-`get_kernels(device, batch_invariant)` returns a `KernelSet`. Models receive it in their constructor
-and call `k.linear(x, w)`, `k.rms_norm(x, w, eps)`, ... so `--batch-invariant` swaps every
+Models receive a KernelSet in their constructor (kernels/registry.py's `get_kernels` picks it) and
+call `k.linear(x, w)`, `k.rms_norm(x, w, eps)`, ... so `--batch-invariant` swaps every
 reduction-order-sensitive op in one place, and the torch reference stays the oracle in tests.
+This module imports no backend: backends import it to build their sets.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 Tensor = torch.Tensor
+# A matmul weight as `linear` takes it: a plain `[out, in]` tensor, or what the set's
+# `pack_weight` made of one.
+Weight = Any
 
 
 @dataclass(frozen=True)
 class KernelSet:
     name: str
-    linear: Callable[[Tensor, Tensor], Tensor]  # x[..., in] @ w[out, in].T
+    linear: Callable[[Tensor, Weight], Tensor]  # x[..., in] @ w[out, in].T
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]  # (x, weight, eps)
     softmax: Callable[[Tensor, int], Tensor]  # float32 softmax along dim
     log_softmax: Callable[[Tensor, int], Tensor]
     bmm: Callable[[Tensor, Tensor], Tensor]  # batched matmul used by attention and MLA absorption
-    # paged attention over one flattened batch; see kernels/attention_ref.py for the signature
+    # paged attention over one flattened batch; see kernels/reference/attention.py for the signature
     paged_attention: Callable[..., Tensor]
+    # (cache, slot_mapping, values): store a step's new KV at its slots of a paged cache
+    write_kv: Callable[[Tensor, Tensor, Tensor], None]
+    # MoE routing composed from torch ops and the given (sigmoid, softmax): (logits, bias, RouteSpec,
+    # sigmoid, softmax) -> (weights, ids); kernels/reference/moe_routing.py
+    moe_route_composed: Callable[..., tuple[Tensor, Tensor]]
+    argmax: Callable[
+        [Tensor], Tensor
+    ]  # `x.argmax(dim=-1)` of 2-D logits (the sampler's greedy pick)
     # MoE routing scores; an op here because torch's CPU elementwise loops send a batch-dependent
-    # tail through a scalar path with other rounding (kernels/batch_invariant.py)
+    # tail through a scalar path with other rounding (kernels/reference/invariant.py)
     sigmoid: Callable[[Tensor], Tensor] = torch.sigmoid
-    # Fused fast paths (kernels/cpu_ops.py). None: models compose the op from the ones above; a
-    # fused op also returns None (False for the in-place write) when it does not cover the call.
+    # Fused fast paths. None: models compose the op from the ones above; a fused op also returns
+    # None (False for the in-place write) when it does not cover the call.
     add_rms_norm_: Callable[..., Tensor | None] | None = None  # (h, delta, w, eps): h += delta
     silu_mul: Callable[[Tensor], Tensor | None] | None = None  # [gate | up] -> silu(gate) * up
-    rope_qk_write_kv_: Callable[..., bool] | None = None  # see cpu_ops.rope_qk_write_kv_
-    # Models pack their CPU matmul weights once (reference.pack_linear_weight) and may run a
-    # whole llama layer natively (cpu_ops.llama_layer_); `linear` then takes packed weights.
-    packed_weights: bool = False
+    rope_qk_write_kv_: Callable[..., bool] | None = None  # see kernels/cpu/ops.py
+    # (w, quantized blocks or None) -> the weight in the layout this set's `linear` reads fastest,
+    # packed once at model load (kernels/cpu/packed.py); None: models keep plain weights.
+    pack_weight: Callable[..., Weight] | None = None
+    # A whole llama decoder layer in one op (kernels/cpu/ops.py's `llama_layer_`), over the four
+    # packed matmuls as `pack_llama_layer` groups them (None: the layer runs op by op).
+    pack_llama_layer: Callable[[list[Weight]], Any] | None = None
+    llama_layer_: Callable[..., Tensor | None] | None = None
     # All routed experts of a MoE layer in one op, (x, gate_up, down, weights, ids) -> [T, H]
     # (kernels/triton/fused_moe.py); None: the model loops over the chosen experts.
     moe: Callable[..., Tensor] | None = None
@@ -46,22 +64,8 @@ class KernelSet:
     # the whole absorbed query, [latent | rope(q_pe)], in one op (kernels/triton/mla.py)
     absorbed_query_: Callable[..., bool] | None = None
     # MoE routing in one op, (logits, bias, RouteSpec) -> (weights, ids) or None when it does not
-    # cover the call (kernels/moe_routing.py is the composition it replaces).
+    # cover the call (`moe_route_composed` is the composition it replaces).
     moe_route: Callable[..., tuple[Tensor, Tensor] | None] | None = None
     # Every op above runs without a host sync or a host value that changes between decode
     # steps, so the model runner may capture decode steps in CUDA graphs.
     graph_safe: bool = False
-
-
-def get_kernels(device: str, batch_invariant: bool) -> KernelSet:
-    from deepserve.kernels import reference
-
-    if not batch_invariant:
-        if torch.device(device).type == "cuda":
-            from deepserve.kernels.triton.kernelset import fast_kernels
-
-            return fast_kernels() or reference.KERNELS
-        return reference.KERNELS
-    from deepserve.kernels import batch_invariant as bi
-
-    return bi.kernels_for(device)

@@ -1,5 +1,5 @@
 """GGUF block-quantized matrices (Q4_0, Q4_1, Q8_0) regrouped into the native CPU linear's panels
-(kernels/csrc/linear.cpp, `linear_quant`), so a quantized checkpoint stays quantized in memory.
+(kernels/cpu/csrc/linear.cpp, `linear_quant`), so a quantized checkpoint stays quantized in memory.
 
 A GGUF row is a run of 32-element blocks: a float16 scale (Q4_1: and a float16 minimum) and the
 block's quants. A panel block here is the same 32 k-steps for 16 output columns: their scales as
@@ -8,7 +8,7 @@ column j low and column j + 8 high; 8-bit: one signed byte each). The kernel deq
 so it computes with the very float32 values `engine/gguf_format.dequantize` gives.
 
 What does not live here: reading GGUF files (engine/gguf_format.py), deciding when a model uses
-these panels (kernels/reference.py's `pack_linear_weight`).
+these panels (kernels/cpu/packed.py's `pack_linear_weight`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-PANEL = 16  # output columns per panel, as kernels/csrc/linear.cpp
+PANEL = 16  # output columns per panel, as kernels/cpu/csrc/linear.cpp
 BLOCK = 32  # k-steps per quant block, as GGUF
 FORMATS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # GGUF type name -> linear.cpp's QuantFormat
 _ROW_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # one GGUF block of 32 elements

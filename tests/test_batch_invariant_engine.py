@@ -53,13 +53,13 @@ def loaded_on(model):
 
 @pytest.fixture(scope="module")
 def loaded_off(model):
-    # The default CPU linear (kernels/csrc/linear.cpp) is batch invariant by itself, so SmolLM2
+    # The default CPU linear (kernels/cpu/csrc/linear.cpp) is batch invariant by itself, so SmolLM2
     # without the flag can pass the check; torch's F.linear (MKL) is not, which keeps this the
     # proof that the check can fail.
-    from deepserve.kernels import reference
+    from deepserve.kernels.cpu import packed
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(reference, "pack_linear_weight", lambda w, quantized=None: w)
+        patch.setattr(packed, "pack_linear_weight", lambda w, quantized=None: w)
         return _loaded(model, False)
 
 

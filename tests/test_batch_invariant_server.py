@@ -13,7 +13,7 @@ import pytest
 from openai import OpenAI
 from server_harness import engine_for, running_server
 
-from deepserve.kernels import reference
+from deepserve.kernels.cpu import packed
 
 MODEL = "smollm2-135m"
 SUBJECTS = ["cats", "rivers", "bread", "chess", "snow", "trains", "bees", "maps", "tea", "clocks"]
@@ -82,10 +82,10 @@ def test_listing_audit_no_output_differs_with_the_flag():
 
 @pytest.mark.slow
 def test_listing_audit_without_the_flag_finds_differences(record_property, monkeypatch):
-    # The default CPU linear (kernels/csrc/linear.cpp) and attention are batch invariant by
+    # The default CPU linear (kernels/cpu/csrc/linear.cpp) and attention are batch invariant by
     # themselves, so SmolLM2 without the flag can pass the audit; torch's F.linear (MKL) is not,
     # which keeps this the proof that the audit can fail.
-    monkeypatch.setattr(reference, "pack_linear_weight", lambda w, quantized=None: w)
+    monkeypatch.setattr(packed, "pack_linear_weight", lambda w, quantized=None: w)
     counts = _run_audit(batch_invariant=False)
     record_property("differing_of_400", counts)
     print(f"flag off: outputs differing from their first run, of 400 each: {counts}")

@@ -1,4 +1,4 @@
-"""The native CPU kernels (kernels/csrc/) build on this machine and run on torch's own thread pool."""
+"""The native CPU kernels (kernels/cpu/csrc/) build on this machine and run on torch's own thread pool."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepserve.kernels import cpu_native
+from deepserve.kernels.cpu import native as cpu_native
 
 pytestmark = pytest.mark.skipif(not cpu_native.supported(), reason="needs an AVX2 CPU")
 
@@ -51,7 +51,7 @@ def test_prebuilt_library_loads_without_compiler_or_writable_build_folder(tmp_pa
     shutil.copyfile(_compiled_library(), prebuilt / name)
     prebuilt.chmod(0o555)
     script = (
-        "import sys; from pathlib import Path; from deepserve.kernels import cpu_native as c;"
+        "import sys; from pathlib import Path; from deepserve.kernels.cpu import native as c;"
         "c.PREBUILT = Path(sys.argv[1]); ok = c.load();"
         "print(ok, c.ops().abi_version() if ok else None)"
     )

@@ -1,4 +1,4 @@
-"""The native kernels' ISA paths (kernels/csrc/isa.h): AVX-512 where cpuid reports it is the default,
+"""The native kernels' ISA paths (kernels/cpu/csrc/isa.h): AVX-512 where cpuid reports it is the default,
 any path the CPU has can be forced and put back, one it lacks is refused, and the linear's
 AVX2 and AVX-512 paths give the same bits. Each path's batch invariance is tested by
 tests/test_kernels_invariant_cpu_native.py, on every path this CPU has."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepserve.kernels import cpu_native
-from deepserve.kernels.reference import pack_panels
+from deepserve.kernels.cpu import native as cpu_native
+from deepserve.kernels.cpu.packed import pack_panels
 
 pytestmark = pytest.mark.skipif(not cpu_native.load(), reason="native CPU kernels unavailable")
 

@@ -197,7 +197,7 @@ def test_every_deepserve_container_runs_as_the_image_user_without_a_compiler(sta
 
 
 def test_native_kernels_load_in_every_deepserve_container(stack):
-    script = "from deepserve.kernels import cpu_native; print(cpu_native.load())"
+    script = "from deepserve.kernels.cpu import native; print(native.load())"
     for service in DEEPSERVE_SERVICES:
         result = stack.compose("exec", "-T", service, "python", "-c", script)
         assert result.stdout.split() == ["True"], f"{service}: {result.stderr[-2000:]}"

@@ -291,7 +291,9 @@ def test_dockerfile_runs_as_non_root_and_bakes_the_model():
     assert users and users[-1] not in {"root", "0"}
     assert any(kw == "HEALTHCHECK" for kw, _ in instructions)
     assert any(kw == "RUN" and "deepserve fetch-model" in rest for kw, rest in instructions)
-    assert any(kw == "RUN" and "cpu_native.py --prebuild" in rest for kw, rest in instructions)
+    assert any(
+        kw == "RUN" and "kernels/cpu/native.py --prebuild" in rest for kw, rest in instructions
+    )
     assert ("ENTRYPOINT", '["deepserve"]') in instructions
 
 

@@ -1,6 +1,7 @@
-"""The native CPU paged attention (kernels/csrc/attention.cpp, through kernels/cpu_ops.py) against
-the torch reference (kernels/attention_ref.py) on scattered paged caches: decode, prefill and
-mixed batches, GQA and MLA layouts, float32 and bfloat16."""
+"""The native CPU paged attention (kernels/cpu/csrc/attention.cpp, through the default CPU set of
+kernels/cpu/kernelset.py) against the torch reference (kernels/reference/attention.py) on
+scattered paged caches: decode, prefill and mixed batches, GQA and MLA layouts, float32 and
+bfloat16."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import pytest
 import torch
 from paged_kv import PagedCase
 
-from deepserve.kernels import attention_ref, cpu_native, cpu_ops
+from deepserve.kernels.cpu import native as cpu_native
+from deepserve.kernels.reference import attention as attention_ref
+from deepserve.kernels.registry import cpu_kernels
 
 pytestmark = pytest.mark.skipif(not cpu_native.load(), reason="native CPU kernels unavailable")
 
@@ -25,7 +28,7 @@ class VarlenRef:
 
 
 class Native:
-    paged_attention = staticmethod(cpu_ops.paged_attention)
+    paged_attention = staticmethod(cpu_kernels().paged_attention)
 
 
 def assert_native_matches_reference(case: PagedCase, seqs, atol=1e-5, ref=Ref):

@@ -1,5 +1,5 @@
-"""The native CPU fused elementwise ops (kernels/csrc/norm.cpp, rope.cpp, activation.cpp, through
-kernels/cpu_ops.py) against the torch ops they replace in the llama decoder layer."""
+"""The native CPU fused elementwise ops (kernels/cpu/csrc/norm.cpp, rope.cpp, activation.cpp,
+through kernels/cpu/ops.py) against the torch ops they replace in the llama decoder layer."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepserve.kernels import cpu_native, cpu_ops, reference
-from deepserve.kernels.attention_ref import write_kv
+from deepserve.kernels.cpu import native as cpu_native
+from deepserve.kernels.cpu import ops as cpu_ops
+from deepserve.kernels.reference.attention import write_kv
+from deepserve.kernels.registry import cpu_kernels
 from deepserve.kernels.rope import apply_rope
 
 pytestmark = pytest.mark.skipif(not cpu_native.load(), reason="native CPU kernels unavailable")
@@ -45,9 +47,9 @@ def test_native_ops_decline_bfloat16_and_leave_inputs_alone():
     assert cpu_ops.silu_mul(h) is None
 
 
-def test_reference_rms_norm_uses_the_same_values_on_cpu():
+def test_default_cpu_rms_norm_uses_the_same_values_on_cpu():
     x, w = torch.randn(4, HIDDEN), torch.randn(HIDDEN)
-    assert torch.equal(reference.rms_norm(x, w, 1e-5), cpu_ops.rms_norm(x, w, 1e-5))
+    assert torch.equal(cpu_kernels().rms_norm(x, w, 1e-5), cpu_ops.rms_norm(x, w, 1e-5))
 
 
 def test_native_silu_mul_matches_torch():
@@ -123,7 +125,7 @@ def _tiny_llama(seed: int):
             w = dequantize(raw.reshape(-1), GGMLQuantizationType.Q4_1, shape)
         weights[name] = w
     store = WeightStore(weights, torch.device("cpu"), torch.float32, blocks)
-    return LlamaForCausalLM(config, store, reference.KERNELS, "test")
+    return LlamaForCausalLM(config, store, cpu_kernels(), "test")
 
 
 def test_fused_llama_layer_gives_the_bits_of_the_op_by_op_layer(monkeypatch):

@@ -17,8 +17,8 @@ pytest.importorskip("triton")
 
 import test_kernels_invariant_triton  # noqa: E402,F401  (patches the interpreter when used)
 
-from deepserve.kernels import attention_ref  # noqa: E402
 from deepserve.kernels.attention_metadata import AttentionMetadata  # noqa: E402
+from deepserve.kernels.reference import attention as attention_ref  # noqa: E402
 from deepserve.kernels.triton import attention, fused_moe  # noqa: E402
 from deepserve.kernels.triton.decode_attention import decode_attention  # noqa: E402
 
@@ -166,7 +166,7 @@ def test_tiny_deepseek_with_the_fast_kernels_matches_the_reference_kernels():
     from deepserve.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
     from deepserve.engine.tiny_deepseek import TINY_CONFIG, _tensors
     from deepserve.kernels.reference import KERNELS
-    from deepserve.kernels.triton.kernelset import fast_kernels
+    from deepserve.kernels.registry import fast_kernels
 
     config = dict(TINY_CONFIG, vocab_size=300)
     weights = _tensors(config, torch.Generator().manual_seed(0))
@@ -183,7 +183,7 @@ def test_tiny_deepseek_with_the_fast_kernels_matches_the_reference_kernels():
 # nearest (benchmarks/gpu/kernel_checks.py checks bfloat16 bitwise on the device)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_rope_qk_write_kv_equals_apply_rope_and_write_kv_bitwise(dtype):
-    from deepserve.kernels.attention_ref import write_kv
+    from deepserve.kernels.reference.attention import write_kv
     from deepserve.kernels.rope import apply_rope, build_rope_tables, rope_at
     from deepserve.kernels.triton import rope
 

@@ -10,9 +10,9 @@ import torch
 from paged_kv import PagedCase
 
 from deepserve.kernels import reference
-from deepserve.kernels.batch_invariant import KV_SPLIT, cpu_kernels
+from deepserve.kernels.reference.invariant import KV_SPLIT, invariant_kernels
 
-BI = cpu_kernels()
+BI = invariant_kernels()
 
 
 def _rand(*shape, seed=0, dtype=torch.float32):

@@ -1,9 +1,9 @@
-"""The `--batch-invariant` CPU set over the native kernels (kernels/cpu_invariant.py): each op's
+"""The `--batch-invariant` CPU set over the native kernels (kernels/cpu/kernelset.py): each op's
 rows bitwise independent of the batch around them (row count, position, neighbours, prefill vs
 chunks vs decode), the same bits whatever the layout of the input, and the same function as the
-torch invariant ops it replaces (kernels/batch_invariant.py, the oracle), within float32
+torch invariant ops it replaces (kernels/reference/invariant.py, the oracle), within float32
 tolerance. Every test runs on each ISA path this CPU has (AVX2, AVX-512, AVX512-BF16: see
-kernels/csrc/isa.h), each path forced in turn."""
+kernels/cpu/csrc/isa.h), each path forced in turn."""
 
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ import torch
 import torch.nn.functional as F
 from paged_kv import PagedCase
 
-from deepserve.kernels import batch_invariant, cpu_native
-from deepserve.kernels.cpu_invariant import native_kernels
-from deepserve.kernels.reference import PackedWeight, pack_linear_weight
+from deepserve.kernels.cpu import native as cpu_native
+from deepserve.kernels.cpu.packed import PackedWeight, pack_linear_weight
+from deepserve.kernels.reference.invariant import invariant_kernels
+from deepserve.kernels.registry import get_kernels, invariant_cpu_kernels
 
 pytestmark = pytest.mark.skipif(not cpu_native.load(), reason="native CPU kernels unavailable")
 
-ORACLE = batch_invariant.cpu_kernels()
+ORACLE = invariant_kernels()
 
 
 ISAS = cpu_native.supported_isas() if cpu_native.load() else []
@@ -27,7 +28,7 @@ ISAS = cpu_native.supported_isas() if cpu_native.load() else []
 @pytest.fixture(scope="module", params=ISAS)
 def ops(request):
     with cpu_native.use_isa(request.param):
-        yield native_kernels()
+        yield invariant_cpu_kernels()
 
 
 def _rand(*shape, seed=0, dtype=torch.float32):
@@ -44,7 +45,7 @@ def _rows_alone_equal_batched(fn, x: torch.Tensor, counts=(1, 2, 3, 5, 7, 16, 33
 
 
 def test_the_flag_on_this_cpu_runs_the_native_set():
-    assert batch_invariant.kernels_for("cpu").name == "batch_invariant_cpu_native"
+    assert get_kernels("cpu", True).name == "batch_invariant_cpu_native"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -43,9 +43,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 from paged_kv import PagedCase  # noqa: E402
 
 from deepserve.kernels import reference  # noqa: E402
+from deepserve.kernels.registry import triton_kernels  # noqa: E402
 from deepserve.kernels.triton import attention  # noqa: E402
 from deepserve.kernels.triton.decode_attention import InvariantPagedAttention  # noqa: E402
-from deepserve.kernels.triton.kernelset import triton_kernels  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TK = triton_kernels()

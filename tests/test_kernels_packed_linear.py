@@ -1,10 +1,10 @@
-"""The reference kernels' packed CPU weights give F.linear's values for any number of rows."""
+"""The native CPU backend's packed weights give F.linear's values for any number of rows."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from deepserve.kernels.reference import PackedWeight, linear, pack_linear_weight
+from deepserve.kernels.cpu.packed import PackedWeight, linear, pack_linear_weight
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16])

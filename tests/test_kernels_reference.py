@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from deepserve.kernels import reference
 from deepserve.kernels.attention_metadata import AttentionMetadata
-from deepserve.kernels.attention_ref import paged_attention, write_kv
+from deepserve.kernels.reference.attention import paged_attention, write_kv
 from deepserve.kernels.rope import apply_rope, rope_inv_freq
 
 BLOCK = 4
@@ -87,7 +87,7 @@ def test_decode_fast_path_agrees_with_general_path():
     batch = PagedBatch([3, 17, 8, 30], [1, 1, 1, 1], hkv=1, dk=12, dv=12, seed=3)
     q = torch.randn(4, 4, 12)
     fast = paged_attention(q, batch.k_cache, batch.v_cache, batch.attn, 0.25)
-    from deepserve.kernels.attention_ref import _varlen_attention
+    from deepserve.kernels.reference.attention import _varlen_attention
 
     general = _varlen_attention(q, batch.k_cache, batch.v_cache, batch.attn, 0.25)
     torch.testing.assert_close(fast, general, atol=1e-6, rtol=1e-5)

@@ -2,8 +2,8 @@
 reuse, L0 eviction to L1 and back, a second process served from L2, damaged L2 blocks, and Redis
 dying under load. Outputs are always compared with a cold engine that has no cache at all.
 
-Batch-invariant kernels are used when kernels/batch_invariant.py exists; until then the runs are
-greedy with the reference kernels (which the cold-vs-cached comparison still holds for here).
+Batch-invariant kernels are used when kernels/reference/invariant.py exists; until then the runs
+are greedy with the reference kernels (which the cold-vs-cached comparison still holds for here).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from deepserve.kvcache.codec import derive_mac_key, encode_block
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
-BATCH_INVARIANT = importlib.util.find_spec("deepserve.kernels.batch_invariant") is not None
+BATCH_INVARIANT = importlib.util.find_spec("deepserve.kernels.reference.invariant") is not None
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 BLOCK = 16
 SHARED_MAC = derive_mac_key(b"test kv secret")  # what --kv-secret-file gives every worker

@@ -1,4 +1,4 @@
-"""The native CPU linear (kernels/csrc/linear.cpp through kernels/reference.py's PackedWeight):
+"""The native CPU linear (kernels/cpu/csrc/linear.cpp through kernels/cpu/packed.py's PackedWeight):
 F.linear's values for any row count and awkward shapes, and a row's bits independent of its batch."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
 
 from deepserve.engine.gguf_format import dequantize
-from deepserve.kernels import cpu_native
+from deepserve.kernels.cpu import native as cpu_native
+from deepserve.kernels.cpu.packed import QUANT_MAX_ROWS, PackedWeight, linear, pack_linear_weight
 from deepserve.kernels.quant_panels import QuantizedMatrix
-from deepserve.kernels.reference import QUANT_MAX_ROWS, PackedWeight, linear, pack_linear_weight
 
 pytestmark = pytest.mark.skipif(not cpu_native.supported(), reason="needs an AVX2 CPU")
 

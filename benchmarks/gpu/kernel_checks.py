@@ -1,7 +1,7 @@
 """The GPU kernels of the default path against their torch oracles, on fresh random inputs:
 the fused rope + KV write (GQA) and absorbed query (MLA) against the torch ops (bitwise), fused MoE
 (decode and prefill tiles) against a float32 loop, the decode attention kernel (MLA and
-GQA layouts, shuffled block tables) against kernels/attention_ref.py, the fixed-split kernel's
+GQA layouts, shuffled block tables) against kernels/reference/attention.py, the fixed-split kernel's
 device-side decode layout against its host layout (bitwise), and graph-replayed decode steps
 against eager ones; and V2-Lite prefill's fused-MoE tiles and attention row tiles, timed. Imported
 by run_all.py; returns rows of max relative errors."""
@@ -85,7 +85,7 @@ def _decode_case(layout: str, dtype, lens: list[int], bs: int, nb: int, gen):
 
 
 def check_decode_attention(rows: list) -> None:
-    from deepserve.kernels import attention_ref
+    from deepserve.kernels.reference import attention as attention_ref
     from deepserve.kernels.triton import attention
     from deepserve.kernels.triton.decode_attention import decode_attention
 
@@ -138,9 +138,9 @@ def check_fused_rows(rows: list) -> None:
 
 
 def check_routing(rows: list) -> None:
-    """The one-launch MoE routing against kernels/moe_routing.py's composition (V2-Lite's and
-    V3's settings); a row alone must equal the same row in a batch."""
-    from deepserve.kernels import moe_routing
+    """The one-launch MoE routing against kernels/reference/moe_routing.py's composition
+    (V2-Lite's and V3's settings); a row alone must equal the same row in a batch."""
+    from deepserve.kernels.reference import moe_routing
     from deepserve.kernels.triton import routing
 
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -164,7 +164,7 @@ def check_routing(rows: list) -> None:
 def check_rope_kernels(rows: list) -> None:
     """The GQA fused rope + KV write against apply_rope + write_kv (bitwise, as torch rounds
     each op), and MLA's absorbed query against rope_into_ + the latent copy (bitwise)."""
-    from deepserve.kernels.attention_ref import write_kv
+    from deepserve.kernels.reference.attention import write_kv
     from deepserve.kernels.rope import apply_rope, build_rope_tables, rope_at
     from deepserve.kernels.triton import mla, rope
 
@@ -220,7 +220,7 @@ def time_prefill_tiles(rows: list) -> None:
     """V2-Lite's 2,000-token prefill: the fused MoE (64 experts, top-6) under candidate tiles
     and the varlen attention (MLA: one 576-wide latent head, 16 query heads) under candidate
     row tiles, splits and warps, each against a float32 reference."""
-    from deepserve.kernels import attention_ref
+    from deepserve.kernels.reference import attention as attention_ref
     from deepserve.kernels.triton import attention, fused_moe
 
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -437,7 +437,7 @@ def check_invariant_decode_attention(rows: list) -> None:
     """The head-grouped decode kernel against the fixed-split kernel (bitwise, its host layout as
     a prefill builds it) and attention_ref; device us beside the fixed-split kernel and the
     default set's decode kernel at V2-Lite's (MLA, 16 heads) and SmolLM2's (GQA 9/3) shapes."""
-    from deepserve.kernels import attention_ref
+    from deepserve.kernels.reference import attention as attention_ref
     from deepserve.kernels.triton import attention
     from deepserve.kernels.triton.decode_attention import InvariantPagedAttention
 

@@ -46,7 +46,7 @@ def build_llm(config: dict, hf, batch_invariant: bool, **kw):
     from deepserve.engine.loader import LoadedModel, ModelInfo
     from deepserve.engine.models.architectures import model_class
     from deepserve.engine.models.common import WeightStore
-    from deepserve.kernels.kernel_set import get_kernels
+    from deepserve.kernels.registry import get_kernels
 
     weights = dict(hf.state_dict())
     store = WeightStore(weights, torch.device("cuda"), torch.bfloat16)

@@ -29,12 +29,10 @@ from deepserve.engine.errors import UnsupportedModelError
 from deepserve.engine.models.base import KVCacheSpec
 from deepserve.engine.models.common import WeightStore, add_rms_norm, require, swiglu
 from deepserve.engine.parallel.plan import ModelShard
-from deepserve.kernels import moe_routing
 from deepserve.kernels.attention_metadata import AttentionMetadata
-from deepserve.kernels.attention_ref import write_kv
 from deepserve.kernels.kernel_set import KernelSet
-from deepserve.kernels.moe_routing import RouteSpec
 from deepserve.kernels.rope import apply_rope, build_rope_tables, rope_at, yarn_get_mscale
+from deepserve.kernels.route_spec import RouteSpec
 
 
 @dataclass(frozen=True)
@@ -376,7 +374,7 @@ class DeepseekV3ForCausalLM:
         else:
             latent = k.rms_norm(ckv[:, :lora], w.kv_a_norm, eps)
             k_pe = apply_rope(ckv[:, lora:].unsqueeze(1), cos, sin)
-            write_kv(cache, attn.slot_mapping, torch.cat([latent, k_pe[:, 0]], dim=-1))
+            k.write_kv(cache, attn.slot_mapping, torch.cat([latent, k_pe[:, 0]], dim=-1))
             q_pe = apply_rope(q[..., nope:], cos, sin)
             q_full = torch.cat([q_latent.transpose(0, 1), q_pe], dim=-1)  # [T, H, lora + rope]
         k_cache = cache.unsqueeze(2)  # MQA: one latent "head" shared by all query heads
@@ -433,4 +431,4 @@ class DeepseekV3ForCausalLM:
         fused = self.k.moe_route(logits, w.bias, spec) if self.k.moe_route is not None else None
         if fused is not None:
             return fused
-        return moe_routing.route(logits, w.bias, spec, self.k.sigmoid, self.k.softmax)
+        return self.k.moe_route_composed(logits, w.bias, spec, self.k.sigmoid, self.k.softmax)

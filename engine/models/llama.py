@@ -16,10 +16,8 @@ import torch.nn.functional as F
 from deepserve.engine.models.base import KVCacheSpec
 from deepserve.engine.models.common import WeightStore, add_rms_norm, require, swiglu
 from deepserve.engine.parallel.plan import ModelShard
-from deepserve.kernels import cpu_ops, reference
 from deepserve.kernels.attention_metadata import AttentionMetadata
-from deepserve.kernels.attention_ref import write_kv
-from deepserve.kernels.kernel_set import KernelSet
+from deepserve.kernels.kernel_set import KernelSet, Weight
 from deepserve.kernels.rope import apply_rope, build_rope_tables, rope_at
 
 
@@ -58,10 +56,6 @@ class LlamaArgs:
         )
 
 
-# A matmul weight `[out, in]`, or the reference kernels' packed CPU form of one.
-Weight = torch.Tensor | reference.PackedWeight
-
-
 @dataclass
 class _Layer:
     attn_norm: torch.Tensor
@@ -70,7 +64,7 @@ class _Layer:
     mlp_norm: torch.Tensor
     gate_up: Weight  # [2 * I, hidden]
     down: Weight
-    # The four matmuls as kernels/cpu_ops.py's `llama_layer_` takes them, when all are packed.
+    # The four matmuls as the KernelSet's `llama_layer_` takes them, when all are packed.
     native: tuple | None = None
 
 
@@ -100,7 +94,7 @@ class LlamaForCausalLM:
         tied = a.tie_word_embeddings or not weights.has("lm_head.weight")
         head = "model.embed_tokens.weight" if tied else "lm_head.weight"
         self.lm_head = self.embed if tied else weights.get(head)
-        if kernels.packed_weights:
+        if kernels.pack_weight is not None:
             self._pack_weights(weights, head)
         self._views_key: tuple | None = None
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -129,17 +123,16 @@ class LlamaForCausalLM:
         )
 
     def _pack_weights(self, w: WeightStore, head: str) -> None:
-        """Matmul weights in the reference kernels' pre-packed CPU layout (a no-op elsewhere), with
-        the checkpoint's quantized blocks where it has them. A tied lm_head gets its own packed
-        copy: the embedding lookup needs the plain table."""
-        pack = reference.pack_linear_weight
+        """Matmul weights in the KernelSet's packed layout (a no-op where its kernels do not apply),
+        with the checkpoint's quantized blocks where it has them. A tied lm_head gets its own
+        packed copy: the embedding lookup needs the plain table."""
+        pack = self.k.pack_weight
+        fuse = self.k.pack_llama_layer if self.parallel is None else None
         for i, layer in enumerate(self.layers):
             for field, names in self._matmul_names(i).items():
                 setattr(layer, field, pack(getattr(layer, field), w.quantized(names)))
-            if self.parallel is None:  # the fused layer has no all-reduce between its matmuls
-                layer.native = cpu_ops.pack_llama_layer(
-                    [layer.qkv, layer.o, layer.gate_up, layer.down]
-                )
+            if fuse is not None:  # the fused layer has no all-reduce between its matmuls
+                layer.native = fuse([layer.qkv, layer.o, layer.gate_up, layer.down])
         self.lm_head = pack(self.lm_head, w.quantized([head]))
 
     def forward(
@@ -158,7 +151,7 @@ class LlamaForCausalLM:
         norms = [layer.attn_norm for layer in self.layers[1:]] + [self.norm]
         for layer, cache, next_norm in zip(self.layers, views, norms, strict=True):
             if layer.native is not None:
-                fused = cpu_ops.llama_layer_(
+                fused = k.llama_layer_(
                     layer.native, h, x, (layer.mlp_norm, next_norm), (cos, sin), cache, attn,
                     a.num_heads, eps, self.scale,
                 )  # fmt: skip
@@ -196,8 +189,10 @@ class LlamaForCausalLM:
         else:
             qk = apply_rope(qkv[:, : (hq + hkv) * d].view(tokens, hq + hkv, d), cos, sin)
             q = qk[:, :hq]
-            write_kv(k_cache, attn.slot_mapping, qk[:, hq:])
-            write_kv(v_cache, attn.slot_mapping, qkv[:, (hq + hkv) * d :].view(tokens, hkv, d))
+            self.k.write_kv(k_cache, attn.slot_mapping, qk[:, hq:])
+            self.k.write_kv(
+                v_cache, attn.slot_mapping, qkv[:, (hq + hkv) * d :].view(tokens, hkv, d)
+            )
         out = self.k.paged_attention(q, k_cache, v_cache, attn, self.scale)
         return self.k.linear(out.reshape(tokens, hq * d), layer.o)
 

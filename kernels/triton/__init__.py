@@ -8,5 +8,7 @@ configuration per op, so a row's result never depends on how many rows share the
 - `decode_attention.py`: graph-safe paged attention for pure decode steps (MLA and GQA), and the
   invariant set's head-grouped decode path
 - `fused_moe.py`: every routed expert in two grouped GEMMs, pairs sorted by expert on the device
-- `kernelset.py`: `fast_kernels()` (the CUDA default) and `triton_kernels()` (`--batch-invariant`)
+- `kernelset.py`: `fast_kernels(base)` (the CUDA default) and `triton_kernels(base)`
+  (`--batch-invariant`), over the base set kernels/registry.py passes in
+- `routing.py`: MoE routing in one launch; `rope.py`, `mla.py`: fused rope + KV-cache writes
 """

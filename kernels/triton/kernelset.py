@@ -1,15 +1,16 @@
-"""The `KernelSet`s of Triton kernels on CUDA: `fast_kernels()` (the default) and
-`triton_kernels()` (`--batch-invariant`). Both are graph safe: decode steps replay from CUDA
-graphs (engine/cuda_graphs.py)."""
+"""The `KernelSet`s of Triton kernels on CUDA: `fast_kernels(base)` (the default) and
+`triton_kernels(base)` (`--batch-invariant`), each `base` (the reference set, passed in by
+kernels/registry.py) with the ops this backend has put in. Both are graph safe: decode steps
+replay from CUDA graphs (engine/cuda_graphs.py)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from deepserve.kernels import reference
 from deepserve.kernels.errors import KernelUnavailableError
 from deepserve.kernels.kernel_set import KernelSet
 from deepserve.kernels.triton import attention, fused_moe, matmul, mla, rope, routing, rows
@@ -31,16 +32,16 @@ class FastPagedAttention(DecodeOrVarlen):
         super().__init__(decode_attention, attention.TritonPagedAttention(block_m=32))
 
 
-def fast_kernels() -> KernelSet | None:
-    """cuBLAS matmuls, Triton norms, attention and fused MoE; None without Triton."""
+def fast_kernels(base: KernelSet) -> KernelSet | None:
+    """cuBLAS matmuls, Triton norms, attention and fused MoE, `base`'s softmaxes; None without
+    Triton."""
     if not HAVE_TRITON:
         return None
-    return KernelSet(
+    return replace(
+        base,
         name="cuda_fast",
         linear=F.linear,
         rms_norm=rows.rms_norm,
-        softmax=reference.softmax,
-        log_softmax=reference.log_softmax,
         bmm=torch.matmul,
         paged_attention=FastPagedAttention(),
         moe=fused_moe.fused_moe,
@@ -55,10 +56,12 @@ def fast_kernels() -> KernelSet | None:
     )
 
 
-def triton_kernels() -> KernelSet:
+def triton_kernels(base: KernelSet) -> KernelSet:
+    """Every reduction in a Triton kernel of one fixed tile configuration per op."""
     if not HAVE_TRITON:
         raise KernelUnavailableError("--batch-invariant on a CUDA device needs the triton package")
-    return KernelSet(
+    return replace(
+        base,
         name="batch_invariant_triton",
         linear=matmul.linear,
         rms_norm=rows.rms_norm,

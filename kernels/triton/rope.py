@@ -1,6 +1,6 @@
 """GQA attention's per-token elementwise work in one launch: the rope rotation of the q and k
 heads of a fused `[q | k | v]` projection, in place, and the k and v heads' cache write
-(`rope_qk_write_kv_`, the contract of kernels/cpu_ops.py). Composed from torch ops this is about
+(`rope_qk_write_kv_`, the contract of kernels/cpu/ops.py). Composed from torch ops this is about
 nine launches per layer (two slices, four multiplies, a subtract, an add, a concatenation and two
 index copies), which is most of a small model's decode step at batch 1.
 

@@ -1,5 +1,5 @@
-"""MoE routing in one launch (kernels/moe_routing.py's `route`): one program per token scores its
-experts, adds the selection bias, keeps the best groups, picks the top k by repeated argmax
+"""MoE routing in one launch (kernels/reference/moe_routing.py's `route`): one program per token
+scores its experts, adds the selection bias, keeps the best groups, picks the top k by repeated argmax
 (best first, as torch.topk orders them) and writes the normalised, scaled weights and the ids.
 
 In a decode step this replaces seven to nine small launches a MoE layer (cast, sigmoid, add, topk's
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from deepserve.kernels.moe_routing import RouteSpec
+from deepserve.kernels.route_spec import RouteSpec
 from deepserve.kernels.triton.lang import constexpr, jit, next_power_of_2, tl
 
 

@@ -1,4 +1,4 @@
-// Paged attention's walk over blocks and rows (kernels/csrc/attention.cpp has the contract),
+// Paged attention's walk over blocks and rows (kernels/cpu/csrc/attention.cpp has the contract),
 // written once over an ISA's vector primitives: `Isa::dot8` (eight keys' scores), `softmax_block`,
 // `scale_accumulate` and `prefetch_rows`. attention.cpp instantiates it for AVX2,
 // attention_avx512.cpp for AVX-512. Everything here is a template on `Isa`, a type local to each
@@ -132,7 +132,7 @@ void attend_items(const Batch<T>& b, const Layout& L, const Work* items, int64_t
 
 namespace deepserve_cpu {
 
-// The AVX-512 instantiations (kernels/csrc/attention_avx512.cpp); bfloat16 caches as uint16_t.
+// The AVX-512 instantiations (kernels/cpu/csrc/attention_avx512.cpp); bfloat16 caches as uint16_t.
 void attention_items_avx512_f32(const attention::Batch<float>& b, const attention::Layout& L,
                                 const attention::Work* items, int64_t i0, int64_t i1);
 void attention_items_avx512_bf16(const attention::Batch<uint16_t>& b,

@@ -1,6 +1,6 @@
 // Paged attention's AVX-512 path: attention_impl.h's walk over the primitives below, 16 floats a
 // register. Compiled for AVX-512 by the target pragma (the build's flags stay AVX2), called only
-// when cpuid reports it (kernels/csrc/isa.cpp).
+// when cpuid reports it (kernels/cpu/csrc/isa.cpp).
 //
 // The output accumulation (p @ V, column by column) and exp are lane-wise, the AVX2 path's
 // operations in wider registers; a key's score (a dot product over the head) and a block's sum

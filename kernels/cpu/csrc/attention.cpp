@@ -1,6 +1,6 @@
 // Paged attention over one flattened, variable-length batch, read straight from the block tables.
 //
-// The contract is kernels/attention_ref.py's paged_attention: sequence b owns query rows
+// The contract is kernels/reference/attention.py's paged_attention: sequence b owns query rows
 // query_start_loc[b]..query_start_loc[b+1], at the last positions of its seq_lens[b] keys (causal
 // within the new rows, full over the cached context). One work item is (sequence, kv head, a tile
 // of that head's query rows): the rows of a GQA group share every K/V load, and each row keeps an
@@ -8,7 +8,7 @@
 // depends only on its own sequence (fixed key order), never on what else is in the batch.
 //
 // The walk over blocks and rows is attention_impl.h's; this file has the op, the AVX2 vector
-// primitives, and the choice of path (AVX-512 in attention_avx512.cpp, kernels/csrc/isa.h). A
+// primitives, and the choice of path (AVX-512 in attention_avx512.cpp, kernels/cpu/csrc/isa.h). A
 // path's bits are its own: AVX-512 sums a key's score and a block's probabilities over 16 lanes.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -1,5 +1,5 @@
 // The library's identity ops: let a test check that the native build loaded and that its
-// parallel loops run on torch's own OpenMP pool (one pool per process; see cpu_native.py).
+// parallel loops run on torch's own OpenMP pool (one pool per process; see kernels/cpu/native.py).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

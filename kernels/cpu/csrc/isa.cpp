@@ -1,4 +1,4 @@
-// The ISA path in use (kernels/csrc/isa.h): the default cpuid gives (`best`), unless `set_isa`
+// The ISA path in use (kernels/cpu/csrc/isa.h): the default cpuid gives (`best`), unless `set_isa`
 // forced another that the CPU supports.
 #include <torch/library.h>
 

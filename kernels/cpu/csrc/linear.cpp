@@ -346,7 +346,7 @@ void run(const Rows& r, Src w, int64_t n, int64_t P) {
   split(r, n, P, [&](int64_t p0, int64_t p1) { run_panels(xp, r.M, r.K, w, yp, n, p0, p1); });
 }
 
-// The AVX-512 paths (kernels/csrc/linear_avx512.cpp) over the same split; `dot`: bfloat16 rows
+// The AVX-512 paths (kernels/cpu/csrc/linear_avx512.cpp) over the same split; `dot`: bfloat16 rows
 // as they are against bfloat16 panels (AVX512-BF16).
 at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool dot) {
   const int64_t K = packed.size(1), P = packed.size(0);

@@ -17,7 +17,7 @@ enum class Isa : int { kAvx2 = 0, kAvx512 = 1, kAvx512Bf16 = 2 };
 
 Isa isa();
 
-// One thread's share of a linear (panels [p0, p1) for every row), kernels/csrc/linear.cpp's
+// One thread's share of a linear (panels [p0, p1) for every row), kernels/cpu/csrc/linear.cpp's
 // panel layout: x [M, K] row-major, w [P, K, 16], y [M, N].
 void linear_panels_avx512_f32(const float* x, int64_t M, int64_t K, const float* w, float* y,
                               int64_t N, int64_t p0, int64_t p1);

@@ -1,32 +1,23 @@
 """MoE routing as one op: router logits -> (weights, expert ids) of each token's top-k experts.
 
-`RouteSpec` holds the model's routing settings; `route` is the torch composition (the oracle and
-the CPU path): sigmoid or softmax scores, `e_score_correction_bias` added for the selection only,
-group-limited selection (the best `topk_group` of `n_group` groups, a group scored by its top two
-biased scores, or its best score without a bias), top-k, then the chosen scores optionally
-normalised and scaled. kernels/triton/routing.py does the same in one launch.
+`route` is the torch composition (the oracle, and every KernelSet's routing where it has no fused
+op or its op does not cover the call): sigmoid or softmax scores, `e_score_correction_bias` added
+for the selection only, group-limited selection (the best `topk_group` of `n_group` groups, a
+group scored by its top two biased scores, or its best score without a bias), top-k, then the
+chosen scores optionally normalised and scaled. kernels/triton/routing.py does the same in one
+launch; the settings (`RouteSpec`) live in kernels/route_spec.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from deepserve.kernels import reference
+from deepserve.kernels.reference.ops import softmax as reference_softmax
+from deepserve.kernels.route_spec import RouteSpec
 
 Tensor = torch.Tensor
-
-
-@dataclass(frozen=True)
-class RouteSpec:
-    scoring: str  # "sigmoid" | "softmax"
-    n_group: int
-    topk_group: int
-    top_k: int
-    normalize: bool
-    scale: float
 
 
 def route(
@@ -34,7 +25,7 @@ def route(
     bias: Tensor | None,
     spec: RouteSpec,
     sigmoid: Callable[[Tensor], Tensor] = torch.sigmoid,
-    softmax: Callable[[Tensor, int], Tensor] = reference.softmax,
+    softmax: Callable[[Tensor, int], Tensor] = reference_softmax,
 ) -> tuple[Tensor, Tensor]:
     """logits [T, E] float32 -> (weights [T, k] float32, ids [T, k] int64), best first."""
     scores = sigmoid(logits) if spec.scoring == "sigmoid" else softmax(logits, -1)

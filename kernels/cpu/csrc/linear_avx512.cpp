@@ -1,7 +1,7 @@
-// The linear's AVX-512 paths (kernels/csrc/linear.cpp has the layout and the AVX2 path): one
+// The linear's AVX-512 paths (kernels/cpu/csrc/linear.cpp has the layout and the AVX2 path): one
 // 16-float zmm register is a whole panel step, and 32 registers hold tiles of up to 12 rows x 2
 // panels. Compiled for AVX-512 by the target pragma below (the build's flags stay AVX2 for every
-// other file) and only called when cpuid reports the features (kernels/csrc/isa.cpp).
+// other file) and only called when cpuid reports the features (kernels/cpu/csrc/isa.cpp).
 //
 // Float32 and widened-bfloat16 panels: every output is one FMA chain over k in order from zero,
 // lane by lane as on AVX2, so this path gives the AVX2 path's bits exactly. AVX512-BF16

@@ -40,7 +40,7 @@ const Ops& ops() {
   return instance;
 }
 
-// kernels/reference.py's `linear` for a PackedWeight: weights[i] are its float32 panels,
+// kernels/cpu/packed.py's `linear` for a PackedWeight: weights[i] are its float32 panels,
 // weights[i + 1] its quantized blocks (empty when it has none), read by calls of at most
 // `quant_max_rows` rows.
 at::Tensor matmul(const at::Tensor& x, at::TensorList weights, int64_t i, int64_t format,

@@ -1,10 +1,11 @@
-"""Batch-invariant ops: a row's result depends only on that row's data, never on the batch around it.
+"""Batch-invariant ops in torch: a row's result depends only on that row's data, never on the batch
+around it.
 
-`kernels_for(device)` returns the `KernelSet` that `--batch-invariant` runs with: on the CPU the
-native kernels where they are built (kernels/cpu_invariant.py, with these torch ops for the calls
-they do not take) and the torch ops of this module otherwise, the Triton kernels of
-`kernels/triton/` on CUDA. The reference ops (kernels/reference.py) stay the oracle; what this
-module adds is a fixed reduction order, and it is the oracle of the native invariant set.
+`invariant_kernels()` is the `KernelSet` of these ops: `--batch-invariant`'s CPU set where the
+native kernels are not built, the fallback of the native invariant set where they are
+(kernels/cpu/kernelset.py), and the oracle that set is tested against. The reference ops
+(ops.py, attention.py) stay the oracle of these; what this module adds is a fixed reduction
+order. kernels/registry.py picks the flag's set for a device (Triton's on CUDA).
 
 Where the batch leaks into the bits on the CPU, and what each op does about it (measured, see
 docs/batch_invariance.md):
@@ -21,7 +22,8 @@ docs/batch_invariance.md):
   split's P@V and sum of P is a GEMM of one fixed shape; splits are folded in order by a scan, so
   extra all-masked splits (a longer neighbour, a prefill chunk) add exact zeros. A query row gets the
   same bits in prefill, any chunking, decode, or after a prefix-cache hit.
-What does not live here: the reference ops, the GPU kernels, and anything with engine state.
+What does not live here: the reference ops, the native and GPU kernels, and anything with engine
+state.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch.nn.functional as F
 
 from deepserve.kernels.attention_metadata import AttentionMetadata
 from deepserve.kernels.kernel_set import KernelSet
+from deepserve.kernels.reference import attention, moe_routing, ops
 
 Tensor = torch.Tensor
 
@@ -235,7 +238,7 @@ class SplitKVAttention:
         return acc / denom.cumsum(-1)[..., -1:]
 
 
-def cpu_kernels() -> KernelSet:
+def invariant_kernels() -> KernelSet:
     mm = RowTiledMatmul()
     return KernelSet(
         name="batch_invariant_cpu",
@@ -245,22 +248,8 @@ def cpu_kernels() -> KernelSet:
         log_softmax=log_softmax,
         bmm=mm.bmm,
         paged_attention=SplitKVAttention(mm),
+        write_kv=attention.write_kv,
+        moe_route_composed=moe_routing.route,
+        argmax=ops.argmax,
         sigmoid=elementwise(torch.sigmoid),
     )
-
-
-def kernels_for(device: str) -> KernelSet:
-    """The batch-invariant KernelSet for `device` ("cpu", "cuda", "cuda:N"): on a CPU with the
-    native kernels built, kernels/cpu_invariant.py's set over them (these torch ops fill in what
-    they do not take); this module's set elsewhere."""
-    if torch.device(device).type == "cuda":
-        from deepserve.kernels.triton.kernelset import triton_kernels
-
-        return triton_kernels()
-    from deepserve.kernels import cpu_native
-
-    if cpu_native.load():
-        from deepserve.kernels.cpu_invariant import native_kernels
-
-        return native_kernels()
-    return cpu_kernels()

@@ -1,8 +1,10 @@
-"""Torch reference ops: the default CPU/GPU path and the oracle every other KernelSet is tested against.
+"""The native CPU linear's weights: `PackedWeight` (a `[out, in]` matrix packed once into the
+kernel's panels, with a GGUF checkpoint's own quantized blocks where it has them),
+`pack_linear_weight` (the CPU sets' `pack_weight`) and `linear` (their `linear`: the native
+kernel for a packed weight, F.linear for a plain one).
 
-Only ops whose reduction order matters live in `KERNELS` (linear, norms, softmax, bmm, paged attention);
-elementwise ops (SiLU, RoPE) are called directly by the models. Batch-invariant and Triton variants live
-in their own modules and implement the same `KernelSet`.
+What does not live here: the kernel (kernels/cpu/csrc/linear.cpp), the GGUF block layout
+(kernels/quant_panels.py).
 """
 
 from __future__ import annotations
@@ -12,11 +14,10 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from deepserve.kernels import cpu_native, cpu_ops
-from deepserve.kernels.kernel_set import KernelSet
+from deepserve.kernels.cpu import native
 from deepserve.kernels.quant_panels import FORMATS, QuantizedMatrix, pack_quant_panels
 
-PANEL = 16  # output columns per panel of the native CPU linear (kernels/csrc/linear.cpp)
+PANEL = 16  # output columns per panel of the native CPU linear (kernels/cpu/csrc/linear.cpp)
 # Rows up to which a quantized weight's own blocks beat its float32 panels (benchmarks/linear_cpu.py
 # --quant: faster at 1-4 rows, even around 5-8, slower beyond)
 QUANT_MAX_ROWS = 4
@@ -24,7 +25,7 @@ QUANT_MAX_ROWS = 4
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A CPU linear weight `[out, in]` packed once for the native kernel (kernels/csrc/linear.cpp):
+    """A CPU linear weight `[out, in]` packed once for the native kernel (kernels/cpu/csrc/linear.cpp):
     panels of 16 output columns, `[ceil(out / 16), in, 16]`, in the weight's own dtype (bfloat16
     widens to float32 in registers). One copy serves every row count, in the same memory as the
     plain weight.
@@ -71,8 +72,8 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight) -> torch.Tensor:
 
 def _packed_linear(rows: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     if w.quant is not None and rows.shape[0] <= QUANT_MAX_ROWS:
-        return cpu_native.op("linear_quant")(rows, w.quant, w.out_features, w.quant_format)
-    return cpu_native.op("linear")(rows, w.panels, w.out_features)
+        return native.op("linear_quant")(rows, w.quant, w.out_features, w.quant_format)
+    return native.op("linear")(rows, w.panels, w.out_features)
 
 
 def pack_panels(w: torch.Tensor) -> torch.Tensor:
@@ -89,12 +90,12 @@ def pack_linear_weight(
     w: torch.Tensor, quantized: QuantizedMatrix | None = None
 ) -> torch.Tensor | PackedWeight:
     """`w` as a `PackedWeight` where the native kernel applies (a CPU float32 or bfloat16 matrix
-    and the kernels built, see kernels/cpu_native.py), else `w` itself (F.linear then).
+    and the kernels built, see kernels/cpu/native.py), else `w` itself (F.linear then).
     `quantized` is the checkpoint's own blocks for `w` (its exact dequantization): a float32 `w`
     keeps them too, for few-row calls. Lower precisions round the dequantized values, so they
     use `w` alone."""
     usable = w.device.type == "cpu" and w.dim() == 2 and w.dtype in (torch.float32, torch.bfloat16)
-    if not usable or not cpu_native.load():
+    if not usable or not native.load():
         return w
     packed = PackedWeight(panels=pack_panels(w), out_features=w.shape[0])
     if quantized is None or w.dtype != torch.float32:
@@ -104,44 +105,3 @@ def pack_linear_weight(
     return replace(
         packed, quant=pack_quant_panels(quantized), quant_format=FORMATS[quantized.format]
     )
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in float32. Lower precisions cast back before the weight, as the HF models do; in
-    float32 torch's fused op gives the same values in one call, the native CPU kernel in one pass
-    (within an ulp or two: another summation order)."""
-    native = cpu_ops.rms_norm(x, weight, eps)
-    if native is not None:
-        return native
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
-    return torch.softmax(x if x.dtype == torch.float32 else x.float(), dim=dim)
-
-
-def log_softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
-    return torch.log_softmax(x if x.dtype == torch.float32 else x.float(), dim=dim)
-
-
-def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.matmul(a, b)
-
-
-KERNELS = KernelSet(
-    name="reference",
-    linear=linear,
-    rms_norm=rms_norm,
-    softmax=softmax,
-    log_softmax=log_softmax,
-    bmm=bmm,
-    paged_attention=cpu_ops.paged_attention,
-    add_rms_norm_=cpu_ops.add_rms_norm_,
-    silu_mul=cpu_ops.silu_mul,
-    rope_qk_write_kv_=cpu_ops.rope_qk_write_kv_,
-    packed_weights=True,
-)

@@ -1,19 +1,23 @@
-"""The reference KernelSet's CPU fast path: deepserve's native kernels (kernels/csrc/) where they
-cover the call, torch's reference ops everywhere else (GPU tensors, dtypes or shapes a kernel
-does not take, a machine where the native build is unavailable).
+"""deepserve's native CPU ops (kernels/cpu/csrc/) as Python calls, each with the check of
+whether it covers a call: an op returns None (False for an in-place write) where it does not, and
+the KernelSet that uses it (kernels/cpu/kernelset.py) then runs its fallback set's op (GPU
+tensors, dtypes or shapes a kernel does not take, a machine where the native build is
+unavailable).
 
-Each op here keeps its reference's contract and numerics (float32 within ~1e-5, accumulation in
+Each op keeps its reference's contract and numerics (float32 within ~1e-5, accumulation in
 float32), and computes every row from that row's own inputs alone, so a token's result never
-depends on the rest of the batch. What does not live here: the kernels themselves (kernels/csrc/),
-the build (kernels/cpu_native.py), and the torch oracles (kernels/attention_ref.py, reference.py).
+depends on the rest of the batch. What does not live here: the kernels themselves
+(kernels/cpu/csrc/), the build (native.py), the packed linear (packed.py), and the torch oracles
+(kernels/reference/).
 """
 
 from __future__ import annotations
 
 import torch
 
-from deepserve.kernels import attention_ref, cpu_native
 from deepserve.kernels.attention_metadata import AttentionMetadata
+from deepserve.kernels.cpu import native as cpu_native
+from deepserve.kernels.cpu.packed import QUANT_MAX_ROWS, PackedWeight
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -21,20 +25,6 @@ _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 def native(x: torch.Tensor) -> bool:
     """True when `x` lives on the CPU and the native kernels are loaded."""
     return x.device.type == "cpu" and x.dtype in _NATIVE_DTYPES and cpu_native.load()
-
-
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    attn: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """kernels/attention_ref.py's `paged_attention`, natively for float32/bfloat16 caches with
-    head sizes a multiple of 8 (decode, prefill and mixed batches alike)."""
-    if not native_attention_covers(q, k_cache, v_cache, attn.block_size):
-        return attention_ref.paged_attention(q, k_cache, v_cache, attn, scale)
-    return native_paged_attention(q, k_cache, v_cache, attn, scale)
 
 
 def native_attention_covers(
@@ -60,7 +50,9 @@ def native_paged_attention(
     attn: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """kernels/csrc/attention.cpp; call only where `native_attention_covers` holds."""
+    """kernels/reference/attention.py's `paged_attention`, natively (kernels/cpu/csrc/attention.cpp)
+    for float32/bfloat16 caches with head sizes a multiple of 8 (decode, prefill and mixed batches
+    alike); call only where `native_attention_covers` holds."""
     return cpu_native.op("paged_attention")(
         q, k_cache, v_cache, attn.query_start_loc, attn.seq_lens, attn.block_tables, scale
     )
@@ -134,8 +126,6 @@ def rope_qk_write_kv_(
 def pack_llama_layer(matmuls: list) -> tuple[list[torch.Tensor], list[int], list[int]] | None:
     """A llama layer's qkv, o, gate_up and down `PackedWeight`s as `llama_layer_`'s flat
     arguments, or None when one of them is not packed (the layer then runs op by op)."""
-    from deepserve.kernels.reference import PackedWeight
-
     if not all(isinstance(w, PackedWeight) and w.panels.dtype == torch.float32 for w in matmuls):
         return None
     none = torch.empty(0, dtype=torch.uint8)
@@ -155,12 +145,10 @@ def llama_layer_(
     eps: float,
     scale: float,
 ) -> torch.Tensor | None:
-    """A whole llama decoder layer in one native call (kernels/csrc/llama_layer.cpp): the same
+    """A whole llama decoder layer in one native call (kernels/cpu/csrc/llama_layer.cpp): the same
     ops in the same order as engine/models/llama.py runs them one by one, so the same bits. `h`
     is updated in place; returns the next layer's normed input, or None (nothing done) when
     one of the ops would not run natively."""
-    from deepserve.kernels.reference import QUANT_MAX_ROWS
-
     k_cache, v_cache = caches
     usable = (
         _float32_rows(h, x, norms[0], norms[1])

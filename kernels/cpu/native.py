@@ -1,8 +1,8 @@
-"""Builds and loads deepserve's native CPU kernels: the C++ sources in kernels/csrc/ (and the
+"""Builds and loads deepserve's native CPU kernels: the C++ sources in kernels/cpu/csrc/ (and the
 headers they share), compiled with the system compiler (AVX2 + FMA, OpenMP through torch's own
-thread pool) into `torch.ops.deepserve_cpu.*`. The AVX-512 and AVX512-BF16 paths of the linear and
-attention are compiled into the same library for their own targets (kernels/csrc/isa.h); AVX-512 is
-taken at run time when cpuid reports it, and `use_isa` forces any path the CPU has.
+thread pool) into `torch.ops.deepserve_cpu.*`. The AVX-512 and AVX512-BF16 paths of the linear
+and attention are compiled into the same library for their own targets (kernels/cpu/csrc/isa.h);
+AVX-512 is taken at run time when cpuid reports it, and `use_isa` forces any path the CPU has.
 
 Each source file registers its ops with `TORCH_LIBRARY_FRAGMENT(deepserve_cpu, m)`, so kernels
 live in separate files and this module only compiles and loads them. Two ways to get the library:
@@ -10,13 +10,14 @@ live in separate files and this module only compiles and loads them. Two ways to
 - compiled on demand (`make setup` does it once per machine): torch keeps the build under
   TORCH_EXTENSIONS_DIR keyed by the sources' hash and rebuilds only when they change; this needs a
   compiler and a writable build folder (builds are serialised by a lock that dies with its holder).
-- prebuilt (`python -m deepserve.kernels.cpu_native --prebuild`, what the Docker image does at build
-  time): the library is copied next to this module under a name carrying the sources' digest, and
+- prebuilt (`python -m deepserve.kernels.cpu.native --prebuild`, what the Docker image does at
+  build time): the library is copied next to this module under a name carrying the sources' digest, and
   `load()` then only maps it. No compiler, no lock, no write: a read-only install and a non-root
   user load it. A prebuilt library of other sources is never loaded.
 
-What does not live here: when a model uses a native op (kernels/reference.py decides) and the ops
-themselves (kernels/csrc/).
+Nothing here imports deepserve (the Docker build runs this file by path). What does not live
+here: the ops' Python calls (ops.py), when a model uses them (kernelset.py, kernels/registry.py),
+and the ops themselves (csrc/).
 """
 
 from __future__ import annotations
@@ -122,13 +123,6 @@ def load() -> bool:
     return True
 
 
-def kernels_in_use(device: str) -> str:
-    """Which kernels an engine runs: "native" (kernels/csrc/: the CPU sets, default and
-    batch-invariant, when the library loads) or "torch" (torch's own ops; Triton on CUDA).
-    Reported on /health."""
-    return "native" if device == "cpu" and load() else "torch"
-
-
 def prebuild() -> Path:
     """Compile into a scratch folder and install the library as `prebuilt_path()`."""
     target = prebuilt_path()
@@ -160,7 +154,7 @@ def supported_isas() -> list[str]:
 
 def isa() -> str:
     """The path the kernels take now: AVX-512 where the CPU has it, else AVX2, unless `use_isa`
-    chose another (AVX512-BF16 is only taken when asked for, see kernels/csrc/isa.cpp)."""
+    chose another (AVX512-BF16 is only taken when asked for, see kernels/cpu/csrc/isa.cpp)."""
     return ops().isa()
 
 
@@ -176,7 +170,7 @@ def use_isa(name: str) -> Iterator[None]:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m deepserve.kernels.cpu_native`: compile now (make setup); with `--prebuild`,
+    """`python -m deepserve.kernels.cpu.native`: compile now (make setup); with `--prebuild`,
     install the prebuilt library (the Docker image's build stage)."""
     logging.basicConfig(level=logging.INFO)
     if not supported():
