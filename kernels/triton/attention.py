@@ -191,7 +191,7 @@ class _StepLayout:
 
 
 class TritonPagedAttention:
-    """`paged_attention(q, k_cache, v_cache, attn, scale)` as in kernels/attention_ref.py."""
+    """`paged_attention(q, k_cache, v_cache, attn, scale)` as in kernels/reference/attention.py."""
 
     def __init__(self, split: int = SPLIT, block_m: int = BLOCK_M, num_warps: int = 4) -> None:
         self.split = split  # a multiple of BLOCK_N; tests use a small one

@@ -149,7 +149,7 @@ def decode_attention(
     attn: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """kernels/attention_ref.py's `paged_attention` for steps where every sequence brings one
+    """kernels/reference/attention.py's `paged_attention` for steps where every sequence brings one
     query (q `[B, Hq, Dk]`; caches `[num_blocks, block_size, Hkv, D]`, last dim contiguous)."""
     batch, hq, dk = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
