@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 from deepserve.engine.admission import AdmittedRequest, EngineLimits
 from deepserve.engine.block_manager import prompt_block_keys
-from deepserve.engine.client import EngineStats, KVHandOff
 from deepserve.engine.config import EngineConfig
+from deepserve.engine.contract import EngineStats, KVHandOff
 from deepserve.engine.errors import EngineError, InvalidRequestError, RequestFailedError
 from deepserve.engine.llm_engine import LLMEngine
 from deepserve.engine.outputs import EngineLoad, RequestOutput, merge_deltas
@@ -63,7 +63,7 @@ class EngineDeadError(EngineError):
 
 
 class AsyncEngine:
-    """The in-process `EngineClient` (engine/client.py)."""
+    """The in-process `EngineClient` (engine/contract.py)."""
 
     def __init__(self, config: EngineConfig, loaded=None) -> None:
         self.config = config

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
 
-from deepserve.engine.gguf_format import dequantize
+from deepserve.engine.loading.gguf_format import dequantize
 from deepserve.kernels import cpu_native
 from deepserve.kernels.quant_panels import QuantizedMatrix
 from deepserve.kernels.reference import QUANT_MAX_ROWS, PackedWeight, linear, pack_linear_weight

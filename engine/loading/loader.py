@@ -1,6 +1,8 @@
 """`load_model(config)`: from a model name to a ready `LoadedModel` (model on its device and dtype,
-tokenizer, `ModelInfo`). Reading files is delegated to gguf_loader / hf_loader; building the network
-to the class the architecture names (engine/models/architectures.py)."""
+tokenizer, `ModelInfo`). Finding the files is builtin_models.py's job, reading them gguf_loader.py's
+or hf_loader.py's; the network is built by the class the architecture names (architectures.py).
+With `tensor_parallel_size > 1`, engine/parallel/launch.py starts the ranks and is handed
+`load_model` to load each rank's share."""
 
 from __future__ import annotations
 
@@ -12,15 +14,17 @@ import torch
 import xxhash
 from tokenizers import Tokenizer
 
-from deepserve.engine.builtin_models import resolve_model
-from deepserve.engine.checkpoint import Checkpoint
-from deepserve.engine.client import ModelInfo
 from deepserve.engine.config import EngineConfig
+from deepserve.engine.contract import ModelInfo
 from deepserve.engine.errors import UnsupportedModelError
-from deepserve.engine.models.architectures import architecture_of, model_class
+from deepserve.engine.loading.architectures import architecture_of, model_class
+from deepserve.engine.loading.builtin_models import resolve_model
+from deepserve.engine.loading.checkpoint import Checkpoint
 from deepserve.engine.models.base import CausalLM
 from deepserve.engine.models.common import WeightStore
-from deepserve.engine.parallel.plan import ModelShard
+from deepserve.engine.parallel.launch import load_parallel_model
+from deepserve.engine.parallel.plan import ModelShard, shard_config
+from deepserve.engine.parallel.sharded_weights import ShardedWeightStore
 from deepserve.kernels.errors import KernelUnavailableError
 from deepserve.kernels.kernel_set import get_kernels
 
@@ -46,9 +50,7 @@ def load_model(config: EngineConfig, shard: ModelShard | None = None) -> LoadedM
     """The model on one process; with `tensor_parallel_size > 1`, rank 0's driver of the ranks
     (engine/parallel/launch.py). `shard`: one rank's share, loaded by that rank."""
     if shard is None and config.tensor_parallel_size > 1:
-        from deepserve.engine.parallel.launch import load_parallel_model
-
-        return load_parallel_model(config)
+        return load_parallel_model(config, load_model)
     path = resolve_model(config.model)
     dtype = torch_dtype(config.dtype)
     ckpt = _read_checkpoint(path)
@@ -60,9 +62,6 @@ def load_model(config: EngineConfig, shard: ModelShard | None = None) -> LoadedM
     if shard is None:
         store = WeightStore(ckpt.weights, device, dtype, ckpt.quantized)
     else:
-        from deepserve.engine.parallel.plan import shard_config
-        from deepserve.engine.parallel.sharded_weights import ShardedWeightStore
-
         model_config = shard_config(arch, ckpt.config, shard.plan)
         store = ShardedWeightStore(ckpt.weights, device, dtype, arch, ckpt.config, shard.plan)
         shard = replace(shard, experts=store.experts)
@@ -99,10 +98,10 @@ def load_model(config: EngineConfig, shard: ModelShard | None = None) -> LoadedM
 
 def _read_checkpoint(path: Path) -> Checkpoint:
     if path.suffix == ".gguf":
-        from deepserve.engine.gguf_loader import read_gguf
+        from deepserve.engine.loading.gguf_loader import read_gguf
 
         return read_gguf(path)
-    from deepserve.engine.hf_loader import read_hf_folder
+    from deepserve.engine.loading.hf_loader import read_hf_folder
 
     return read_hf_folder(path)
 
