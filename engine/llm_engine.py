@@ -482,13 +482,13 @@ class LLMEngine:
         return self._make_output(request)
 
     def load(self) -> EngineLoad:
-        bm = self.block_manager
+        blocks = self.block_manager
         return EngineLoad(
             running=self.scheduler.num_running,
             waiting=self.scheduler.num_waiting,
-            kv_usage=bm.usage,
-            num_blocks=bm.num_blocks,
-            num_free_blocks=bm.num_free_blocks,
+            kv_usage=blocks.usage,
+            num_blocks=blocks.num_blocks,
+            num_free_blocks=blocks.num_free_blocks,
         )
 
     def close(self) -> None:

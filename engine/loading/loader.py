@@ -53,17 +53,19 @@ def load_model(config: EngineConfig, shard: ModelShard | None = None) -> LoadedM
         return load_parallel_model(config, load_model)
     path = resolve_model(config.model)
     dtype = torch_dtype(config.dtype)
-    ckpt = _read_checkpoint(path)
-    arch = architecture_of(ckpt.config)
+    checkpoint = _read_checkpoint(path)
+    arch = architecture_of(checkpoint.config)
     cls = model_class(arch)
-    fingerprint = model_fingerprint(ckpt.config, ckpt.files)
-    model_config = ckpt.config
+    fingerprint = model_fingerprint(checkpoint.config, checkpoint.files)
+    model_config = checkpoint.config
     device = torch.device(config.device)
     if shard is None:
-        store = WeightStore(ckpt.weights, device, dtype, ckpt.quantized)
+        store = WeightStore(checkpoint.weights, device, dtype, checkpoint.quantized)
     else:
-        model_config = shard_config(arch, ckpt.config, shard.plan)
-        store = ShardedWeightStore(ckpt.weights, device, dtype, arch, ckpt.config, shard.plan)
+        model_config = shard_config(arch, checkpoint.config, shard.plan)
+        store = ShardedWeightStore(
+            checkpoint.weights, device, dtype, arch, checkpoint.config, shard.plan
+        )
         shard = replace(shard, experts=store.experts)
     try:
         kernels = get_kernels(config.device, config.batch_invariant)
@@ -87,13 +89,13 @@ def load_model(config: EngineConfig, shard: ModelShard | None = None) -> LoadedM
         path=str(path),
         vocab_size=model.vocab_size,
         max_model_len=max_len,
-        eos_token_ids=ckpt.eos_token_ids,
-        bos_token_id=ckpt.bos_token_id,
-        chat_template=ckpt.chat_template,
+        eos_token_ids=checkpoint.eos_token_ids,
+        bos_token_id=checkpoint.bos_token_id,
+        chat_template=checkpoint.chat_template,
         fingerprint=fingerprint,
         num_mtp_layers=getattr(model, "num_mtp_layers", 0),
     )
-    return LoadedModel(model=model, tokenizer=ckpt.tokenizer, info=info)
+    return LoadedModel(model=model, tokenizer=checkpoint.tokenizer, info=info)
 
 
 def _read_checkpoint(path: Path) -> Checkpoint:
