@@ -68,4 +68,4 @@ def _wait_ready(processes: list, pipes: list) -> None:
             raise UnsupportedModelError(f"tensor-parallel rank {rank} failed to load:\n{status}")
 
 
-__all__ = ["RankComm", "load_parallel_model", "load_shard"]
+__all__ = ["RankComm", "load_parallel_model"]

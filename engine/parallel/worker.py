@@ -51,7 +51,8 @@ def load_shard(
 def run_rank(
     rank: int, config: EngineConfig, port: int, threads: int, ready: Connection, load: ShardLoader
 ) -> None:
-    """A spawned process's entry point (`launch.py`). Reports 'ready' or the load error on `ready`."""
+    """A spawned process's entry point (`launch.py`); `load` loads its share. Reports 'ready' or
+    the load error on `ready`."""
     torch.set_num_threads(threads)
     device = rank_device(config, rank)
     if device.startswith("cuda"):
