@@ -19,7 +19,7 @@ import torch
 
 from deepserve.engine.config import EngineConfig
 from deepserve.engine.llm import LLM
-from deepserve.engine.loader import load_model
+from deepserve.engine.loading.loader import load_model
 from deepserve.engine.sampling_params import SamplingParams
 
 

@@ -246,7 +246,7 @@ def roofline_lines(roof: Roofline, rows: list[Row]) -> list[str]:
 def load_hf(dtype: str):
     import transformers
 
-    from deepserve.engine.builtin_models import resolve_model
+    from deepserve.engine.loading.builtin_models import resolve_model
 
     path = resolve_model("smollm2-135m")
     model = transformers.AutoModelForCausalLM.from_pretrained(

@@ -29,7 +29,7 @@ import torch
 
 from deepserve.engine.config import EngineConfig, KVTierConfig
 from deepserve.engine.llm_engine import LLMEngine
-from deepserve.engine.loader import load_model
+from deepserve.engine.loading.loader import load_model
 from deepserve.engine.sampling_params import SamplingParams
 
 TOPICS = [

@@ -46,7 +46,7 @@ def load(name: str, device: str, dtype: str):
     if name == "smollm2-shape":
         return smollm2_shape(device, getattr(torch, dtype))
     from deepserve.engine.config import EngineConfig
-    from deepserve.engine.loader import load_model
+    from deepserve.engine.loading.loader import load_model
 
     return load_model(EngineConfig(model=name, device=device, dtype=dtype)).model
 

@@ -60,7 +60,7 @@ def write_hf_folder(out: Path) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from deepserve.engine.builtin_models import resolve_model
+    from deepserve.engine.loading.builtin_models import resolve_model
 
     gguf = resolve_model("smollm2-135m")
     model = AutoModelForCausalLM.from_pretrained(

@@ -29,7 +29,7 @@ from results_md import write_section
 
 from deepserve.engine.config import EngineConfig, SpeculativeConfig
 from deepserve.engine.llm import LLM
-from deepserve.engine.loader import load_model
+from deepserve.engine.loading.loader import load_model
 from deepserve.engine.sampling_params import SamplingParams
 from deepserve.engine.spec_decode.stats import SpecDecodeStats
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 from deepserve.engine.admission import AdmittedRequest, EngineLimits
 from deepserve.engine.block_manager import prompt_block_keys
-from deepserve.engine.client import EngineStats, KVHandOff
 from deepserve.engine.config import EngineConfig
+from deepserve.engine.contract import EngineStats, KVHandOff
 from deepserve.engine.errors import EngineError, InvalidRequestError, RequestFailedError
 from deepserve.engine.llm_engine import LLMEngine
 from deepserve.engine.outputs import EngineLoad, RequestOutput, merge_deltas
@@ -35,7 +35,7 @@ from deepserve.engine.step_isolation import is_fatal
 
 
 @dataclass
-class _Add:
+class _PendingAdd:
     request_id: str
     admitted: AdmittedRequest
 
@@ -63,12 +63,12 @@ class EngineDeadError(EngineError):
 
 
 class AsyncEngine:
-    """The in-process `EngineClient` (engine/client.py)."""
+    """The in-process `EngineClient` (engine/contract.py)."""
 
     def __init__(self, config: EngineConfig, loaded=None) -> None:
         self.config = config
         self._cond = threading.Condition()
-        self._adds: list[_Add] = []
+        self._adds: list[_PendingAdd] = []
         self._arriving = 0  # requests being read and prepared for `generate` (`arriving`)
         self._aborts: list[str] = []
         self._streams: dict[str, _Stream] = {}
@@ -113,7 +113,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise InvalidRequestError(f"request id {request_id!r} is already running")
             self._streams[request_id] = stream
-            self._adds.append(_Add(request_id, admitted))
+            self._adds.append(_PendingAdd(request_id, admitted))
             self._cond.notify()
         finished = False
         held: object = None  # an error read while merging, raised on the next round
@@ -282,7 +282,7 @@ class AsyncEngine:
             with self._cond:
                 self._block_events.extend(events)
 
-    def _admit(self, add: _Add) -> None:
+    def _admit(self, add: _PendingAdd) -> None:
         try:
             self.engine.add_admitted(add.request_id, add.admitted)
         except InvalidRequestError as e:  # e.g. a duplicate id racing another caller

@@ -30,8 +30,8 @@ from deepserve.engine.async_scheduling import (
     may_run_ahead,
 )
 from deepserve.engine.block_manager import BlockManager
-from deepserve.engine.client import EngineStats, ModelCard
 from deepserve.engine.config import EngineConfig
+from deepserve.engine.contract import EngineStats, ModelCard
 from deepserve.engine.errors import InvalidRequestError
 from deepserve.engine.model_runner import LaunchedStep, ModelRunner, StepResult, num_kv_blocks
 from deepserve.engine.outputs import CompletionOutput, EngineLoad, RequestOutput, TokenLogprob
@@ -63,7 +63,7 @@ class LLMEngine:
         if self.threads is not None:
             self.threads.start()
         if loaded is None:
-            from deepserve.engine.loader import load_model
+            from deepserve.engine.loading.loader import load_model
 
             loaded = load_model(config)
         self.config = config
@@ -482,13 +482,13 @@ class LLMEngine:
         return self._make_output(request)
 
     def load(self) -> EngineLoad:
-        bm = self.block_manager
+        blocks = self.block_manager
         return EngineLoad(
             running=self.scheduler.num_running,
             waiting=self.scheduler.num_waiting,
-            kv_usage=bm.usage,
-            num_blocks=bm.num_blocks,
-            num_free_blocks=bm.num_free_blocks,
+            kv_usage=blocks.usage,
+            num_blocks=blocks.num_blocks,
+            num_free_blocks=blocks.num_free_blocks,
         )
 
     def close(self) -> None:

@@ -74,7 +74,7 @@ class Scheduler:
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        self.bm = block_manager
+        self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_gather_s = prefill_gather_s
@@ -97,7 +97,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
-        self.bm.free(seq)
+        self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = seq.finish_reason or reason
 
@@ -165,8 +165,8 @@ class Scheduler:
             slots = seq.request.n if seq.request.needs_fork else 1
             if self._num_slots() + slots > self.max_num_seqs:
                 return
-            match = self.bm.match_prefix(seq)
-            n = min(seq.num_tokens - match.num_blocks() * self.bm.block_size, budget)
+            match = self.block_manager.match_prefix(seq)
+            n = min(seq.num_tokens - match.num_blocks() * self.block_manager.block_size, budget)
             if not self._allocate(seq, n, match):
                 return
             self.waiting.popleft()
@@ -179,8 +179,9 @@ class Scheduler:
     def _record_cache_hit(self, seq: Sequence, match: PrefixMatch) -> None:
         request = seq.request
         if request.num_cached_tokens < 0:  # only the first admission counts, not re-admissions
-            request.num_cached_tokens = match.num_blocks() * self.bm.block_size
-            request.num_device_cached_tokens = len(match.device_blocks) * self.bm.block_size
+            block_size = self.block_manager.block_size
+            request.num_cached_tokens = match.num_blocks() * block_size
+            request.num_device_cached_tokens = len(match.device_blocks) * block_size
 
     def _num_slots(self) -> int:
         """Running sequences plus the samples still to be forked from them."""
@@ -191,11 +192,12 @@ class Scheduler:
         return seq.request.needs_fork and start + num_new == seq.num_tokens
 
     def _allocate(self, seq: Sequence, n: int, match: PrefixMatch | None) -> bool:
-        start = match.num_blocks() * self.bm.block_size if match else seq.num_computed_tokens
+        block_size = self.block_manager.block_size
+        start = match.num_blocks() * block_size if match else seq.num_computed_tokens
         extra = 0
-        if self._completes_prompt_fork(seq, n, start) and seq.num_tokens % self.bm.block_size:
+        if self._completes_prompt_fork(seq, n, start) and seq.num_tokens % block_size:
             extra = seq.request.n - 1
-        return self.bm.allocate(seq, n, match, extra_blocks=extra)
+        return self.block_manager.allocate(seq, n, match, extra_blocks=extra)
 
     def _commit(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         sample = seq.num_computed_tokens + n >= seq.num_tokens  # > when drafts ride along
@@ -207,7 +209,7 @@ class Scheduler:
         request = parent.request
         children = request.sequences[1:]
         for child in children:
-            copy = self.bm.fork(parent, child)
+            copy = self.block_manager.fork(parent, child)
             if copy is not None:
                 out.block_copies.append(copy)
             child.token_ids = list(parent.token_ids)
@@ -219,7 +221,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.bm.free(seq)
+        self.block_manager.free(seq)
         seq.spec_token_ids = []
         seq.draft_state = None
         seq.status = SequenceStatus.WAITING

@@ -1,6 +1,6 @@
 """`RemoteEngine`: the frontend's generation backend when the engines run in worker processes.
 
-It implements the `EngineClient` contract (engine/client.py) that `AsyncEngine` implements in
+It implements the `EngineClient` contract (engine/contract.py) that `AsyncEngine` implements in
 process, so the same FastAPI app serves from an in-process engine or from remote workers. Requests go through `GenerationFlow` over a `Router`.
 The model card (`ModelCard` and the tokenizer) comes from the workers themselves, so frontend
 and workers can never disagree on the vocabulary, and the frontend never loads weights.
@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 
 from deepserve.disagg.errors import NoWorkerError, WorkerRejectedError, WorkerUnavailableError
 from deepserve.engine.admission import AdmittedRequest, check_request
-from deepserve.engine.client import ModelCard
+from deepserve.engine.contract import ModelCard
 from deepserve.engine.outputs import EngineLoad, RequestOutput
 from deepserve.engine.sampling_params import SamplingParams
 from deepserve.router.flow import GenerationFlow

@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deepserve.engine.client import EngineClient
+from deepserve.engine.contract import EngineClient
 from deepserve.engine.errors import EngineError, InvalidRequestError
 from deepserve.server import chat_routes, completions
 from deepserve.server.config import ServerConfig

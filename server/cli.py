@@ -16,8 +16,8 @@ import secrets
 import socket
 import sys
 
-from deepserve.engine.builtin_models import DEFAULT_MODEL
 from deepserve.engine.config import EngineConfig, KVTierConfig, SpeculativeConfig
+from deepserve.engine.loading.builtin_models import DEFAULT_MODEL
 
 log = logging.getLogger(__name__)
 
@@ -527,7 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "fetch-model":
-        from deepserve.engine.builtin_models import fetch_model
+        from deepserve.engine.loading.builtin_models import fetch_model
 
         print(fetch_model(args.name))
         return 0
@@ -535,11 +535,11 @@ def main(argv: list[str] | None = None) -> int:
         from pathlib import Path
 
         if args.shape != "tiny-deepseek":
-            from deepserve.engine.model_shapes import write_shaped_model
+            from deepserve.engine.testmodels.model_shapes import write_shaped_model
 
             print(write_shaped_model(args.shape, Path(args.out), args.device, args.seed))
             return 0
-        from deepserve.engine.tiny_deepseek import write_tiny_deepseek
+        from deepserve.engine.testmodels.tiny_deepseek import write_tiny_deepseek
 
         print(write_tiny_deepseek(Path(args.out), seed=args.seed))
         return 0

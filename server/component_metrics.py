@@ -17,13 +17,13 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from deepserve.engine.client import EngineStats
+from deepserve.engine.contract import EngineStats
 
 P = "deepserve:"
 
 
 class EngineCollector(Collector):
-    """An engine's counters (`EngineClient.stats()`, engine/client.py), plus its KV tiers' own
+    """An engine's counters (`EngineClient.stats()`, engine/contract.py), plus its KV tiers' own
     registry."""
 
     def __init__(self, stats: Callable[[], EngineStats], labels: dict[str, str]) -> None:

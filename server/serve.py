@@ -10,8 +10,8 @@ import logging
 
 from fastapi import FastAPI
 
-from deepserve.engine.client import EngineClient
 from deepserve.engine.config import EngineConfig
+from deepserve.engine.contract import EngineClient
 from deepserve.server.app import create_app
 from deepserve.server.component_metrics import EngineCollector
 from deepserve.server.config import ServerConfig

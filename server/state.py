@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from deepserve.engine.client import EngineClient
+from deepserve.engine.contract import EngineClient
 from deepserve.server.config import ServerConfig
 from deepserve.server.errors import HTTPError
 from deepserve.server.family import ModelFamily

@@ -21,7 +21,7 @@ import deepseek_recipe as dr
 from tokenizers import Tokenizer
 
 from deepserve.engine.admission import AdmittedRequest
-from deepserve.engine.client import EngineClient
+from deepserve.engine.contract import EngineClient
 from deepserve.engine.outputs import CompletionOutput, RequestOutput
 from deepserve.engine.sampling_params import SamplingParams
 from deepserve.server.metrics import ServerMetrics

@@ -1,4 +1,4 @@
-"""The `deepserve worker` app: one `WorkerEngine` (engine/client.py) behind the internal token-id
+"""The `deepserve worker` app: one `WorkerEngine` (engine/contract.py) behind the internal token-id
 API (disagg/protocol.py).
 
 Routes: generate (NDJSON stream of `StreamEvent`s), abort, load, health, model card, and Prometheus
@@ -33,7 +33,7 @@ from deepserve.disagg import protocol as P
 from deepserve.disagg.metrics import TransferMetrics
 from deepserve.engine.admission import AdmittedRequest
 from deepserve.engine.block_manager import BlockRemoved, BlockStored
-from deepserve.engine.client import WorkerEngine
+from deepserve.engine.contract import WorkerEngine
 from deepserve.engine.dataclass_json import from_json
 from deepserve.engine.errors import InvalidRequestError
 from deepserve.engine.outputs import RequestOutput

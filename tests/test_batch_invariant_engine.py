@@ -36,7 +36,7 @@ Result = tuple[tuple[int, ...], tuple[float, ...]]
 
 
 def _loaded(model: str, batch_invariant: bool):
-    from deepserve.engine.loader import load_model
+    from deepserve.engine.loading.loader import load_model
 
     return load_model(EngineConfig(model=model, batch_invariant=batch_invariant))
 

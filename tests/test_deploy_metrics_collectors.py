@@ -82,7 +82,7 @@ def test_hand_off_counts_blocks_bytes_and_misses():
 
 
 def test_engine_collector_labels_kv_tier_series_like_every_other():
-    from deepserve.engine.client import EngineStats
+    from deepserve.engine.contract import EngineStats
     from deepserve.kvcache.metrics import KVCacheMetrics
     from deepserve.server.component_metrics import EngineCollector
 
@@ -107,7 +107,7 @@ def test_engine_collector_labels_kv_tier_series_like_every_other():
 
 def test_engine_collector_counts_async_scheduling_steps():
     from deepserve.engine.async_scheduling import OverlapStats
-    from deepserve.engine.client import EngineStats
+    from deepserve.engine.contract import EngineStats
     from deepserve.server.component_metrics import EngineCollector
 
     overlap = OverlapStats(ahead=130, fallbacks=2, wasted_rows=5)

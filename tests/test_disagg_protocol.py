@@ -11,7 +11,7 @@ import pytest
 
 from deepserve.disagg import protocol as P
 from deepserve.engine.admission import EngineLimits
-from deepserve.engine.client import ModelCard, ModelInfo
+from deepserve.engine.contract import ModelCard, ModelInfo
 from deepserve.engine.dataclass_json import from_json, to_json
 from deepserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from deepserve.engine.sampling_params import SamplingParams, StructuredOutput

@@ -21,7 +21,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def loaded():
-    from deepserve.engine.loader import load_model
+    from deepserve.engine.loading.loader import load_model
 
     return load_model(EngineConfig())
 

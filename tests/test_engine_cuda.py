@@ -50,7 +50,8 @@ def _weights(c: dict) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def loaded():
-    from deepserve.engine.loader import LoadedModel, ModelInfo
+    from deepserve.engine.contract import ModelInfo
+    from deepserve.engine.loading.loader import LoadedModel
     from deepserve.engine.models.common import WeightStore
     from deepserve.engine.models.llama import LlamaForCausalLM
     from deepserve.kernels.reference import KERNELS

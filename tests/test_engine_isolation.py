@@ -19,7 +19,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def loaded():
-    from deepserve.engine.loader import load_model
+    from deepserve.engine.loading.loader import load_model
 
     return load_model(EngineConfig(num_threads=1))
 

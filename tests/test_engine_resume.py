@@ -26,7 +26,7 @@ SEEDED = SamplingParams(
 
 @pytest.fixture(scope="module")
 def engine():
-    from deepserve.engine.loader import load_model
+    from deepserve.engine.loading.loader import load_model
 
     config = EngineConfig(num_kv_blocks=128, num_threads=1)
     eng = LLMEngine(config, load_model(config))

@@ -32,7 +32,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def loaded():
-    from deepserve.engine.loader import load_model
+    from deepserve.engine.loading.loader import load_model
 
     return load_model(EngineConfig())
 
@@ -172,7 +172,7 @@ def test_unknown_model_name_raises_model_not_found():
 def test_greedy_32_tokens_equal_transformers_generate(llm):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from deepserve.engine.builtin_models import resolve_model
+    from deepserve.engine.loading.builtin_models import resolve_model
 
     path = resolve_model("smollm2-135m")
     hf = transformers.AutoModelForCausalLM.from_pretrained(

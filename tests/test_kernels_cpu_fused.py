@@ -94,7 +94,7 @@ def _tiny_llama(seed: int):
     """A 2-layer llama with random weights; the matmuls also carry Q4_1 blocks, as a GGUF's do."""
     from gguf import GGMLQuantizationType, quants
 
-    from deepserve.engine.gguf_format import dequantize
+    from deepserve.engine.loading.gguf_format import dequantize
     from deepserve.engine.models.common import WeightStore
     from deepserve.engine.models.llama import LlamaForCausalLM
     from deepserve.kernels.quant_panels import QuantizedMatrix

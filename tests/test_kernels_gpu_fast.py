@@ -164,7 +164,7 @@ def test_tiny_deepseek_with_the_fast_kernels_matches_the_reference_kernels():
 
     from deepserve.engine.models.common import WeightStore
     from deepserve.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
-    from deepserve.engine.tiny_deepseek import TINY_CONFIG, _tensors
+    from deepserve.engine.testmodels.tiny_deepseek import TINY_CONFIG, _tensors
     from deepserve.kernels.reference import KERNELS
     from deepserve.kernels.registry import fast_kernels
 

@@ -39,7 +39,7 @@ PARAGRAPH = (
 
 @pytest.fixture(scope="module")
 def loaded():
-    from deepserve.engine.loader import load_model
+    from deepserve.engine.loading.loader import load_model
 
     return load_model(EngineConfig(batch_invariant=BATCH_INVARIANT))
 

@@ -14,9 +14,9 @@ from model_loop import SequenceLoop
 
 from deepserve.engine.config import EngineConfig
 from deepserve.engine.errors import UnsupportedModelError
-from deepserve.engine.gguf_format import dequantize, read_gguf_file
-from deepserve.engine.gguf_loader import read_gguf
-from deepserve.engine.loader import load_model
+from deepserve.engine.loading.gguf_format import dequantize, read_gguf_file
+from deepserve.engine.loading.gguf_loader import read_gguf
+from deepserve.engine.loading.loader import load_model
 
 Q = gguf.GGMLQuantizationType
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2

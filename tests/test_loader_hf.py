@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from deepserve.engine.config import EngineConfig
 from deepserve.engine.errors import ModelNotFoundError, UnsupportedModelError
-from deepserve.engine.loader import load_model
-from deepserve.engine.tiny_deepseek import write_tiny_deepseek
+from deepserve.engine.loading.loader import load_model
+from deepserve.engine.testmodels.tiny_deepseek import write_tiny_deepseek
 
 PROMPT = [671, 4787, 13769, 46012, 54994, 1060, 270]
 
@@ -126,7 +126,7 @@ def test_hf_llama_folder_with_llama3_rope_matches_transformers(tmp_path):
     from test_loader_gguf import _byte_vocab, hf_llama_weights
     from transformers import AutoModelForCausalLM
 
-    from deepserve.engine.tokenizer import tokenizer_from_gguf
+    from deepserve.engine.loading.tokenizer import tokenizer_from_gguf
 
     tokens, types, merges = _byte_vocab()
     weights = {k: torch.from_numpy(v) for k, v in hf_llama_weights(len(tokens), seed=3).items()}

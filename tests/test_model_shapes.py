@@ -10,8 +10,8 @@ import pytest
 
 from deepserve.engine.config import EngineConfig
 from deepserve.engine.llm import LLM
-from deepserve.engine.model_shapes import write_shaped_model
 from deepserve.engine.sampling_params import SamplingParams
+from deepserve.engine.testmodels.model_shapes import write_shaped_model
 from deepserve.server.cli import main
 
 SMALL = {

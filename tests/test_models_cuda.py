@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from deepserve.engine.models.common import WeightStore
 from deepserve.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from deepserve.engine.models.llama import LlamaForCausalLM
-from deepserve.engine.tiny_deepseek import TINY_CONFIG, _tensors
+from deepserve.engine.testmodels.tiny_deepseek import TINY_CONFIG, _tensors
 from deepserve.kernels.reference import KERNELS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

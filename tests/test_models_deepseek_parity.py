@@ -10,8 +10,8 @@ from model_loop import SequenceLoop, batched_step_logits
 from safetensors.torch import load_file
 
 from deepserve.engine.config import EngineConfig
-from deepserve.engine.loader import load_model
-from deepserve.engine.tiny_deepseek import TINY_CONFIG, write_tiny_deepseek
+from deepserve.engine.loading.loader import load_model
+from deepserve.engine.testmodels.tiny_deepseek import TINY_CONFIG, write_tiny_deepseek
 
 TEXT = (
     "DeepSeek-V3 compresses keys and values into a small latent vector per token, which is what the "

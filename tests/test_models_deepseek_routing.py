@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from deepserve.engine.config import EngineConfig
-from deepserve.engine.loader import load_model
-from deepserve.engine.tiny_deepseek import write_tiny_deepseek
+from deepserve.engine.loading.loader import load_model
+from deepserve.engine.testmodels.tiny_deepseek import write_tiny_deepseek
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ import pytest
 import torch
 from model_loop import SequenceLoop, batched_step_logits
 
-from deepserve.engine.builtin_models import resolve_model
 from deepserve.engine.config import EngineConfig
-from deepserve.engine.loader import load_model
+from deepserve.engine.loading.builtin_models import resolve_model
+from deepserve.engine.loading.loader import load_model
 
 LONG_TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
 
-from deepserve.engine.gguf_format import dequantize
+from deepserve.engine.loading.gguf_format import dequantize
 from deepserve.kernels.cpu import native as cpu_native
 from deepserve.kernels.cpu.packed import QUANT_MAX_ROWS, PackedWeight, linear, pack_linear_weight
 from deepserve.kernels.quant_panels import QuantizedMatrix

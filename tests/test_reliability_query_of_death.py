@@ -19,7 +19,7 @@ from deepserve.disagg.client import WorkerClient
 from deepserve.disagg.errors import WorkerRejectedError
 from deepserve.engine.async_engine import AsyncEngine
 from deepserve.engine.config import EngineConfig
-from deepserve.engine.loader import LoadedModel
+from deepserve.engine.loading.loader import LoadedModel
 from deepserve.engine.sampling_params import SamplingParams
 from deepserve.router.flow import GenerationFlow
 from deepserve.router.router import Router, RouterConfig

@@ -24,7 +24,7 @@ def apply(sched: Scheduler, out: SchedulerOutput, token: int = 7) -> None:
     """What the engine does after the forward: advance progress, append sampled tokens."""
     for s in out.scheduled:
         s.seq.num_computed_tokens += s.num_new_tokens
-        sched.bm.register_computed(s.seq)
+        sched.block_manager.register_computed(s.seq)
         if s.sample:
             s.seq.token_ids.append(token)
     for fork in out.forks:
@@ -92,7 +92,7 @@ def test_preempted_sequence_resumes_with_its_generated_tokens():
             if s.num_output_tokens >= 6:
                 sched.finish(s, "length")
     assert all(s.num_output_tokens == 6 for s in (a.sequences[0], b.sequences[0]))
-    assert sched.bm.num_free_blocks == 3
+    assert sched.block_manager.num_free_blocks == 3
 
 
 def test_n_samples_forked_when_prompt_completes_sharing_full_blocks():

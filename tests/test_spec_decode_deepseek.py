@@ -23,7 +23,7 @@ MODEL = "tiny-deepseek"
 
 @pytest.fixture(scope="module")
 def loaded():
-    from deepserve.engine.loader import load_model
+    from deepserve.engine.loading.loader import load_model
 
     torch.set_num_threads(1)
     return load_model(EngineConfig(model=MODEL))

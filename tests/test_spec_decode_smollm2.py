@@ -31,7 +31,7 @@ REWRITE = chat(f"Rewrite this paragraph fixing the typos:\n\n{PARAGRAPH}")
 
 @pytest.fixture(scope="module")
 def loaded():
-    from deepserve.engine.loader import load_model
+    from deepserve.engine.loading.loader import load_model
 
     torch.set_num_threads(1)
     return load_model(EngineConfig())

@@ -22,7 +22,7 @@ from server_harness import free_port, running_server
 
 from deepserve.engine.config import EngineConfig, KVTierConfig, SpeculativeConfig
 from deepserve.engine.llm import LLM
-from deepserve.engine.loader import load_model
+from deepserve.engine.loading.loader import load_model
 from deepserve.engine.parallel.plan import ShardPlan, llama_heads
 from deepserve.engine.sampling_params import SamplingParams
 from deepserve.kernels.attention_metadata import AttentionMetadata

@@ -92,7 +92,7 @@ def write_smollm2_shape(folder: Path, device: str) -> Path:
 def write_tiny_deepseek(folder: Path) -> Path:
     from safetensors.torch import save_file
 
-    from deepserve.engine.tiny_deepseek import TINY_CONFIG, _tensors
+    from deepserve.engine.testmodels.tiny_deepseek import TINY_CONFIG, _tensors
 
     folder.mkdir(parents=True, exist_ok=True)
     config = dict(TINY_CONFIG, vocab_size=129280)

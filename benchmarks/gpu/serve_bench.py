@@ -67,7 +67,7 @@ QUICK = ServeRun("cpu", "float32", concurrency=4, num_prompts=8, input_len=16, o
 
 
 def write_checkpoint(folder: Path, run: ServeRun, quick: bool) -> tuple[Path, float]:
-    from deepserve.engine.model_shapes import write_shaped_model
+    from deepserve.engine.testmodels.model_shapes import write_shaped_model
 
     t0 = time.time()
     if not (folder / "config.json").exists():

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from deepserve.engine.model_shapes import DEEPSEEK_V2_LITE, SMOLLM2_135M
+from deepserve.engine.testmodels.model_shapes import DEEPSEEK_V2_LITE, SMOLLM2_135M
 
 SHAPES = {"v2-lite": DEEPSEEK_V2_LITE, "smollm2": SMOLLM2_135M}
 
@@ -42,9 +42,10 @@ def build_hf(config: dict):
 def build_llm(config: dict, hf, batch_invariant: bool, **kw):
     """deepserve's engine over transformers' tensors (same weights, one copy of the experts)."""
     from deepserve.engine.config import EngineConfig
+    from deepserve.engine.contract import ModelInfo
     from deepserve.engine.llm import LLM
-    from deepserve.engine.loader import LoadedModel, ModelInfo
-    from deepserve.engine.models.architectures import model_class
+    from deepserve.engine.loading.architectures import model_class
+    from deepserve.engine.loading.loader import LoadedModel
     from deepserve.engine.models.common import WeightStore
     from deepserve.kernels.registry import get_kernels
 

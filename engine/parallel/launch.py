@@ -1,5 +1,8 @@
 """Start N ranks: spawn ranks 1..N-1 (torch.multiprocessing, spawn), join the group as rank 0,
-load every rank's shard at once, and hand the engine rank 0's `ParallelModel`."""
+load every rank's shard at once, and hand the engine rank 0's `ParallelModel`.
+
+The caller passes the function that loads one rank's share (engine/loading/loader.py's
+`load_model`); this package never imports the loader."""
 
 from __future__ import annotations
 
@@ -11,27 +14,11 @@ import torch.multiprocessing as mp
 
 from deepserve.engine.config import EngineConfig
 from deepserve.engine.errors import UnsupportedModelError
-from deepserve.engine.parallel.comm import RankComm, free_port, join_group
+from deepserve.engine.parallel.comm import RankComm, free_port
 from deepserve.engine.parallel.driver import ParallelModel
-from deepserve.engine.parallel.plan import ModelShard, ShardPlan
-from deepserve.engine.parallel.worker import rank_device, run_rank
+from deepserve.engine.parallel.worker import ShardLoader, load_shard, rank_device, run_rank
 
 _READY_POLL_S = 1.0
-
-
-def load_shard(config: EngineConfig, rank: int, port: int, device: str):
-    """Join the group as `rank` and load that rank's share of the model -> (LoadedModel, comm)."""
-    from deepserve.engine.loader import load_model
-
-    n = config.tensor_parallel_size
-    comm = join_group(rank, n, port, device, ordered=config.batch_invariant)
-    plan = ShardPlan(rank, n, config.enable_expert_parallel)
-    try:
-        loaded = load_model(replace(config, device=device), ModelShard(plan, comm))
-    except BaseException:
-        comm.close()
-        raise
-    return loaded, comm
 
 
 def rank_threads(config: EngineConfig) -> int:
@@ -40,9 +27,9 @@ def rank_threads(config: EngineConfig) -> int:
     return config.num_threads or max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
 
 
-def load_parallel_model(config: EngineConfig):
-    from deepserve.engine.loader import LoadedModel
-
+def load_parallel_model(config: EngineConfig, load: ShardLoader):
+    """Rank 0's loaded model, its `.model` the `ParallelModel` driving every rank; `load` loads
+    one rank's share (in this process for rank 0, in each spawned one for the others)."""
     ctx = mp.get_context("spawn")
     port = free_port()
     processes, pipes = [], []
@@ -50,7 +37,7 @@ def load_parallel_model(config: EngineConfig):
         receive, send = ctx.Pipe(duplex=False)
         p = ctx.Process(
             target=run_rank,
-            args=(rank, config, port, rank_threads(config), send),
+            args=(rank, config, port, rank_threads(config), send, load),
             name=f"deepserve-rank{rank}",
             daemon=True,
         )
@@ -62,14 +49,13 @@ def load_parallel_model(config: EngineConfig):
         device = rank_device(config, 0)
         if device.startswith("cuda"):
             torch.cuda.set_device(device)
-        loaded, comm = load_shard(config, 0, port, device)
+        loaded, comm = load_shard(load, config, 0, port, device)
         _wait_ready(processes, pipes)
     except BaseException:
         for p in processes:
             p.terminate()
         raise
-    model = ParallelModel(loaded.model, comm, processes)
-    return LoadedModel(model=model, tokenizer=loaded.tokenizer, info=loaded.info)
+    return replace(loaded, model=ParallelModel(loaded.model, comm, processes))
 
 
 def _wait_ready(processes: list, pipes: list) -> None:
@@ -82,4 +68,4 @@ def _wait_ready(processes: list, pipes: list) -> None:
             raise UnsupportedModelError(f"tensor-parallel rank {rank} failed to load:\n{status}")
 
 
-__all__ = ["RankComm", "load_parallel_model", "load_shard"]
+__all__ = ["RankComm", "load_parallel_model"]

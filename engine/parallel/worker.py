@@ -1,4 +1,8 @@
-"""Ranks 1..N-1: join the group, load this rank's shard, then run every step rank 0 broadcasts.
+"""Every rank joins the group and loads its shard (`load_shard`, rank 0 included); ranks 1..N-1 then
+run every step rank 0 broadcasts (`run_rank`).
+
+The load function comes in from the caller (`ShardLoader`, engine/loading/loader.py's
+`load_model`), so parallel/ never imports the loader that starts it.
 
 A rank owns its KV cache (its heads' share for llama, the whole latent for MLA), sized to rank 0's
 block count on the first step. It never samples: logits and the sampler live on rank 0 only.
@@ -7,12 +11,21 @@ block count on the first step. It never samples: logits and the sampler live on 
 from __future__ import annotations
 
 import traceback
+from collections.abc import Callable
+from dataclasses import replace
 from multiprocessing.connection import Connection
+from typing import Any
 
 import torch
 
 from deepserve.engine.config import EngineConfig
+from deepserve.engine.parallel.comm import RankComm, join_group
+from deepserve.engine.parallel.plan import ModelShard, ShardPlan
 from deepserve.engine.parallel.step import StepMessage
+
+# (config, this rank's share) -> a loaded model with `.model` (engine/loading/loader.py
+# `LoadedModel`). A module-level function, so spawn can pickle it to the ranks it starts.
+ShardLoader = Callable[[EngineConfig, ModelShard], Any]
 
 
 def rank_device(config: EngineConfig, rank: int) -> str:
@@ -20,16 +33,32 @@ def rank_device(config: EngineConfig, rank: int) -> str:
     return f"cuda:{rank}" if torch.device(config.device).type == "cuda" else config.device
 
 
-def run_rank(rank: int, config: EngineConfig, port: int, threads: int, ready: Connection) -> None:
-    """A spawned process's entry point (`launch.py`). Reports 'ready' or the load error on `ready`."""
-    from deepserve.engine.parallel.launch import load_shard
+def load_shard(
+    load: ShardLoader, config: EngineConfig, rank: int, port: int, device: str
+) -> tuple[Any, RankComm]:
+    """Join the group as `rank` and load that rank's share of the model -> (loaded model, comm)."""
+    n = config.tensor_parallel_size
+    comm = join_group(rank, n, port, device, ordered=config.batch_invariant)
+    plan = ShardPlan(rank, n, config.enable_expert_parallel)
+    try:
+        loaded = load(replace(config, device=device), ModelShard(plan, comm))
+    except BaseException:
+        comm.close()
+        raise
+    return loaded, comm
 
+
+def run_rank(
+    rank: int, config: EngineConfig, port: int, threads: int, ready: Connection, load: ShardLoader
+) -> None:
+    """A spawned process's entry point (`launch.py`); `load` loads its share. Reports 'ready' or
+    the load error on `ready`."""
     torch.set_num_threads(threads)
     device = rank_device(config, rank)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     try:
-        loaded, comm = load_shard(config, rank, port, device)
+        loaded, comm = load_shard(load, config, rank, port, device)
     except Exception:  # noqa: BLE001 - rank 0 raises it as the load error
         ready.send(traceback.format_exc())
         return

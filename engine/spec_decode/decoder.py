@@ -94,8 +94,8 @@ class SpeculativeDecoder:
                 f"got {spec.num_speculative_tokens}"
             )
         self.method = spec.method
-        self.k = spec.num_speculative_tokens
-        self.bm = block_manager
+        self.num_speculative_tokens = spec.num_speculative_tokens
+        self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.stats = SpecDecodeStats()
         # Drafts from the token ids alone: `propose(token_ids, num_tokens) -> list[int]`.
@@ -138,8 +138,8 @@ class SpeculativeDecoder:
             return
         seq.num_computed_tokens += num_accepted
         assert seq.num_computed_tokens == seq.num_tokens - 1
-        self.bm.register_computed(seq)
-        self.bm.trim(seq, seq.num_tokens)
+        self.block_manager.register_computed(seq)
+        self.block_manager.trim(seq, seq.num_tokens)
 
     # ---- drafting ---------------------------------------------------------------------------
 
@@ -160,7 +160,7 @@ class SpeculativeDecoder:
         room = min(
             seq.request.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens
         )
-        return max(0, min(self.k, room - 1))
+        return max(0, min(self.num_speculative_tokens, room - 1))
 
     def _token_drafts(self, seq: Sequence) -> list[int]:
         assert self.token_proposer is not None
@@ -209,8 +209,8 @@ class SpeculativeDecoder:
         valid = seq.num_computed_tokens - start  # verified target rows this step
         first = state.computed if state is not None and state.computed >= start else start
         if not own:  # a forked sample: redo only its private partial block, then its own head
-            bs = self.bm.block_size
-            first = max(start, (seq.num_computed_tokens // bs) * bs)
+            block_size = self.block_manager.block_size
+            first = max(start, (seq.num_computed_tokens // block_size) * block_size)
         last = min(seq.num_tokens - 1, start + valid)  # the token at p and hidden at p-1 known
         if last < first:
             return None
@@ -233,7 +233,7 @@ class SpeculativeDecoder:
         Returns the drafts that fit (-1: not even the newest token's row fits)."""
         for n in (num_drafts, 0) if num_drafts else (0,):
             # Slots needed up to position num_computed + max(n, 1) - 1.
-            if self.bm.allocate(seq, max(n, 1)):
+            if self.block_manager.allocate(seq, max(n, 1)):
                 return n
         return -1
 

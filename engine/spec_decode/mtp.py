@@ -114,15 +114,15 @@ def build_metadata(
     width = max(len(table) for table, _, _ in spans)
     tables = [table + [0] * (width - len(table)) for table, _, _ in spans]
 
-    def t(values: list, dtype: torch.dtype) -> torch.Tensor:
+    def on_device(values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=device)
 
     return AttentionMetadata(
-        query_start_loc=t([0, *_cumsum(query_lens)], torch.int32),
-        seq_lens=t(seq_lens, torch.int32),
-        context_lens=t(context_lens, torch.int32),
-        slot_mapping=t(slots, torch.int64),
-        block_tables=t(tables, torch.int32),
+        query_start_loc=on_device([0, *_cumsum(query_lens)], torch.int32),
+        seq_lens=on_device(seq_lens, torch.int32),
+        context_lens=on_device(context_lens, torch.int32),
+        slot_mapping=on_device(slots, torch.int64),
+        block_tables=on_device(tables, torch.int32),
         block_size=block_size,
         query_lens_cpu=query_lens,
         seq_lens_cpu=seq_lens,

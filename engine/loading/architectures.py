@@ -1,4 +1,5 @@
-"""Maps a checkpoint's architecture name (config.json `architectures[0]`) to the model class."""
+"""The registry of architectures: a checkpoint's architecture name (config.json `architectures[0]`)
+-> its model class under engine/models/. A new model family is added to `ARCHITECTURES` here."""
 
 from __future__ import annotations
 

@@ -15,10 +15,10 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from tokenizers import Tokenizer
 
-from deepserve.engine.checkpoint import Checkpoint
 from deepserve.engine.errors import ModelNotFoundError, UnsupportedModelError
-from deepserve.engine.gguf_format import GGUFFile, dequantize, read_gguf_file
-from deepserve.engine.tokenizer import tokenizer_from_gguf
+from deepserve.engine.loading.checkpoint import Checkpoint
+from deepserve.engine.loading.gguf_format import GGUFFile, dequantize, read_gguf_file
+from deepserve.engine.loading.tokenizer import tokenizer_from_gguf
 from deepserve.kernels.quant_panels import FORMATS, QuantizedMatrix
 
 SUPPORTED_TYPES = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0}

@@ -1,6 +1,8 @@
 """`load_model(config)`: from a model name to a ready `LoadedModel` (model on its device and dtype,
-tokenizer, `ModelInfo`). Reading files is delegated to gguf_loader / hf_loader; building the network
-to the class the architecture names (engine/models/architectures.py)."""
+tokenizer, `ModelInfo`). Finding the files is builtin_models.py's job, reading them gguf_loader.py's
+or hf_loader.py's; the network is built by the class the architecture names (architectures.py).
+With `tensor_parallel_size > 1`, engine/parallel/launch.py starts the ranks and is handed
+`load_model` to load each rank's share."""
 
 from __future__ import annotations
 
@@ -12,15 +14,17 @@ import torch
 import xxhash
 from tokenizers import Tokenizer
 
-from deepserve.engine.builtin_models import resolve_model
-from deepserve.engine.checkpoint import Checkpoint
-from deepserve.engine.client import ModelInfo
 from deepserve.engine.config import EngineConfig
+from deepserve.engine.contract import ModelInfo
 from deepserve.engine.errors import UnsupportedModelError
-from deepserve.engine.models.architectures import architecture_of, model_class
+from deepserve.engine.loading.architectures import architecture_of, model_class
+from deepserve.engine.loading.builtin_models import resolve_model
+from deepserve.engine.loading.checkpoint import Checkpoint
 from deepserve.engine.models.base import CausalLM
 from deepserve.engine.models.common import WeightStore
-from deepserve.engine.parallel.plan import ModelShard
+from deepserve.engine.parallel.launch import load_parallel_model
+from deepserve.engine.parallel.plan import ModelShard, shard_config
+from deepserve.engine.parallel.sharded_weights import ShardedWeightStore
 from deepserve.kernels.errors import KernelUnavailableError
 from deepserve.kernels.registry import get_kernels
 
@@ -46,25 +50,22 @@ def load_model(config: EngineConfig, shard: ModelShard | None = None) -> LoadedM
     """The model on one process; with `tensor_parallel_size > 1`, rank 0's driver of the ranks
     (engine/parallel/launch.py). `shard`: one rank's share, loaded by that rank."""
     if shard is None and config.tensor_parallel_size > 1:
-        from deepserve.engine.parallel.launch import load_parallel_model
-
-        return load_parallel_model(config)
+        return load_parallel_model(config, load_model)
     path = resolve_model(config.model)
     dtype = torch_dtype(config.dtype)
-    ckpt = _read_checkpoint(path)
-    arch = architecture_of(ckpt.config)
+    checkpoint = _read_checkpoint(path)
+    arch = architecture_of(checkpoint.config)
     cls = model_class(arch)
-    fingerprint = model_fingerprint(ckpt.config, ckpt.files)
-    model_config = ckpt.config
+    fingerprint = model_fingerprint(checkpoint.config, checkpoint.files)
+    model_config = checkpoint.config
     device = torch.device(config.device)
     if shard is None:
-        store = WeightStore(ckpt.weights, device, dtype, ckpt.quantized)
+        store = WeightStore(checkpoint.weights, device, dtype, checkpoint.quantized)
     else:
-        from deepserve.engine.parallel.plan import shard_config
-        from deepserve.engine.parallel.sharded_weights import ShardedWeightStore
-
-        model_config = shard_config(arch, ckpt.config, shard.plan)
-        store = ShardedWeightStore(ckpt.weights, device, dtype, arch, ckpt.config, shard.plan)
+        model_config = shard_config(arch, checkpoint.config, shard.plan)
+        store = ShardedWeightStore(
+            checkpoint.weights, device, dtype, arch, checkpoint.config, shard.plan
+        )
         shard = replace(shard, experts=store.experts)
     try:
         kernels = get_kernels(config.device, config.batch_invariant)
@@ -88,21 +89,21 @@ def load_model(config: EngineConfig, shard: ModelShard | None = None) -> LoadedM
         path=str(path),
         vocab_size=model.vocab_size,
         max_model_len=max_len,
-        eos_token_ids=ckpt.eos_token_ids,
-        bos_token_id=ckpt.bos_token_id,
-        chat_template=ckpt.chat_template,
+        eos_token_ids=checkpoint.eos_token_ids,
+        bos_token_id=checkpoint.bos_token_id,
+        chat_template=checkpoint.chat_template,
         fingerprint=fingerprint,
         num_mtp_layers=getattr(model, "num_mtp_layers", 0),
     )
-    return LoadedModel(model=model, tokenizer=ckpt.tokenizer, info=info)
+    return LoadedModel(model=model, tokenizer=checkpoint.tokenizer, info=info)
 
 
 def _read_checkpoint(path: Path) -> Checkpoint:
     if path.suffix == ".gguf":
-        from deepserve.engine.gguf_loader import read_gguf
+        from deepserve.engine.loading.gguf_loader import read_gguf
 
         return read_gguf(path)
-    from deepserve.engine.hf_loader import read_hf_folder
+    from deepserve.engine.loading.hf_loader import read_hf_folder
 
     return read_hf_folder(path)
 

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from deepserve.engine.checkpoint import Checkpoint
 from deepserve.engine.errors import ModelNotFoundError, UnsupportedModelError
-from deepserve.engine.tokenizer import load_tokenizer_json
+from deepserve.engine.loading.checkpoint import Checkpoint
+from deepserve.engine.loading.tokenizer import load_tokenizer_json
 
 
 def _read_json(path: Path) -> dict:

@@ -1,6 +1,6 @@
 """`Checkpoint`: what a loader reads from disk (config, weights by HF name, tokenizer, special token
 ids, chat template, the files read), the same for an HF folder and a GGUF file. Building a model
-from it is engine/loader.py's job."""
+from it is engine/loading/loader.py's job."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from deepserve.engine.errors import UnsupportedModelError
 _SCALARS = {  # GGUF value type -> struct format
     0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d",
 }  # fmt: skip
-_STRING, _ARRAY = 8, 9
+_BOOL, _STRING, _ARRAY = 7, 8, 9
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class _Cursor:
             return self.string()
         if kind == _ARRAY:
             inner, count = self.scalar("<I"), self.scalar("<Q")
-            if inner in _SCALARS and inner != 7:
+            if inner in _SCALARS and inner != _BOOL:
                 fmt = _SCALARS[inner]
                 size = struct.calcsize(fmt)
                 arr = np.frombuffer(self.buf, dtype=np.dtype(fmt), count=count, offset=self.pos)
