@@ -270,7 +270,7 @@ def section_serve_long(out: dict, work, log_dir) -> None:
 
     import serve_bench
 
-    from deepserve.engine.model_shapes import write_shaped_model
+    from deepserve.engine.testmodels.model_shapes import write_shaped_model
 
     folder = Path(work) / "v2-lite-4l-long"
     overrides = {"max_position_embeddings": V2_CONTEXT, "num_hidden_layers": 4}
