@@ -12,7 +12,7 @@ the token counts as output for max/min_tokens, penalties, the grammar and the se
 both workers sample with the same seed (one is drawn here when the client gave none), so the
 stream equals a colocated run's. The same resume carries a request over a worker that dies
 mid-stream: another worker of the role continues after every token already streamed, so the
-client sees a pause, not an error (single-sample requests; n > 1 fails as before). Requests
+client sees a pause, not an error (single-sample requests; an n > 1 request fails). Requests
 with n > 1 (a first token per sample) are not split: the prefill worker only moves the KV and the
 decode worker generates every token itself. If no prefill worker can take a request before its
 first token, the decode worker does it all.
