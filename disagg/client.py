@@ -4,7 +4,7 @@ disagg/http1.py's keep-alive connections; httpx for the other calls).
 Every call carries the shared secret and a bounded timeout: connecting, the wait for the first
 event (a worker sends its headers with it), and the gap between events. Transport failures and
 5xx become `WorkerUnavailableError`; 4xx become `WorkerRejectedError`. Not here: which worker to
-call (router/) or the PD flow (router/flow.py).
+call (router/) or the PD flow (disagg/flow.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from deepserve.disagg import protocol as P
+from deepserve.disagg import protocol
 from deepserve.disagg.errors import WorkerRejectedError, WorkerUnavailableError
 from deepserve.disagg.http1 import Http1Error, Http1Pool, Response
 
@@ -37,17 +37,17 @@ class WorkerClient:
         t = self.timeouts
         self._http = httpx.AsyncClient(
             base_url=self.url,
-            headers=P.bearer(token),
+            headers=protocol.bearer(token),
             timeout=httpx.Timeout(t.control, connect=t.connect),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
-        self._streams = Http1Pool(self.url, P.bearer(token))  # the generate hot path
+        self._streams = Http1Pool(self.url, protocol.bearer(token))  # the generate hot path
 
     async def close(self) -> None:
         await self._streams.close()
         await self._http.aclose()
 
-    async def generate(self, req: P.GenerateRequest) -> AsyncIterator[P.StreamEvent]:
+    async def generate(self, req: protocol.GenerateRequest) -> AsyncIterator[protocol.StreamEvent]:
         """Stream the worker's events for `req`; raise on failure, never end silently early.
         Every read waits at most `between_events`; the first event at most `first_event`."""
         t = self.timeouts
@@ -55,7 +55,9 @@ class WorkerClient:
         started = False
         try:
             # A worker sends its headers with the first event (server/worker.py).
-            async with self._streams.post(P.GENERATE_PATH, body, t.connect, t.first_event) as resp:
+            async with self._streams.post(
+                protocol.GENERATE_PATH, body, t.connect, t.first_event
+            ) as resp:
                 if resp.status >= 400:
                     raise _status_error(resp.status, await resp.read(t.control), self.url)
                 events = _Events(resp, t.between_events)
@@ -77,19 +79,19 @@ class WorkerClient:
             raise WorkerUnavailableError(f"{self.url}: {type(e).__name__}: {e}", started) from e
 
     async def abort(self, request_id: str) -> None:
-        await self._post(P.ABORT_PATH, {"request_id": request_id})
+        await self._post(protocol.ABORT_PATH, {"request_id": request_id})
 
-    async def load(self) -> P.WorkerLoad:
-        return P.WorkerLoad.from_json(await self._get(P.LOAD_PATH))
+    async def load(self) -> protocol.WorkerLoad:
+        return protocol.WorkerLoad.from_json(await self._get(protocol.LOAD_PATH))
 
-    async def health(self) -> P.WorkerHealth:
-        return P.WorkerHealth.from_json(await self._get(P.HEALTH_PATH))
+    async def health(self) -> protocol.WorkerHealth:
+        return protocol.WorkerHealth.from_json(await self._get(protocol.HEALTH_PATH))
 
     async def model_card(self) -> dict:
-        return await self._get(P.MODEL_PATH)
+        return await self._get(protocol.MODEL_PATH)
 
     async def metrics(self) -> str:
-        resp = await self._request("GET", P.METRICS_PATH)
+        resp = await self._request("GET", protocol.METRICS_PATH)
         return resp.text
 
     async def _get(self, path: str) -> dict:
@@ -118,9 +120,9 @@ class _Events:
         self._pending = b""
         self._ended = False
 
-    async def next(self) -> P.StreamEvent | None:
+    async def next(self) -> protocol.StreamEvent | None:
         line = await self._next_line()
-        return None if line is None else P.StreamEvent.from_json(json.loads(line))
+        return None if line is None else protocol.StreamEvent.from_json(json.loads(line))
 
     async def skip_rest(self) -> None:
         while await self._next_line() is not None:
@@ -139,7 +141,7 @@ class _Events:
         return self._lines.popleft()
 
 
-def _raise_for_event_error(event: P.StreamEvent, started: bool) -> None:
+def _raise_for_event_error(event: protocol.StreamEvent, started: bool) -> None:
     if event.error is None:
         return
     if event.rejected:  # the request failed for its own content: another worker would too

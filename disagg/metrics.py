@@ -5,14 +5,14 @@ answers (the hand-off's write half) and counts what it sent; the decode worker c
 blocks it found (loaded instead of recomputed) and the bytes it read for them. Labels: the
 process's model_name and role, plus `direction` ("sent" | "received") and `outcome`.
 
-Not here: per-tier KV traffic (kvcache/metrics.py); the flow itself (router/flow.py).
+Not here: per-tier KV traffic (kvcache/metrics.py); the flow itself (disagg/flow.py).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-P = "deepserve:"
+PREFIX = "deepserve:"  # every metric name starts with it
 # From a few ms (blocks already written) to the flush timeout (seconds).
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -22,20 +22,20 @@ class TransferMetrics:
         names = list(labels)
         self._labels = labels
         self._seconds = Histogram(
-            P + "pd_transfer_seconds",
+            PREFIX + "pd_transfer_seconds",
             "Prefill side: time until the prompt's KV blocks were in the shared tier.",
             names,
             buckets=TRANSFER_BUCKETS,
             registry=registry,
         ).labels(**labels)
         self._bytes = Counter(
-            P + "pd_transfer_bytes",
+            PREFIX + "pd_transfer_bytes",
             "KV bytes handed from prefill to decode workers.",
             [*names, "direction"],
             registry=registry,
         )
         self._blocks = Counter(
-            P + "pd_transfer_blocks",
+            PREFIX + "pd_transfer_blocks",
             "KV blocks handed over; received ones by outcome (hit: loaded, miss: recomputed).",
             [*names, "direction", "outcome"],
             registry=registry,

@@ -2,7 +2,7 @@
 
 Token ids in; streamed token deltas, logprobs, finish reason and cached-token counts out. Every
 message is a dataclass deriving `WireMessage`, whose `to_json()` / `from_json()` follow its fields
-(engine/dataclass_json.py, which also carries SamplingParams and CompletionOutput inside them), so
+(disagg/dataclass_json.py, which also carries SamplingParams and CompletionOutput inside them), so
 both ends agree on one shape. HTTP routes and the shared-secret header live here too, because they
 are part of the contract.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from deepserve.engine.dataclass_json import from_json, to_json
+from deepserve.disagg.dataclass_json import from_json, to_json
 from deepserve.engine.outputs import CompletionOutput, RequestOutput
 
 GENERATE_PATH = "/internal/generate"
@@ -38,7 +38,7 @@ def bearer(token: str) -> dict[str, str]:
 
 
 class WireMessage:
-    """JSON by the dataclass's own fields (engine/dataclass_json.py): unknown keys are ignored,
+    """JSON by the dataclass's own fields (disagg/dataclass_json.py): unknown keys are ignored,
     missing ones default."""
 
     def to_json(self) -> dict[str, Any]:

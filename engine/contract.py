@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from deepserve.engine.admission import AdmittedRequest, EngineLimits
-from deepserve.engine.dataclass_json import from_json, to_json
 from deepserve.engine.outputs import EngineLoad, RequestOutput
 from deepserve.engine.sampling_params import SamplingParams
 
@@ -75,13 +74,6 @@ class ModelCard:
     block_size: int
     kv_block_bytes: int  # one KV block on every layer, as the tiers store it
     kernels: str = "torch"  # "native" when the C++ CPU kernels run (kernels/cpu/native.py)
-
-    def to_json(self) -> dict[str, Any]:
-        return to_json(self)
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> ModelCard:
-        return from_json(cls, d)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from deepserve.router.background import BackgroundTask
+from deepserve.disagg.background import BackgroundTask
 from deepserve.router.pool import ROLES, WorkerPool
 
 log = logging.getLogger(__name__)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from deepserve.disagg.background import BackgroundTask
 from deepserve.disagg.errors import WorkerUnavailableError
-from deepserve.router.background import BackgroundTask
 from deepserve.router.pool import Worker, WorkerPool
 
 log = logging.getLogger(__name__)

@@ -18,6 +18,7 @@ import logging
 import redis.asyncio as aioredis
 from redis.exceptions import RedisClusterException
 
+from deepserve.disagg.background import BackgroundTask
 from deepserve.disagg.protocol import KV_EVENTS_CHANNEL, EventBatch
 from deepserve.kvcache.redis_url import (
     async_client,
@@ -25,7 +26,6 @@ from deepserve.kvcache.redis_url import (
     is_cluster_url,
     node_url,
 )
-from deepserve.router.background import BackgroundTask
 from deepserve.router.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)

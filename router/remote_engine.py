@@ -1,11 +1,12 @@
 """`RemoteEngine`: the frontend's generation backend when the engines run in worker processes.
 
 It implements the `EngineClient` contract (engine/contract.py) that `AsyncEngine` implements in
-process, so the same FastAPI app serves from an in-process engine or from remote workers. Requests go through `GenerationFlow` over a `Router`.
-The model card (`ModelCard` and the tokenizer) comes from the workers themselves, so frontend
+process, so the same FastAPI app serves from an in-process engine or from remote workers. Requests
+go through the prefill/decode flow (`GenerationFlow`, disagg/flow.py) with a `Router` as the flow's
+`WorkerPicker`. The model card (`ModelCard` and the tokenizer) comes from the workers themselves, so frontend
 and workers can never disagree on the vocabulary, and the frontend never loads weights.
 
-Not here: routing (router/), the prefill/decode sequence (router/flow.py).
+Not here: picking workers (router/router.py), the prefill/decode sequence (disagg/flow.py).
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from collections.abc import AsyncIterator
 
 from tokenizers import Tokenizer
 
+from deepserve.disagg.dataclass_json import from_json
 from deepserve.disagg.errors import NoWorkerError, WorkerRejectedError, WorkerUnavailableError
+from deepserve.disagg.flow import GenerationFlow
 from deepserve.engine.admission import AdmittedRequest, check_request
 from deepserve.engine.contract import ModelCard
 from deepserve.engine.outputs import EngineLoad, RequestOutput
 from deepserve.engine.sampling_params import SamplingParams
-from deepserve.router.flow import GenerationFlow
 from deepserve.router.router import Router
 
 
@@ -34,7 +36,7 @@ async def fetch_model_card(router: Router, timeout: float) -> tuple[ModelCard, T
         for w in router.pool.workers():
             try:
                 card = await w.client.model_card()
-                return ModelCard.from_json(card["card"]), Tokenizer.from_str(card["tokenizer"])
+                return from_json(ModelCard, card["card"]), Tokenizer.from_str(card["tokenizer"])
             except (WorkerUnavailableError, WorkerRejectedError) as e:
                 last = e
         await asyncio.sleep(0.5)

@@ -6,7 +6,9 @@ another one (up to `max_attempts`); a failure after tokens were streamed ends th
 request's fault: raised as `WorkerRejectedError`, never retried, never charged to the worker. When
 the caller stops early (client gone), the worker is told to abort.
 
-Not here: the prefill/decode sequence (router/flow.py); HTTP details (disagg/client.py).
+It is the `WorkerPicker` the prefill/decode flow asks for workers (disagg/flow.py).
+
+Not here: the prefill/decode sequence (disagg/flow.py); HTTP details (disagg/client.py).
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deepserve.disagg import protocol as P
 from deepserve.disagg.client import ClientTimeouts, WorkerClient
 from deepserve.disagg.errors import NoWorkerError, WorkerRejectedError, WorkerUnavailableError
+from deepserve.disagg.protocol import GenerateRequest, StreamEvent
 from deepserve.router.discovery import (
     DiscoveryTarget,
     DnsDiscovery,
@@ -100,6 +102,18 @@ class Router:
             await asyncio.wait(self._background, timeout=self.config.timeouts.control)
         await self.pool.close()
 
+    # ---- the flow's `WorkerPicker` (disagg/flow.py) -------------------------------------------
+
+    @property
+    def max_attempts(self) -> int:
+        return self.config.max_attempts
+
+    def has_role(self, role: str) -> bool:
+        return self.pool.has_role(role)
+
+    def retried(self, role: str) -> None:
+        self.stats.retried(role)
+
     def pick(self, role: str, token_ids: list[int], exclude: set[str]) -> Worker:
         candidates = self.pool.available(role, exclude)
         if not candidates:
@@ -109,8 +123,8 @@ class Router:
         return worker
 
     async def stream(
-        self, role: str, req: P.GenerateRequest, route_tokens: list[int] | None = None
-    ) -> AsyncIterator[P.StreamEvent]:
+        self, role: str, req: GenerateRequest, route_tokens: list[int] | None = None
+    ) -> AsyncIterator[StreamEvent]:
         """Events of `req` from one worker of `role`, retrying elsewhere before the first token."""
         tried: set[str] = set()
         last: WorkerUnavailableError | None = None
@@ -133,7 +147,7 @@ class Router:
                 self.stats.retried(role)
         raise NoWorkerError(f"request failed on {len(tried)} {role} workers; last: {last}")
 
-    async def _stream_one(self, w: Worker, req: P.GenerateRequest) -> AsyncIterator[P.StreamEvent]:
+    async def _stream_one(self, w: Worker, req: GenerateRequest) -> AsyncIterator[StreamEvent]:
         w.inflight += 1
         self._serving.setdefault(req.request_id, set()).add(w)
         settled = False

@@ -10,14 +10,19 @@ is sent:
    protocol conversion sees them; `check_protocol(endpoint, body)` applies the protocol rules the
    recipe does not, and refuses the fields this server does not serve (docs/server.md lists
    them). `cache_salt` then takes out the request's prefix-cache salt.
-2. `pop_extras(body, allow_n)` takes out what the recipe would refuse but the server serves (n,
-   json_object, vLLM-style constraint fields, tool schemas).
-3. `sampling_params(body, options, extras, structured)` builds `SamplingParams` from the checked
-   body and the protocol's `RequestOptions` (the recipe's conversion for the chat protocols,
-   `completion_options` for /v1/completions).
-4. `admit(state, prompt_ids, params)` bounds the output constraint's size, then hands it to the engine's `admit` (engine/admission.py: token
-   ids against the vocabulary and the context, max_tokens resolved, the grammar compiled once) and
-   records the structured-output metrics. `generate` then trusts the result.
+2. `pop_extras(body, allow_n, max_tokens_fields)` takes out what the recipe would refuse or
+   resolve differently but the server serves (n, the output budget, json_object, vLLM-style
+   constraint fields, tool schemas), and reads the sampling fields no protocol conversion carries
+   (`BodySampling`: top_k, min_p, the penalties, logit_bias, min_tokens, stop_token_ids,
+   ignore_eos), all into one `BodyExtras`.
+3. `sampling_params(options, extras, structured, cache_salt)` builds `SamplingParams` from two
+   sources, each field from one: the protocol's `RequestOptions` (temperature, top_p, seed,
+   max_tokens, logprobs: the recipe's conversion for the chat protocols, `completion_options` for
+   /v1/completions) and the `BodyExtras` (n and `BodySampling`'s fields). It reads no body.
+4. `admit(state, prompt_ids, params)` bounds the output constraint's size, then hands it to the
+   engine's `admit` (engine/admission.py: token ids against the vocabulary and the context,
+   max_tokens resolved, the grammar compiled once) and records the structured-output metrics.
+   `generate` then trusts the result.
 
 Not here: prompt rendering (server/family.py) and stop strings (the recipe's StreamProcessor,
 server/completions.py).
@@ -73,8 +78,8 @@ class _Rule:
             raise bad_field(name, f"{name} must be in {self._range()}")
 
     def _range(self) -> str:
-        lo = "-inf" if self.lo is None else _num(self.lo)
-        hi = "inf" if self.hi is None else _num(self.hi)
+        lo = "-inf" if self.lo is None else _format_bound(self.lo)
+        hi = "inf" if self.hi is None else _format_bound(self.hi)
         return f"{'(' if self.lo_open else '['}{lo}, {hi}]"
 
 
@@ -157,8 +162,9 @@ def _chat_extensions(body: dict) -> None:
     """vLLM's chat extensions this server does not serve."""
     if body.get("continue_final_message"):
         raise bad_field("continue_final_message", "continue_final_message is not served")
-    so = body.get("structured_outputs")
-    if (isinstance(so, dict) and so.get("choice") is not None) or "guided_choice" in body:
+    constraint_fields = body.get("structured_outputs")
+    choice = isinstance(constraint_fields, dict) and constraint_fields.get("choice") is not None
+    if choice or "guided_choice" in body:
         raise bad_field(
             "structured_outputs",
             "structured_outputs.choice is not served; a regex of the choices does the same",
@@ -199,7 +205,8 @@ def _content_part_types(endpoint: str, body: dict) -> list[str]:
 
 @dataclass(frozen=True)
 class RequestOptions:
-    """The sampling fields a protocol defines itself (the recipe converts them for chat)."""
+    """The sampling fields a protocol defines itself (the recipe converts them for chat): where
+    `SamplingParams` takes temperature, top_p, seed, max_tokens and logprobs from."""
 
     temperature: float | None = None
     top_p: float | None = None
@@ -230,8 +237,43 @@ def completion_options(body: dict, extras: BodyExtras) -> RequestOptions:
 
 
 @dataclass(frozen=True)
+class BodySampling:
+    """The sampling fields the recipe's `InferenceOptions` do not carry (top_k and the
+    OpenAI-compatible servers' extensions), read once from the checked body by `from_body`;
+    absent fields take the sampler's "off" values."""
+
+    top_k: int = 0  # 0: off, as the body's -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @classmethod
+    def from_body(cls, body: dict) -> BodySampling:
+        """The fields of a body that has passed `check_fields`; read, not removed: the recipe
+        validates the body as it was sent."""
+        top_k = body.get("top_k")
+        return cls(
+            top_k=0 if top_k is None or top_k == -1 else top_k,
+            min_p=float(_default_if_none(body.get("min_p"), 0.0)),
+            presence_penalty=float(_default_if_none(body.get("presence_penalty"), 0.0)),
+            frequency_penalty=float(_default_if_none(body.get("frequency_penalty"), 0.0)),
+            repetition_penalty=float(_default_if_none(body.get("repetition_penalty"), 1.0)),
+            logit_bias=parse_logit_bias(body.get("logit_bias")),
+            min_tokens=_default_if_none(body.get("min_tokens"), 0),
+            stop_token_ids=tuple(parse_int_list(body.get("stop_token_ids"), "stop_token_ids")),
+            ignore_eos=bool(body.get("ignore_eos", False)),
+        )
+
+
+@dataclass(frozen=True)
 class BodyExtras:
-    """What the server takes out of a body before the recipe converts it."""
+    """What the server takes out of a body (or, for `sampling`, reads from it) before the recipe
+    converts it."""
 
     n: int = 1
     max_tokens: int | None = None  # None: up to the context (the engine resolves it)
@@ -240,10 +282,12 @@ class BodyExtras:
     schema: str | None = None  # the client's own json_schema, before the recipe normalizes it
     parallel_tool_calls: bool = True
     tools: ToolRequest = field(default_factory=ToolRequest)
+    sampling: BodySampling = field(default_factory=BodySampling)
 
 
 def pop_extras(body: dict, allow_n: bool, max_tokens_fields: tuple[str, ...]) -> BodyExtras:
-    """Remove the fields the recipe would refuse or resolve differently, and return them.
+    """Remove the fields the recipe would refuse or resolve differently, and return them with the
+    sampling fields it does not carry (`BodySampling`). `body` has passed `check_fields`.
 
     The recipe rejects n != 1 and a json_object response_format whose prompt lacks the word
     "json"; the engine samples n choices itself and the grammar enforces JSON regardless of the
@@ -268,6 +312,7 @@ def pop_extras(body: dict, allow_n: bool, max_tokens_fields: tuple[str, ...]) ->
         _client_schema(body),
         parallel,
         ToolRequest.from_body(body),
+        BodySampling.from_body(body),
     )
 
 
@@ -290,13 +335,13 @@ def _client_schema(body: dict) -> str | None:
 
 def _extension_constraint(body: dict) -> StructuredOutput | None:
     """EBNF / regex / JSON schema through vLLM's extension fields."""
-    so = body.pop("structured_outputs", None) or {}
-    if not isinstance(so, dict):
+    fields = body.pop("structured_outputs", None) or {}
+    if not isinstance(fields, dict):
         raise bad_field("structured_outputs", "structured_outputs must be an object")
     found = {
-        "ebnf": so.get("grammar", body.pop("guided_grammar", None)),
-        "regex": so.get("regex", body.pop("guided_regex", None)),
-        "json_schema": so.get("json", body.pop("guided_json", None)),
+        "ebnf": fields.get("grammar", body.pop("guided_grammar", None)),
+        "regex": fields.get("regex", body.pop("guided_regex", None)),
+        "json_schema": fields.get("json", body.pop("guided_json", None)),
     }
     given = [(k, v) for k, v in found.items() if v is not None]
     if len(given) > 1:
@@ -314,13 +359,14 @@ def _extension_constraint(body: dict) -> StructuredOutput | None:
 
 
 def sampling_params(
-    body: dict,
     options: RequestOptions,
     extras: BodyExtras,
     structured: StructuredOutput | None = None,
     cache_salt: str | None = None,
 ) -> SamplingParams:
-    """The request's `SamplingParams`; `body` has passed `check_fields`."""
+    """The request's `SamplingParams`: each field from `options` (what the protocol defines) or
+    from `extras` (n and the body's other sampling fields), never from both. `structured`: the
+    constraint the model family derived from the recipe's conversion (response_format, tools)."""
     if extras.structured is not None and structured is not None:
         raise bad_field(
             "structured_outputs", "response_format and a structured_outputs field both given"
@@ -330,22 +376,22 @@ def sampling_params(
         structured = StructuredOutput("json_schema", extras.schema)
     if extras.json_object and structured is None:
         structured = StructuredOutput("json_object")
-    top_k = body.get("top_k")
+    body_sampling = extras.sampling
     return SamplingParams(
         n=extras.n,
-        temperature=_or(options.temperature, 1.0),
-        top_p=_or(options.top_p, 1.0),
-        top_k=0 if top_k is None or top_k == -1 else top_k,
-        min_p=float(_or(body.get("min_p"), 0.0)),
-        presence_penalty=float(_or(body.get("presence_penalty"), 0.0)),
-        frequency_penalty=float(_or(body.get("frequency_penalty"), 0.0)),
-        repetition_penalty=float(_or(body.get("repetition_penalty"), 1.0)),
-        logit_bias=parse_logit_bias(body.get("logit_bias")),
+        temperature=_default_if_none(options.temperature, 1.0),
+        top_p=_default_if_none(options.top_p, 1.0),
+        top_k=body_sampling.top_k,
+        min_p=body_sampling.min_p,
+        presence_penalty=body_sampling.presence_penalty,
+        frequency_penalty=body_sampling.frequency_penalty,
+        repetition_penalty=body_sampling.repetition_penalty,
+        logit_bias=body_sampling.logit_bias,
         seed=options.seed,
         max_tokens=options.max_tokens,
-        min_tokens=_or(body.get("min_tokens"), 0),
-        stop_token_ids=tuple(parse_int_list(body.get("stop_token_ids"), "stop_token_ids")),
-        ignore_eos=bool(body.get("ignore_eos", False)),
+        min_tokens=body_sampling.min_tokens,
+        stop_token_ids=body_sampling.stop_token_ids,
+        ignore_eos=body_sampling.ignore_eos,
         logprobs=options.logprobs,
         structured=structured,
         cache_salt=cache_salt,
@@ -394,9 +440,10 @@ def _is_kind(value, kind: str) -> bool:
     return isinstance(value, int) if kind == "integer" else isinstance(value, int | float)
 
 
-def _or(value, default):
+def _default_if_none(value, default):
     return default if value is None else value
 
 
-def _num(x: float) -> str:
+def _format_bound(x: float) -> str:
+    """A range bound as a message shows it: 2, not 2.0."""
     return str(int(x)) if float(x).is_integer() else str(x)

@@ -4,9 +4,9 @@
 Read the body, check the model name, then off the event loop: check the shared sampling fields,
 convert with the recipe, render and encode the prompt (model family), and admit the request
 (server/admission.py: SamplingParams, the engine's validation, max_tokens and grammar), so every
-bad request fails with 4xx before work is queued. Then stream or collect the protocol chunks (server/stream.py, server/framing.py); for
-chat-template models with tools, the Chat Completions output is rewritten into tool calls
-(server/tool_calls.py).
+bad request fails with 4xx before work is queued. Then stream or collect the protocol chunks
+(server/stream.py, server/framing.py); for chat-template models with tools, the Chat Completions
+output is rewritten into tool calls (server/tool_calls.py).
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def prepare(spec: ProtocolSpec, body: dict, state: AppState, tenant: str | None 
         )
     _check_tool_constraint(prompt.tools, extras)
     options = recipe_options(conv.inference_options, extras)
-    params = sampling_params(body, options, extras, prompt.structured, salt)
+    params = sampling_params(options, extras, prompt.structured, salt)
     answer = state.family.answer_constraint(conv, params.structured)
     if answer is not params.structured:
         params = replace(params, structured=answer)

@@ -131,7 +131,7 @@ def _prepare(body: dict, state: AppState, tenant: str | None = None) -> _Job:
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise HTTPError(400, "stop must be a string or a list of strings", param="stop")
     extras = pop_extras(body, True, ("max_tokens",))
-    params = sampling_params(body, completion_options(body, extras), extras, cache_salt=salt)
+    params = sampling_params(completion_options(body, extras), extras, cache_salt=salt)
     _check_unsupported(body, params)
     admitted = admit(state, prompt_ids, params)
     echo = ""

@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 
 from deepserve.engine.contract import EngineStats
 
-P = "deepserve:"
+PREFIX = "deepserve:"  # every metric name starts with it
 
 
 class EngineCollector(Collector):
@@ -34,7 +34,7 @@ class EngineCollector(Collector):
         names, values = list(self._labels), list(self._labels.values())
         stats = self._stats()
         preemptions = CounterMetricFamily(
-            P + "num_preemptions", "Requests preempted (KV blocks ran out).", labels=names
+            PREFIX + "num_preemptions", "Requests preempted (KV blocks ran out).", labels=names
         )
         preemptions.add_metric(values, float(stats.num_preemptions))
         yield preemptions
@@ -52,7 +52,7 @@ def _spec_decode(stats: Any, names: list[str], values: list[str]) -> Iterator[Me
         ("spec_decode_num_draft_tokens", "Draft tokens proposed.", "num_draft_tokens"),
         ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "num_accepted_tokens"),
     ):
-        family = CounterMetricFamily(P + name, doc, labels=names)
+        family = CounterMetricFamily(PREFIX + name, doc, labels=names)
         family.add_metric(values, float(getattr(stats, attr, 0)))
         yield family
     # Acceptance by draft position (issue 7): accepted and drafted counts per position, so a
@@ -69,7 +69,7 @@ def _spec_decode(stats: Any, names: list[str], values: list[str]) -> Iterator[Me
             "drafted_per_position",
         ),
     ):
-        family = CounterMetricFamily(P + name, doc, labels=[*names, "position"])
+        family = CounterMetricFamily(PREFIX + name, doc, labels=[*names, "position"])
         for pos, count in enumerate(getattr(stats, attr, [])):
             family.add_metric([*values, str(pos)], float(count))
         yield family
@@ -96,7 +96,7 @@ def _async_scheduling(stats: Any, names: list[str], values: list[str]) -> Iterat
             "wasted_rows",
         ),
     ):
-        family = CounterMetricFamily(P + name, doc, labels=names)
+        family = CounterMetricFamily(PREFIX + name, doc, labels=names)
         family.add_metric(values, float(getattr(stats, attr, 0)))
         yield family
 
@@ -129,7 +129,7 @@ class RouterCollector(Collector):
         stats = self._router.stats
         policy = self._router.config.policy
         decisions = CounterMetricFamily(
-            P + "router_requests",
+            PREFIX + "router_requests",
             "Requests the router sent to each worker.",
             labels=[*names, "worker", "worker_role", "policy"],
         )
@@ -138,7 +138,7 @@ class RouterCollector(Collector):
             decisions.add_metric([*values, url, role, policy], float(stats.decisions[(url, role)]))
         yield decisions
         retries = CounterMetricFamily(
-            P + "router_retries",
+            PREFIX + "router_retries",
             "Worker failures before the first token (the request moves to another worker).",
             labels=[*names, "worker_role"],
         )
@@ -149,12 +149,12 @@ class RouterCollector(Collector):
 
     def _health(self, names, values, workers, stats) -> Iterator[Metric]:
         healthy = GaugeMetricFamily(
-            P + "router_worker_healthy",
+            PREFIX + "router_worker_healthy",
             "1 while the worker is in rotation, 0 while ejected.",
             labels=[*names, "worker", "worker_role"],
         )
         ejections = CounterMetricFamily(
-            P + "router_worker_ejections",
+            PREFIX + "router_worker_ejections",
             "Times a worker was ejected after consecutive failures.",
             labels=[*names, "worker", "worker_role"],
         )

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-P = "deepserve:"
+PREFIX = "deepserve:"  # every metric name starts with it
 # LLM-shaped buckets: TTFT spans cache hits (ms) to long prefills queued behind others (minutes).
 TTFT_BUCKETS = (
     0.005,
@@ -108,7 +108,7 @@ class _EngineCollector(Collector):
             ("num_requests_waiting", "Requests waiting to be scheduled.", load.waiting),
             ("kv_cache_usage_perc", "Fraction of device KV blocks in use.", load.kv_usage),
         ]:
-            g = GaugeMetricFamily(P + name, doc, labels=names)
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=names)
             g.add_metric(values, float(value))
             yield g
 
@@ -131,12 +131,12 @@ class ServerMetrics:
         r = self.registry
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]):
-            return Histogram(P + name, doc, names, buckets=buckets, registry=r).labels(
+            return Histogram(PREFIX + name, doc, names, buckets=buckets, registry=r).labels(
                 **self.labels
             )
 
         def counter(name: str, doc: str):
-            return Counter(P + name, doc, names, registry=r).labels(**self.labels)
+            return Counter(PREFIX + name, doc, names, registry=r).labels(**self.labels)
 
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Time between output tokens.", ITL_BUCKETS)
@@ -153,7 +153,7 @@ class ServerMetrics:
             "prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache (any tier)."
         )
         self._cached_by_tier = Counter(
-            P + "cached_prompt_tokens",
+            PREFIX + "cached_prompt_tokens",
             "Prompt tokens served from each cache tier.",
             names + ["tier"],
             registry=r,
@@ -161,25 +161,25 @@ class ServerMetrics:
         for tier in CACHE_TIERS:  # every tier shows, at zero until it serves a hit
             self._cached_by_tier.labels(**self.labels, tier=tier)
         self._success = Counter(
-            P + "request_success",
+            PREFIX + "request_success",
             "Finished requests by reason.",
             names + ["finished_reason"],
             registry=r,
         )
         self._structured = Counter(
-            P + "structured_output_requests",
+            PREFIX + "structured_output_requests",
             "Requests with an output constraint.",
             names + ["kind"],
             registry=r,
         )
         self._http = Counter(
-            P + "http_requests",
+            PREFIX + "http_requests",
             "HTTP requests by endpoint and status.",
             names + ["endpoint", "status"],
             registry=r,
         )
         mode = Gauge(
-            P + "batch_invariant_mode", "1 when batch-invariant mode is on.", names, registry=r
+            PREFIX + "batch_invariant_mode", "1 when batch-invariant mode is on.", names, registry=r
         )
         mode.labels(**self.labels).set(1.0 if batch_invariant else 0.0)
         if load is not None:

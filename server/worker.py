@@ -12,7 +12,7 @@ on Redis pub/sub, which is how a cache-aware router learns who holds which prefi
 it waits until the prompt's full blocks are in the shared tier before it answers, so the decode
 worker finds them; if that wait times out the decode worker simply recomputes.
 
-Not here: routing and the prefill/decode sequence (router/, router/flow.py); protocol conversion
+Not here: routing (router/) and the prefill/decode sequence (disagg/flow.py); protocol conversion
 for clients (server/app.py).
 """
 
@@ -29,16 +29,16 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from deepserve.disagg import protocol as P
+from deepserve.disagg import protocol
+from deepserve.disagg.background import BackgroundTask
+from deepserve.disagg.dataclass_json import from_json, to_json
 from deepserve.disagg.metrics import TransferMetrics
 from deepserve.engine.admission import AdmittedRequest
 from deepserve.engine.block_manager import BlockRemoved, BlockStored
 from deepserve.engine.contract import WorkerEngine
-from deepserve.engine.dataclass_json import from_json
 from deepserve.engine.errors import InvalidRequestError
 from deepserve.engine.outputs import RequestOutput
 from deepserve.engine.sampling_params import SamplingParams
-from deepserve.router.background import BackgroundTask
 from deepserve.server.component_metrics import EngineCollector
 from deepserve.server.disconnect import ClientDisconnected, until_disconnect
 from deepserve.server.http_server import fastapi_app, run_in_loop, serve_http
@@ -76,7 +76,7 @@ class Worker:
 
     # ---- generate -----------------------------------------------------------------------------
 
-    def admit(self, req: P.GenerateRequest) -> AdmittedRequest:
+    def admit(self, req: protocol.GenerateRequest) -> AdmittedRequest:
         """Admit before streaming, so a bad request is a 400 and never a broken stream."""
         try:
             params = from_json(SamplingParams, req.sampling)
@@ -89,7 +89,7 @@ class Worker:
         return admitted
 
     async def stream(
-        self, req: P.GenerateRequest, admitted: AdmittedRequest
+        self, req: protocol.GenerateRequest, admitted: AdmittedRequest
     ) -> AsyncIterator[dict]:
         """The request's events as JSON objects; the last one is `finished` (an error too).
         Read it to its end: each event is counted in the metrics after it was handed over."""
@@ -100,7 +100,7 @@ class Worker:
                 keys: list[str] = []
                 if out.finished and req.mode == "prefill":
                     keys = await self._hand_off(req.prompt_token_ids, admitted.params.cache_salt)
-                yield P.StreamEvent.from_output(out, keys).to_json()
+                yield protocol.StreamEvent.from_output(out, keys).to_json()
                 # Counted once the event is on its way: the router waits for it, not for this.
                 if first:
                     self._count_prompt(out)
@@ -122,7 +122,7 @@ class Worker:
         if out.queue_time is not None:
             self.metrics.queue_time.observe(out.queue_time)
 
-    def _count_received(self, req: P.GenerateRequest, out: RequestOutput) -> None:
+    def _count_received(self, req: protocol.GenerateRequest, out: RequestOutput) -> None:
         """Decode side of a PD hand-off: how many of the handed blocks were found here."""
         if req.mode != "decode" or not req.kv_keys:
             return
@@ -154,9 +154,9 @@ class Worker:
 
     # ---- load / health --------------------------------------------------------------------------
 
-    def load(self) -> P.WorkerLoad:
+    def load(self) -> protocol.WorkerLoad:
         load = self.engine.load()
-        return P.WorkerLoad(
+        return protocol.WorkerLoad(
             role=self.config.role,
             running=load.running,
             waiting=load.waiting,
@@ -167,8 +167,8 @@ class Worker:
             prompt_tokens=self.prompt_tokens,
         )
 
-    def health(self) -> P.WorkerHealth:
-        return P.WorkerHealth(
+    def health(self) -> protocol.WorkerHealth:
+        return protocol.WorkerHealth(
             status="ok",
             role=self.config.role,
             model=self.card.info.name,
@@ -177,7 +177,7 @@ class Worker:
         )
 
     def model_card(self) -> dict:
-        return {"card": self.card.to_json(), "tokenizer": self.engine.tokenizer.to_str()}
+        return {"card": to_json(self.card), "tokenizer": self.engine.tokenizer.to_str()}
 
     # ---- KV block events ------------------------------------------------------------------------
 
@@ -196,14 +196,14 @@ class Worker:
         # On a cluster, SPUBLISH reaches only the channel's shard, not every node over the bus.
         publish = client.spublish if is_cluster_url(url) else client.publish
         # A (re)started worker holds nothing: routers must forget what they knew of it.
-        pending = [P.BlockEvent("cleared")]
+        pending = [protocol.BlockEvent("cleared")]
         try:
             while True:
                 pending += [_block_event(e) for e in self.engine.take_block_events()]
                 if pending:
-                    batch = P.EventBatch(self.config.worker_id, pending)
+                    batch = protocol.EventBatch(self.config.worker_id, pending)
                     try:
-                        await publish(P.KV_EVENTS_CHANNEL, json.dumps(batch.to_json()))
+                        await publish(protocol.KV_EVENTS_CHANNEL, json.dumps(batch.to_json()))
                     except (OSError, aioredis.RedisError, RedisClusterException) as e:
                         # Dropped events only make routing less sticky, never wrong.
                         log.warning("could not publish %d KV events: %s", len(pending), e)
@@ -213,11 +213,11 @@ class Worker:
             await client.aclose()
 
 
-def _block_event(e: BlockStored | BlockRemoved) -> P.BlockEvent:
+def _block_event(e: BlockStored | BlockRemoved) -> protocol.BlockEvent:
     if isinstance(e, BlockStored):
         parent = e.parent_key.hex() if e.parent_key is not None else None
-        return P.BlockEvent("stored", e.key.hex(), parent, list(e.token_ids))
-    return P.BlockEvent("removed", e.key.hex())
+        return protocol.BlockEvent("stored", e.key.hex(), parent, list(e.token_ids))
+    return protocol.BlockEvent("removed", e.key.hex())
 
 
 def _line(obj: dict) -> bytes:
@@ -225,7 +225,7 @@ def _line(obj: dict) -> bytes:
 
 
 def _error_event(request_id: str, message: str, rejected: bool = False) -> dict:
-    event = P.StreamEvent(request_id, [], finished=True, error=message, rejected=rejected)
+    event = protocol.StreamEvent(request_id, [], finished=True, error=message, rejected=rejected)
     return event.to_json()
 
 
@@ -258,7 +258,7 @@ class RequireSecret:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/internal/"):
-            given = dict(scope["headers"]).get(P.AUTH_HEADER.encode(), b"")
+            given = dict(scope["headers"]).get(protocol.AUTH_HEADER.encode(), b"")
             if not hmac.compare_digest(given, self.expected):
                 await _error(401, "missing or wrong internal token")(scope, receive, send)
                 return
@@ -280,7 +280,7 @@ class GenerateRoute:
         self.worker = worker
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] != P.GENERATE_PATH:
+        if scope["type"] != "http" or scope["path"] != protocol.GENERATE_PATH:
             await self.app(scope, receive, send)
             return
         if scope["method"] != "POST":
@@ -288,7 +288,7 @@ class GenerateRoute:
             return
         try:
             with self.worker.engine.arriving():
-                req = P.GenerateRequest.from_json(json_object(await _read_body(receive)))
+                req = protocol.GenerateRequest.from_json(json_object(await _read_body(receive)))
                 admitted = self.worker.admit(req)
         except (InvalidRequestError, TypeError, ValueError) as e:
             await _error(400, str(e))(scope, receive, send)
@@ -348,7 +348,7 @@ def build_worker_app(engine: WorkerEngine, config: WorkerConfig) -> FastAPI:
     app.add_middleware(GenerateRoute, worker=worker)
     app.add_middleware(RequireSecret, expected=expected)
 
-    @app.post(P.ABORT_PATH)
+    @app.post(protocol.ABORT_PATH)
     async def abort(request: Request):
         try:
             body = await _json_body(request)
@@ -360,13 +360,13 @@ def build_worker_app(engine: WorkerEngine, config: WorkerConfig) -> FastAPI:
         return {"ok": True}
 
     # A worker whose engine died answers 503 here, so the router's probes eject it.
-    @app.get(P.LOAD_PATH)
+    @app.get(protocol.LOAD_PATH)
     async def load():
         if (reason := engine.unavailable()) is not None:
             return _error(503, reason)
         return worker.load().to_json()
 
-    @app.get(P.HEALTH_PATH)
+    @app.get(protocol.HEALTH_PATH)
     async def health():
         if (reason := engine.unavailable()) is not None:
             return _error(503, reason)
@@ -386,11 +386,11 @@ def build_worker_app(engine: WorkerEngine, config: WorkerConfig) -> FastAPI:
             return JSONResponse({"status": "unavailable"}, status_code=503)
         return {"status": "ready"}
 
-    @app.get(P.MODEL_PATH)
+    @app.get(protocol.MODEL_PATH)
     async def model():
         return worker.model_card()
 
-    @app.get(P.METRICS_PATH)
+    @app.get(protocol.METRICS_PATH)
     async def metrics():
         return PlainTextResponse(worker.metrics.render(), media_type=CONTENT_TYPE)
 

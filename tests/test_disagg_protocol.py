@@ -1,5 +1,5 @@
 """The internal protocol's messages, and the engine types they carry, survive a JSON round trip
-unchanged; the JSON is derived from the dataclasses' fields (engine/dataclass_json.py)."""
+unchanged; the JSON is derived from the dataclasses' fields (disagg/dataclass_json.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from deepserve.disagg import protocol as P
+from deepserve.disagg.dataclass_json import from_json, to_json
 from deepserve.engine.admission import EngineLimits
 from deepserve.engine.contract import ModelCard, ModelInfo
-from deepserve.engine.dataclass_json import from_json, to_json
 from deepserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from deepserve.engine.sampling_params import SamplingParams, StructuredOutput
 
@@ -82,7 +82,7 @@ def test_request_output_round_trips_through_a_stream_event():
 
 def test_router_and_disagg_never_import_torch():
     code = (
-        "import sys, deepserve.router.router, deepserve.router.flow, deepserve.router.remote_engine;"
+        "import sys, deepserve.router.router, deepserve.disagg.flow, deepserve.router.remote_engine;"
         "sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
@@ -91,7 +91,7 @@ def test_router_and_disagg_never_import_torch():
 def test_model_card_round_trips_with_its_nested_info_and_limits():
     info = ModelInfo("m", "llama", "LlamaForCausalLM", "/p", 100, 64, [2, 3], 1, None, "ab", 0)
     card = ModelCard(info, EngineLimits(100, 64, 256, 8), True, 16, 4096, "native")
-    assert ModelCard.from_json(through_json(card.to_json())) == card
+    assert from_json(ModelCard, through_json(to_json(card))) == card
 
 
 def test_event_batch_round_trips_with_its_block_events():

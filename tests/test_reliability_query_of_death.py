@@ -17,11 +17,11 @@ from server_harness import running_server, smollm_engine
 from deepserve.disagg import protocol as P
 from deepserve.disagg.client import WorkerClient
 from deepserve.disagg.errors import WorkerRejectedError
+from deepserve.disagg.flow import GenerationFlow
 from deepserve.engine.async_engine import AsyncEngine
 from deepserve.engine.config import EngineConfig
 from deepserve.engine.loading.loader import LoadedModel
 from deepserve.engine.sampling_params import SamplingParams
-from deepserve.router.flow import GenerationFlow
 from deepserve.router.router import Router, RouterConfig
 from deepserve.server.worker import WorkerConfig, build_worker_app
 

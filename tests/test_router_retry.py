@@ -18,8 +18,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from deepserve.disagg import protocol as P
 from deepserve.disagg.client import ClientTimeouts
 from deepserve.disagg.errors import NoWorkerError, WorkerRejectedError, WorkerUnavailableError
+from deepserve.disagg.flow import GenerationFlow
 from deepserve.engine.sampling_params import SamplingParams
-from deepserve.router.flow import GenerationFlow
 from deepserve.router.pool import HealthPolicy
 from deepserve.router.router import Router, RouterConfig
 

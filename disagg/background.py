@@ -2,7 +2,8 @@
 
 The router's health prober, DNS discovery and KV-event subscriber, and the worker's event
 publisher all need the same three lines: start if not running, cancel, await the cancellation.
-Torch-free.
+It lives here, at the worker API's level, so both ends (router/ and server/worker.py) import it
+downwards. Torch-free.
 """
 
 from __future__ import annotations

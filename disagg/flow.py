@@ -1,4 +1,4 @@
-"""`GenerationFlow`: one request over the router, colocated or split into prefill and decode.
+"""`GenerationFlow`: one request over the workers, colocated or split into prefill and decode.
 
 Colocated: the whole request runs on one `mixed` worker. Disaggregated (the pool has prefill and
 decode workers): a prefill worker computes the prompt's KV and the first token, writes the full
@@ -12,9 +12,13 @@ the token counts as output for max/min_tokens, penalties, the grammar and the se
 both workers sample with the same seed (one is drawn here when the client gave none), so the
 stream equals a colocated run's. The same resume carries a request over a worker that dies
 mid-stream: another worker of the role continues after every token already streamed, so the
-client sees a pause, not an error (single-sample requests; n > 1 fails as before). Requests with n > 1 (a first token per sample) are not split: the
-prefill worker only moves the KV and the decode worker generates every token itself. If no prefill
-worker can take a request before its first token, the decode worker does it all.
+client sees a pause, not an error (single-sample requests; an n > 1 request fails). Requests
+with n > 1 (a first token per sample) are not split: the prefill worker only moves the KV and the
+decode worker generates every token itself. If no prefill worker can take a request before its
+first token, the decode worker does it all.
+
+The flow asks a `WorkerPicker` for one worker's events by role; router/router.py's `Router` is
+the one the frontend passes in (router/remote_engine.py).
 
 Not here: picking workers, retries and aborts on one worker (router/router.py).
 """
@@ -26,12 +30,12 @@ import dataclasses
 import logging
 import secrets
 from collections.abc import AsyncIterator
+from typing import Protocol
 
-from deepserve.disagg import protocol as P
+from deepserve.disagg.dataclass_json import to_json
 from deepserve.disagg.errors import WorkerUnavailableError
-from deepserve.engine.dataclass_json import to_json
+from deepserve.disagg.protocol import GenerateRequest, StreamEvent
 from deepserve.engine.sampling_params import SamplingParams
-from deepserve.router.router import Router
 
 log = logging.getLogger(__name__)
 
@@ -41,30 +45,47 @@ def resumable(params: SamplingParams) -> bool:
     return params.n == 1
 
 
+class WorkerPicker(Protocol):
+    """What the flow needs of whoever picks workers: one worker's events for a request, by role."""
+
+    @property
+    def max_attempts(self) -> int:
+        """How many workers one request may try (the flow's fail-over mid-stream too)."""
+
+    def has_role(self, role: str) -> bool:
+        """Whether the pool has a worker of `role` at all (healthy or not)."""
+
+    def stream(self, role: str, req: GenerateRequest) -> AsyncIterator[StreamEvent]:
+        """`req`'s events from one worker of `role`, tried elsewhere before the first token;
+        `WorkerUnavailableError` (with `started`) when that fails."""
+
+    def retried(self, role: str) -> None:
+        """Count one request tried again on another worker of `role`."""
+
+
 class GenerationFlow:
-    def __init__(self, router: Router, max_model_len: int) -> None:
-        self.router = router
+    def __init__(self, picker: WorkerPicker, max_model_len: int) -> None:
+        self.picker = picker
         self.max_model_len = max_model_len
 
     @property
     def disaggregated(self) -> bool:
-        pool = self.router.pool
-        return pool.has_role("prefill") and pool.has_role("decode")
+        return self.picker.has_role("prefill") and self.picker.has_role("decode")
 
     def stream(
         self, request_id: str, prompt: list[int], params: SamplingParams
-    ) -> AsyncIterator[P.StreamEvent]:
+    ) -> AsyncIterator[StreamEvent]:
         """The request's events. A plain function handing back the chosen path's generator: one
         async-generator layer less for every event of every request."""
         # Every worker must draw the same noise. The seed goes into the wire dict when that is
         # all that carries it: `dataclasses.replace` costs tens of microseconds a request.
         seed = secrets.randbits(63) if params.seed is None and resumable(params) else None
         if not self.disaggregated:
-            role = "mixed" if self.router.pool.has_role("mixed") else "decode"
+            role = "mixed" if self.picker.has_role("mixed") else "decode"
             sampling = to_json(params)
             if seed is not None:
                 sampling["seed"] = seed
-            req = P.GenerateRequest(request_id, prompt, sampling)
+            req = GenerateRequest(request_id, prompt, sampling)
             return self._failing_over(role, req, params)
         if seed is not None:
             params = dataclasses.replace(params, seed=seed)
@@ -75,11 +96,11 @@ class GenerationFlow:
 
     async def _split(
         self, request_id: str, prompt: list[int], params: SamplingParams
-    ) -> AsyncIterator[P.StreamEvent]:
+    ) -> AsyncIterator[StreamEvent]:
         first_params = dataclasses.replace(
             params, max_tokens=1, min_tokens=min(params.min_tokens, 1)
         )
-        pre = P.GenerateRequest(request_id, prompt, to_json(first_params), "prefill")
+        pre = GenerateRequest(request_id, prompt, to_json(first_params), "prefill")
         try:
             first = await self._prefill(pre)
         except WorkerUnavailableError as e:
@@ -96,7 +117,7 @@ class GenerationFlow:
         first.outputs[0]["finish_reason"] = None
         first.outputs[0]["stop_token_id"] = None
         yield first
-        dec = P.GenerateRequest(
+        dec = GenerateRequest(
             request_id,
             prompt,
             to_json(params),
@@ -109,24 +130,24 @@ class GenerationFlow:
                 yield _as_prompt_of(ev, first)
 
     async def _failing_over(
-        self, role: str, req: P.GenerateRequest, params: SamplingParams
-    ) -> AsyncIterator[P.StreamEvent]:
+        self, role: str, req: GenerateRequest, params: SamplingParams
+    ) -> AsyncIterator[StreamEvent]:
         """`req` on a worker of `role`; when that worker dies after streaming, another one
         resumes after every token emitted so far (n=1 only; the seed is fixed by then)."""
         emitted = list(req.resume_token_ids)
-        first: P.StreamEvent | None = None
-        for attempt in range(self.router.config.max_attempts):
+        first: StreamEvent | None = None
+        for attempt in range(self.picker.max_attempts):
             if attempt:
                 req = dataclasses.replace(req, resume_token_ids=list(emitted))
             try:
-                async with contextlib.aclosing(self.router.stream(role, req)) as events:
+                async with contextlib.aclosing(self.picker.stream(role, req)) as events:
                     async for ev in events:
                         first = first or ev
                         emitted += [t for o in ev.outputs for t in o["token_ids"]]
                         yield ev if not attempt else _as_prompt_of(ev, first)
                 return
             except WorkerUnavailableError as e:
-                last_try = attempt + 1 == self.router.config.max_attempts
+                last_try = attempt + 1 == self.picker.max_attempts
                 if not (e.started and resumable(params)) or last_try:
                     raise
                 log.warning(
@@ -135,18 +156,16 @@ class GenerationFlow:
                     len(emitted),
                     e,
                 )
-                self.router.stats.retried(role)
+                self.picker.retried(role)
 
-    def _ends_after_first(
-        self, first: P.StreamEvent, params: SamplingParams, n_prompt: int
-    ) -> bool:
+    def _ends_after_first(self, first: StreamEvent, params: SamplingParams, n_prompt: int) -> bool:
         reason = first.outputs[0]["finish_reason"]
         return reason == "stop" or params.max_tokens == 1 or n_prompt + 1 >= self.max_model_len
 
-    async def _prefill(self, req: P.GenerateRequest) -> P.StreamEvent:
+    async def _prefill(self, req: GenerateRequest) -> StreamEvent:
         """Run `req` on a prefill worker; one merged event with its token, keys and cache use."""
-        merged: P.StreamEvent | None = None
-        async with contextlib.aclosing(self.router.stream("prefill", req)) as events:
+        merged: StreamEvent | None = None
+        async with contextlib.aclosing(self.picker.stream("prefill", req)) as events:
             async for ev in events:
                 merged = ev if merged is None else _merge(merged, ev)
         if merged is None or not merged.outputs or not merged.outputs[0]["token_ids"]:
@@ -157,11 +176,11 @@ class GenerationFlow:
 
     async def _transfer_then_decode(
         self, request_id: str, prompt: list[int], params: SamplingParams
-    ) -> AsyncIterator[P.StreamEvent]:
+    ) -> AsyncIterator[StreamEvent]:
         keys: list[str] = []
         # The salt too: the prompt's blocks are hashed under it on both workers.
         sampling = {"max_tokens": 1, "temperature": 0.0, "cache_salt": params.cache_salt}
-        pre = P.GenerateRequest(request_id, prompt, sampling, "prefill")
+        pre = GenerateRequest(request_id, prompt, sampling, "prefill")
         try:
             keys = (await self._prefill(pre)).kv_keys
         except WorkerUnavailableError as e:
@@ -172,12 +191,12 @@ class GenerationFlow:
 
     def _decode_all(
         self, request_id: str, prompt: list[int], params: SamplingParams, keys: list[str] = ()
-    ) -> AsyncIterator[P.StreamEvent]:
-        req = P.GenerateRequest(request_id, prompt, to_json(params), "decode", kv_keys=list(keys))
-        return self.router.stream("decode", req)
+    ) -> AsyncIterator[StreamEvent]:
+        req = GenerateRequest(request_id, prompt, to_json(params), "decode", kv_keys=list(keys))
+        return self.picker.stream("decode", req)
 
 
-def _merge(a: P.StreamEvent, b: P.StreamEvent) -> P.StreamEvent:
+def _merge(a: StreamEvent, b: StreamEvent) -> StreamEvent:
     out = dict(a.outputs[0]) if a.outputs else {"index": 0, "token_ids": [], "logprobs": None}
     for o in b.outputs:
         out["token_ids"] = out["token_ids"] + o["token_ids"]
@@ -195,7 +214,7 @@ def _merge(a: P.StreamEvent, b: P.StreamEvent) -> P.StreamEvent:
     )
 
 
-def _as_prompt_of(ev: P.StreamEvent, first: P.StreamEvent) -> P.StreamEvent:
+def _as_prompt_of(ev: StreamEvent, first: StreamEvent) -> StreamEvent:
     """The client's prompt is the original one; its cache use is what the prefill worker found."""
     return dataclasses.replace(
         ev,
