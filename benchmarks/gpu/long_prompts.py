@@ -188,22 +188,31 @@ def prompt_row(llm, length: int, vocab: int, rng: random.Random) -> dict:
                 decode_tok_s=round(DECODE_TOKENS / max(warm_many - warm_one, 1e-9), 1))  # fmt: skip
 
 
-def section_long(out: dict, deadline: float, lengths=V2_LENGTHS) -> None:
+def section_long(
+    out: dict,
+    deadline: float,
+    lengths=V2_LENGTHS,
+    flags=(False, True),
+    shapes=("v2-lite", "smollm2"),
+) -> None:
+    """Each shape's prompts, one fresh prompt at a time, with each `--batch-invariant` flag of
+    `flags` (V2-Lite; SmolLM2's one 8K-token context runs with both)."""
     import speed
 
     rows = out.setdefault("long_prompts", [])
-    shapes = (
-        ("v2-lite", dict(speed.SHAPES["v2-lite"], max_position_embeddings=V2_CONTEXT), lengths),
-        ("smollm2", speed.SHAPES["smollm2"], (8192 - 1 - DECODE_TOKENS,)),
-    )
-    for name, config, todo in shapes:
+    todo = {
+        "v2-lite": (dict(speed.SHAPES["v2-lite"], max_position_embeddings=V2_CONTEXT), lengths),
+        "smollm2": (speed.SHAPES["smollm2"], (8192 - 1 - DECODE_TOKENS,)),
+    }
+    for name in [s for s in ("smollm2", "v2-lite") if s in shapes]:
+        config, prompt_lengths = todo[name]
         hf = speed.build_hf(config)
-        for flag in (False, True):
+        for flag in flags if name == "v2-lite" else (False, True):  # SmolLM2's 8K is cheap
             llm = speed.build_llm(config, hf, flag, kv_cache_bytes=24 * 2**30,
                                   max_num_batched_tokens=8192)  # fmt: skip
             rng = random.Random(7)
-            _timed(llm, [5] * 64, 4)  # warm-up: graphs captured, kernels built
-            for length in todo:
+            _timed(llm, [5] * 2048, 4)  # warm-up: graphs captured, prefill kernels built
+            for length in prompt_lengths:
                 if time.time() > deadline:
                     out["errors"].append(f"long: {name} {length} flag {flag}: out of time")
                     break

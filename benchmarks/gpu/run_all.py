@@ -450,6 +450,20 @@ def main() -> int:
     parser.add_argument("--shapes", nargs="*", default=["smollm2", "v2-lite"])
     parser.add_argument("--v2-batches", nargs="*", type=int, default=[1, 32, 64])
     parser.add_argument("--smollm2-batches", nargs="*", type=int, default=[1, 32])
+    parser.add_argument(
+        "--long-lengths",
+        nargs="*",
+        type=int,
+        default=None,
+        help="section long: V2-Lite prompt lengths (default: 2K..131K)",
+    )
+    parser.add_argument(
+        "--long-flags",
+        nargs="*",
+        type=int,
+        default=[0, 1],
+        help="section long: --batch-invariant off (0) and/or on (1)",
+    )
     args = parser.parse_args()
     sc = QUICK if args.quick_cpu else Scale()
     start = time.time()
@@ -492,7 +506,16 @@ def main() -> int:
         ("determinism", lambda: section_determinism(out, models, sc, deadline - 100)),
         ("throughput", lambda: section_throughput(out, models, sc, deadline - 90)),
         ("serve", lambda: serve_bench.section_serve(out, work, serve_bench.ServeRun())),
-        ("long", lambda: long_prompts.section_long(out, deadline - 60)),
+        (
+            "long",
+            lambda: long_prompts.section_long(
+                out,
+                deadline - 30,
+                args.long_lengths or long_prompts.V2_LENGTHS,
+                [bool(f) for f in args.long_flags],
+                args.shapes,
+            ),
+        ),
         ("serve_long", lambda: long_prompts.section_serve_long(out, work, args.out)),
     ]
     default_off = {
