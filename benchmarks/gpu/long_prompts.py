@@ -245,7 +245,7 @@ def _serve_traffic(port: int, vocab: int, long_len: int, over_len: int) -> dict:
 
     def body(n: int, max_tokens: int) -> dict:
         ids = [rng.randrange(3, vocab) for _ in range(n)]
-        return dict(model="m", prompt=ids, max_tokens=max_tokens, temperature=0)
+        return dict(model="long", prompt=ids, max_tokens=max_tokens, temperature=0)
 
     async def main() -> dict:
         async with httpx.AsyncClient(timeout=600) as client:
@@ -288,7 +288,7 @@ def section_serve_long(out: dict, work, log_dir) -> None:
         torch.cuda.empty_cache()
     port = serve_bench._free_port()
     cmd = [sys.executable, "-m", "deepserve.server.cli", "serve", "--model", str(folder),
-           "--device", "cuda", "--dtype", "bfloat16", "--port", str(port),
+           "--device", "cuda", "--dtype", "bfloat16", "--port", str(port), "--served-model-name", "long",
            "--kv-cache-bytes", str(24 * 2**30), "--max-num-batched-tokens", "8192"]  # fmt: skip
     Path(log_dir).mkdir(parents=True, exist_ok=True)
     log = Path(log_dir) / "serve_long.log"
