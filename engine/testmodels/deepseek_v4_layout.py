@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SLIDING, CSA, HCA = (
-    "sliding_attention",
-    "compressed_sparse_attention",
-    "heavily_compressed_attention",
+from deepserve.engine.models.deepseek_v4_config import (
+    CSA,
+    SLIDING,
+    compress_rate,
+    layer_types,
+    mlp_layer_types,
 )
 
 
@@ -26,29 +28,6 @@ class TensorSpec:
     # correction bias), "sink" (per-head attention sink), "position_bias" (compressor ape),
     # "hc_fn" / "hc_base" / "hc_scale" (hyper-connection mixing), "tid2eid" (hash routing table)
     kind: str
-
-
-def layer_types(config: dict) -> list[str]:
-    """Per-layer attention type, from `layer_types` or the published `compress_ratios` (0/4/128)."""
-    if config.get("layer_types"):
-        return list(config["layer_types"])[: config["num_hidden_layers"]]
-    by_ratio = {0: SLIDING, 4: CSA, 128: HCA}
-    return [by_ratio[r] for r in config["compress_ratios"][: config["num_hidden_layers"]]]
-
-
-def mlp_layer_types(config: dict) -> list[str]:
-    """Per-layer MoE kind: `hash_moe` (tid2eid routing) or `moe`."""
-    n = config["num_hidden_layers"]
-    if config.get("mlp_layer_types"):
-        return list(config["mlp_layer_types"])[:n]
-    hashed = min(n, config.get("num_hash_layers", 3))
-    return ["hash_moe"] * hashed + ["moe"] * (n - hashed)
-
-
-def compress_rate(config: dict, kind: str) -> int:
-    rates = config.get("compress_rates") or {}
-    default = {CSA: config.get("compress_rate_csa", 4), HCA: config.get("compress_rate_hca", 128)}
-    return int(rates.get(kind, default[kind]))
 
 
 def tensor_specs(config: dict) -> dict[str, TensorSpec]:

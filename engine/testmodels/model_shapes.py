@@ -25,7 +25,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from deepserve.engine.testmodels.deepseek_v4_layout import CSA, HCA, SLIDING, tensor_specs
+from deepserve.engine.models.deepseek_v4_config import CSA, HCA, SLIDING
+from deepserve.engine.testmodels.deepseek_v4_layout import tensor_specs
 
 DEEPSEEK_V2_LITE = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",

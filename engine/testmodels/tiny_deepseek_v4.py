@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from deepserve.engine.testmodels.deepseek_v4_layout import CSA, HCA, SLIDING, tensor_specs
+from deepserve.engine.models.deepseek_v4_config import CSA, HCA, SLIDING
+from deepserve.engine.testmodels.deepseek_v4_layout import tensor_specs
 from deepserve.engine.testmodels.tiny_deepseek import deepseek_tokenizer_with_specials
 
 TINY_V4_CONFIG = {
@@ -39,7 +40,7 @@ TINY_V4_CONFIG = {
     "layer_types": [SLIDING, CSA, HCA, CSA],
     "compress_rates": {CSA: 4, HCA: 16},
     "sliding_window": 64,
-    "index_n_heads": 8,
+    "index_n_heads": 32,
     "index_head_dim": 16,
     "index_topk": 16,
     "hc_mult": 4,
@@ -62,7 +63,7 @@ TINY_V4_CONFIG = {
     "rope_scaling": {
         "type": "yarn",
         "factor": 4.0,
-        "original_max_position_embeddings": 512,
+        "original_max_position_embeddings": 1024,
         "beta_fast": 32,
         "beta_slow": 1,
     },
