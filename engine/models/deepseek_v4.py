@@ -44,7 +44,6 @@ from deepserve.engine.models.deepseek_v4_config import (
 from deepserve.engine.parallel.plan import ModelShard
 from deepserve.kernels.attention_metadata import AttentionMetadata
 from deepserve.kernels.kernel_set import KernelSet
-from deepserve.kernels.reference.moe_routing import route_scores
 from deepserve.kernels.rope import apply_rope_interleaved, rope_inv_freq
 from deepserve.kernels.route_spec import RouteSpec
 
@@ -570,9 +569,17 @@ class DeepseekV4ForCausalLM:
             # the composed routing: the fused kernels know sigmoid and softmax scores only
             return k.moe_route_composed(logits, w.bias, spec, k.sigmoid, k.softmax)
         experts = w.tid2eid[input_ids]
-        weights = route_scores(logits, a.scoring_func, k.sigmoid, k.softmax).gather(1, experts)
+        weights = self._scores(logits).gather(1, experts)
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return weights * a.routed_scaling_factor, experts
+
+    def _scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """Router scores for hash routing, as the routing op scores them for learned routing."""
+        if self.args.scoring_func == "sqrtsoftplus":
+            return F.softplus(logits).sqrt()
+        if self.args.scoring_func == "sigmoid":
+            return self.k.sigmoid(logits)
+        return self.k.softmax(logits, -1)
 
     def _swiglu(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
         """down(silu(gate) * up) with gate clamped above and up on both sides at `swiglu_limit`."""

@@ -20,7 +20,7 @@ from deepserve.kernels.route_spec import RouteSpec
 Tensor = torch.Tensor
 
 
-def route_scores(logits: Tensor, scoring: str, sigmoid, softmax) -> Tensor:
+def _scores(logits: Tensor, scoring: str, sigmoid, softmax) -> Tensor:
     if scoring == "sigmoid":
         return sigmoid(logits)
     if scoring == "sqrtsoftplus":  # DeepSeek-V4
@@ -36,7 +36,7 @@ def route(
     softmax: Callable[[Tensor, int], Tensor] = reference_softmax,
 ) -> tuple[Tensor, Tensor]:
     """logits [T, E] float32 -> (weights [T, k] float32, ids [T, k] int64), best first."""
-    scores = route_scores(logits, spec.scoring, sigmoid, softmax)
+    scores = _scores(logits, spec.scoring, sigmoid, softmax)
     choice = scores if bias is None else scores + bias
     if spec.n_group > 1:
         grouped = choice.view(logits.shape[0], spec.n_group, -1)
