@@ -69,3 +69,13 @@ def test_engine_batches_v4_sequences_like_each_alone(tiny_dir, prompt):
     alone = [llm.generate([p], params)[0].token_ids for p in prompts]
     llm.close()
     assert together == alone
+
+
+def test_batch_invariant_engine_runs_v4_with_batch_independent_tokens(tiny_dir, prompt):
+    prompts = [prompt[:40], prompt[50:170], prompt[:7]]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    llm = _llm(tiny_dir, batch_invariant=True, enable_prefix_caching=False)
+    together = [r.token_ids for r in llm.generate(prompts, params)]
+    alone = [llm.generate([p], params)[0].token_ids for p in prompts]
+    llm.close()
+    assert together == alone
