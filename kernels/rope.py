@@ -109,3 +109,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the trailing `2 * cos.shape[-1]` dims of `x[..., D]` as interleaved pairs
+    (x0, x1), (x2, x3), ... (DeepSeek-V4's layout, kept as the checkpoint has it because its
+    attention output is rotated back and mixed by the output projection); the leading dims pass
+    through. `cos/sin` broadcast to `[..., rot_dim // 2]`; computed in float32, returned in x's
+    dtype."""
+    rot = 2 * cos.shape[-1]
+    pairs = x[..., -rot:].float().unflatten(-1, (-1, 2))
+    a, b = pairs[..., 0], pairs[..., 1]
+    cos, sin = cos.float(), sin.float()
+    rotated = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
+    return torch.cat([x[..., :-rot], rotated.to(x.dtype)], dim=-1)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class RouteSpec:
-    scoring: str  # "sigmoid" | "softmax"
+    scoring: str  # "sigmoid" | "softmax" | "sqrtsoftplus"
     n_group: int
     topk_group: int
     top_k: int

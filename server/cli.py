@@ -504,9 +504,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--shape",
         default="tiny-deepseek",
-        choices=["tiny-deepseek", "deepseek-v2-lite", "smollm2-135m"],
-        help="tiny-deepseek (real tokenizer, small dims) or a real model's shape, random bf16",
+        choices=[
+            "tiny-deepseek",
+            "tiny-deepseek-v4",
+            "deepseek-v2-lite",
+            "deepseek-v4-flash",
+            "smollm2-135m",
+        ],
+        help="tiny-deepseek(-v4) (real tokenizer, small dims) or a real model's shape, random bf16",
     )
+    p.add_argument("--layers", type=int, default=None, help="a real shape's layer count")
     p.add_argument("--device", default="cpu", help="where to draw a real shape's weights")
 
     add_worker_parser(sub)
@@ -534,10 +541,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "make-test-model":
         from pathlib import Path
 
+        if args.shape == "tiny-deepseek-v4":
+            from deepserve.engine.testmodels.tiny_deepseek_v4 import write_tiny_deepseek_v4
+
+            print(write_tiny_deepseek_v4(Path(args.out), seed=args.seed))
+            return 0
         if args.shape != "tiny-deepseek":
             from deepserve.engine.testmodels.model_shapes import write_shaped_model
 
-            print(write_shaped_model(args.shape, Path(args.out), args.device, args.seed))
+            layers = {} if args.layers is None else {"num_hidden_layers": args.layers}
+            out = write_shaped_model(args.shape, Path(args.out), args.device, args.seed, layers)
+            print(out)
             return 0
         from deepserve.engine.testmodels.tiny_deepseek import write_tiny_deepseek
 

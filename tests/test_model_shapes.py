@@ -11,7 +11,7 @@ import pytest
 from deepserve.engine.config import EngineConfig
 from deepserve.engine.llm import LLM
 from deepserve.engine.sampling_params import SamplingParams
-from deepserve.engine.testmodels.model_shapes import write_shaped_model
+from deepserve.engine.testmodels.model_shapes import v4_layer_schedule, write_shaped_model
 from deepserve.server.cli import main
 
 SMALL = {
@@ -20,6 +20,12 @@ SMALL = {
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
         qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=8,
         num_experts_per_tok=2,
+    ),
+    "deepseek-v4-flash": dict(
+        vocab_size=300, hidden_size=64, moe_intermediate_size=32, num_attention_heads=4,
+        head_dim=32, qk_rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16,
+        index_n_heads=4, index_head_dim=16, index_topk=8, n_routed_experts=8,
+        num_experts_per_tok=2, num_hidden_layers=4,
     ),
     "smollm2-135m": dict(vocab_size=300, hidden_size=64, intermediate_size=96,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
@@ -36,6 +42,21 @@ def test_shaped_model_loads_and_generates(shape, tmp_path):
     assert len(out[0].token_ids) == 4
     assert all(0 <= t < 300 for t in out[0].token_ids)
     llm.close()
+
+
+def test_v4_flash_schedule_keeps_every_layer_kind_with_few_layers():
+    """`--layers N` of the V4-Flash shape (the full geometry is too big to write here)."""
+    three, six = v4_layer_schedule(3), v4_layer_schedule(6)
+    assert three["layer_types"] == [
+        "sliding_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+    ]
+    assert three["mlp_layer_types"] == ["hash_moe", "hash_moe", "moe"]
+    assert six["layer_types"][:3] == ["sliding_attention"] * 2 + ["compressed_sparse_attention"]
+    assert six["mlp_layer_types"] == ["hash_moe"] * 3 + ["moe"] * 3
+    with pytest.raises(ValueError):
+        v4_layer_schedule(2)
 
 
 def test_cli_rejects_an_unknown_shape(tmp_path):

@@ -11,6 +11,7 @@ from deepserve.engine.errors import UnsupportedModelError
 ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+    "DeepseekV4ForCausalLM": ("deepseek_v4", "DeepseekV4ForCausalLM"),
 }
 
 

@@ -1,6 +1,12 @@
 """Checkpoints of real model shapes with random weights, for trying the GPU path with no hub:
 `write_shaped_model("deepseek-v2-lite", out_dir, device="cuda")`.
 
+DeepSeek-V4-Flash's shape (hidden 4096, 64 heads over one 512-dim latent, 256 routed experts top-6
++ 1 shared, CSA / HCA / sliding layers, hyper-connections) is written in the published V4 layout
+(deepseek_v4_layout.py) with `layers` of its 43 (`--layers`): the first one or two sliding-window
+only, then CSA and HCA alternating, hash-routed MoE in the first three (fewer with fewer layers, so
+every kind of layer is kept from 3 layers up).
+
 DeepSeek-V2-Lite's shape (15.7B: MLA with kv_lora_rank 512, 64 routed experts top-6 + 2 shared,
 27 layers) is written in the DeepseekV3 architecture with a 4K context, and SmolLM2-135M's as a
 Llama. Weights are drawn on `device` (a GPU draws 15.7B values in seconds) from N(0, 0.02) like
@@ -18,6 +24,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
+
+from deepserve.engine.models.deepseek_v4_config import CSA, HCA, SLIDING
+from deepserve.engine.testmodels.deepseek_v4_layout import tensor_specs
 
 DEEPSEEK_V2_LITE = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
@@ -39,13 +48,36 @@ SMOLLM2_135M = {
     "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": True,
     "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "torch_dtype": "bfloat16",
 }  # fmt: skip
-SHAPES = {"deepseek-v2-lite": DEEPSEEK_V2_LITE, "smollm2-135m": SMOLLM2_135M}
+DEEPSEEK_V4_FLASH = {
+    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+    "vocab_size": 129280, "hidden_size": 4096, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 43, "num_attention_heads": 64, "num_key_value_heads": 1,
+    "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_groups": 8,
+    "o_lora_rank": 1024, "compress_rates": {CSA: 4, HCA: 128}, "sliding_window": 128,
+    "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "hc_mult": 4,
+    "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "n_routed_experts": 256, "n_shared_experts": 1,
+    "num_experts_per_tok": 6, "scoring_func": "sqrtsoftplus", "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "num_nextn_predict_layers": 0,
+    "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "rope_scaling": {"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
+                     "beta_fast": 32, "beta_slow": 1},
+    "max_position_embeddings": 1048576, "tie_word_embeddings": False, "attention_bias": False,
+    "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16",
+}  # fmt: skip
+SHAPES = {
+    "deepseek-v2-lite": DEEPSEEK_V2_LITE,
+    "deepseek-v4-flash": DEEPSEEK_V4_FLASH,
+    "smollm2-135m": SMOLLM2_135M,
+}
 STD = 0.02
 
 
 def random_weights(config: dict, device: str, seed: int) -> dict[str, torch.Tensor]:
-    """HF-named bf16 tensors of `config`'s shapes (llama or deepseek_v3)."""
+    """HF-named bf16 tensors of `config`'s shapes (llama, deepseek_v3 or deepseek_v4)."""
     gen = torch.Generator(device=device).manual_seed(seed)
+    if config["model_type"] == "deepseek_v4":
+        return _deepseek_v4_weights(config, device, gen)
 
     def mat(*shape: int) -> torch.Tensor:
         t = torch.empty(shape, device=device, dtype=torch.bfloat16)
@@ -118,6 +150,40 @@ def _deepseek_layer(c: dict, i: int, mat, ones) -> dict[str, torch.Tensor]:
     return t | _mlp("mlp.shared_experts.", h, inter * c["n_shared_experts"], mat)
 
 
+def v4_layer_schedule(layers: int) -> dict:
+    """V4-Flash's layer kinds for `layers` layers: one or two sliding-window layers, then CSA and
+    HCA alternating; hash-routed MoE in the first three, and at least one learned-routing layer."""
+    if layers < 3:
+        raise ValueError("a deepseek-v4-flash shape needs 3 layers or more (one of each kind)")
+    sliding = min(2, layers - 2)
+    rest = [CSA if i % 2 == 0 else HCA for i in range(layers - sliding)]
+    hashed = min(3, layers - 1)
+    return {
+        "num_hidden_layers": layers,
+        "layer_types": [SLIDING] * sliding + rest,
+        "mlp_layer_types": ["hash_moe"] * hashed + ["moe"] * (layers - hashed),
+    }
+
+
+def _deepseek_v4_weights(config: dict, device: str, gen: torch.Generator) -> dict:
+    """The published V4 layout: matrices N(0, 0.02) in bf16; norms and mixing scales ones; sinks,
+    position and mixing biases zeros in float32 (as V4 keeps them); distinct hash experts."""
+    out = {}
+    for name, spec in tensor_specs(config).items():
+        if spec.kind in ("matrix", "embed"):
+            t = torch.empty(spec.shape, device=device, dtype=torch.bfloat16)
+            out[name] = t.normal_(0.0, STD, generator=gen)
+        elif spec.kind == "tid2eid":
+            scores = torch.rand(
+                spec.shape[0], config["n_routed_experts"], device=device, generator=gen
+            )
+            out[name] = scores.argsort(dim=-1)[:, : spec.shape[1]].contiguous()
+        else:
+            fill = 1.0 if spec.kind in ("norm", "hc_scale") else 0.0
+            out[name] = torch.full(spec.shape, fill, device=device, dtype=torch.float32)
+    return out
+
+
 def _word_tokenizer(vocab_size: int) -> Tokenizer:
     """Words `t0`..`t{V-1}` are the token ids; any other word is `t0`. Split on whitespace, so a
     text prompt (an HTTP benchmark's) has as many tokens as words."""
@@ -133,6 +199,8 @@ def write_shaped_model(
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r} ({', '.join(SHAPES)})")
     config = dict(SHAPES[name], **(overrides or {}))
+    if config["model_type"] == "deepseek_v4" and "layer_types" not in (overrides or {}):
+        config |= v4_layer_schedule(config["num_hidden_layers"])
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     weights = random_weights(config, device, seed)

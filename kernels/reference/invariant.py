@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from deepserve.kernels.attention_metadata import AttentionMetadata
 from deepserve.kernels.kernel_set import KernelSet
-from deepserve.kernels.reference import attention, moe_routing, ops
+from deepserve.kernels.reference import attention, moe_routing, ops, sparse_attention
 
 Tensor = torch.Tensor
 
@@ -252,4 +252,7 @@ def invariant_kernels() -> KernelSet:
         moe_route_composed=moe_routing.route,
         argmax=ops.argmax,
         sigmoid=elementwise(torch.sigmoid),
+        # per sequence, with a deterministic top-k; fixed-order reductions are a later step
+        sink_attention=sparse_attention.sink_attention,
+        indexer_topk=sparse_attention.indexer_topk,
     )

@@ -1,7 +1,7 @@
 """MoE routing as one op: router logits -> (weights, expert ids) of each token's top-k experts.
 
 `route` is the torch composition (the oracle, and every KernelSet's routing where it has no fused
-op or its op does not cover the call): sigmoid or softmax scores, `e_score_correction_bias` added
+op or its op does not cover the call): sigmoid, softmax or sqrtsoftplus (DeepSeek-V4) scores, `e_score_correction_bias` added
 for the selection only, group-limited selection (the best `topk_group` of `n_group` groups, a
 group scored by its top two biased scores, or its best score without a bias), top-k, then the
 chosen scores optionally normalised and scaled. kernels/triton/routing.py does the same in one
@@ -20,6 +20,14 @@ from deepserve.kernels.route_spec import RouteSpec
 Tensor = torch.Tensor
 
 
+def _scores(logits: Tensor, scoring: str, sigmoid, softmax) -> Tensor:
+    if scoring == "sigmoid":
+        return sigmoid(logits)
+    if scoring == "sqrtsoftplus":  # DeepSeek-V4
+        return torch.nn.functional.softplus(logits).sqrt()
+    return softmax(logits, -1)
+
+
 def route(
     logits: Tensor,
     bias: Tensor | None,
@@ -28,7 +36,7 @@ def route(
     softmax: Callable[[Tensor, int], Tensor] = reference_softmax,
 ) -> tuple[Tensor, Tensor]:
     """logits [T, E] float32 -> (weights [T, k] float32, ids [T, k] int64), best first."""
-    scores = sigmoid(logits) if spec.scoring == "sigmoid" else softmax(logits, -1)
+    scores = _scores(logits, spec.scoring, sigmoid, softmax)
     choice = scores if bias is None else scores + bias
     if spec.n_group > 1:
         grouped = choice.view(logits.shape[0], spec.n_group, -1)

@@ -1,0 +1,600 @@
+"""The `deepseek_v4` family: hybrid sliding-window / compressed attention over one latent K=V head,
+hyper-connections, and sqrtsoftplus / hash-routed MoE.
+
+Attention: queries through `wq_a -> q_norm -> wq_b` and a per-head unweighted norm; one shared
+latent head (head_dim) is both key and value, its last `rope_dim` dims rotated (interleaved pairs)
+and rotated back on the output before the grouped low-rank output projection (`wo_a` per group of
+heads, then `wo_b`). Each head has a sink logit in its softmax. Every layer attends to its sliding
+window; a CSA layer also to the `index_topk` compressed entries (one per `ratio` = 4 tokens, from
+overlapping gated windows) its lightning indexer picks, an HCA layer to all its entries (one per
+128 tokens). Sliding layers rotate with `rope_theta`; compressed layers, their entries and the
+indexer with `compress_rope_theta` and the checkpoint's YaRN scaling.
+
+Hyper-connections: the residual is `hc_mult` streams; around each block a learned map collapses
+them into the block's input (`pre`), spreads its output back (`post`) and mixes the streams through
+a Sinkhorn-normalised matrix (`comb`); a hyper head collapses them before the final norm.
+
+MoE: sqrtsoftplus scores, a correction bias for the choice only, normalised top-k weights times
+`routed_scaling_factor`, one shared expert; SwiGLU with clamped gate/up (`swiglu_limit`). The first
+layers route by a fixed token -> experts table (`tid2eid[input_ids]`).
+
+The KV rows and what a step reads of them: deepseek_v4_cache.py. Weights: the published layout
+(engine/testmodels/deepseek_v4_layout.py names it). The MTP layer is not served yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from deepserve.engine.errors import UnsupportedModelError
+from deepserve.engine.models.base import KVCacheSpec
+from deepserve.engine.models.common import WeightStore, require
+from deepserve.engine.models.deepseek_v4_cache import KVRow, StepPlan, kv_row
+from deepserve.engine.models.deepseek_v4_config import (
+    CSA,
+    HCA,
+    SLIDING,
+    compress_rate,
+    layer_types,
+    mlp_layer_types,
+)
+from deepserve.engine.parallel.plan import ModelShard
+from deepserve.kernels.attention_metadata import AttentionMetadata
+from deepserve.kernels.kernel_set import KernelSet
+from deepserve.kernels.rope import apply_rope_interleaved, rope_inv_freq
+from deepserve.kernels.route_spec import RouteSpec
+
+F32 = torch.float32
+
+
+@dataclass(frozen=True)
+class DeepseekV4Args:
+    vocab_size: int
+    hidden_size: int
+    moe_intermediate_size: int
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    rope_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    layer_types: tuple[str, ...]
+    hash_layers: tuple[bool, ...]
+    compress_rates: dict[str, int]
+    sliding_window: int
+    index_heads: int
+    index_head_dim: int
+    index_topk: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    scoring_func: str
+    routed_scaling_factor: float
+    swiglu_limit: float | None
+    rms_norm_eps: float
+    rope_theta: float
+    compress_rope_theta: float
+    compress_rope_scaling: dict | None
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf(cls, c: dict) -> DeepseekV4Args:
+        head_dim = require(c, "head_dim")
+        rope_dim = c.get("qk_rope_head_dim") or int(
+            head_dim * (c.get("partial_rotary_factor") or 0.125)
+        )
+        kinds = layer_types(c)
+        if c.get("scoring_func", "sqrtsoftplus") not in ("sqrtsoftplus", "sigmoid", "softmax"):
+            raise UnsupportedModelError(f"MoE scoring_func {c['scoring_func']!r} is not supported")
+        return cls(
+            vocab_size=require(c, "vocab_size"),
+            hidden_size=require(c, "hidden_size"),
+            moe_intermediate_size=require(c, "moe_intermediate_size"),
+            num_layers=require(c, "num_hidden_layers"),
+            num_heads=require(c, "num_attention_heads"),
+            head_dim=head_dim,
+            rope_dim=rope_dim,
+            q_lora_rank=require(c, "q_lora_rank"),
+            o_groups=require(c, "o_groups"),
+            o_lora_rank=require(c, "o_lora_rank"),
+            layer_types=tuple(kinds),
+            hash_layers=tuple(t == "hash_moe" for t in mlp_layer_types(c)),
+            compress_rates={kind: compress_rate(c, kind) for kind in (CSA, HCA)},
+            sliding_window=require(c, "sliding_window"),
+            index_heads=c.get("index_n_heads", 64),
+            index_head_dim=c.get("index_head_dim", 128),
+            index_topk=c.get("index_topk", 512),
+            hc_mult=c.get("hc_mult", 4),
+            hc_sinkhorn_iters=c.get("hc_sinkhorn_iters", 20),
+            hc_eps=c.get("hc_eps", 1e-6),
+            n_routed_experts=require(c, "n_routed_experts"),
+            n_shared_experts=c.get("n_shared_experts", 1),
+            num_experts_per_tok=require(c, "num_experts_per_tok"),
+            scoring_func=c.get("scoring_func", "sqrtsoftplus"),
+            routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
+            swiglu_limit=c.get("swiglu_limit"),
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=c.get("rope_theta", 10000.0),
+            compress_rope_theta=c.get("compress_rope_theta", 160000.0),
+            compress_rope_scaling=_compress_rope_scaling(c),
+            max_position_embeddings=c.get("max_position_embeddings", 1048576),
+        )
+
+
+def _compress_rope_scaling(c: dict) -> dict | None:
+    """The compressed branch's YaRN settings (`rope_scaling`, or transformers' nested
+    `rope_parameters["compress"]`). V4 does not scale cos/sin by YaRN's mscale: the attention
+    factor is 1 unless the checkpoint names one."""
+    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    rope = rope.get("compress", rope)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    return {"attention_factor": 1.0, **rope, "rope_type": kind}
+
+
+@dataclass(frozen=True)
+class _Rope:
+    inv_freq: torch.Tensor  # [rope_dim // 2] float32
+    factor: float
+
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin `[T, 1, rope_dim // 2]` in `dtype`, broadcast over heads."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        cos, sin = freqs.cos() * self.factor, freqs.sin() * self.factor
+        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
+
+
+@dataclass
+class _HyperConnection:
+    fn: torch.Tensor  # [(2 + n) * n, n * hidden] float32
+    base: torch.Tensor  # [(2 + n) * n] float32
+    scale: torch.Tensor  # [3] float32: pre, post, comb
+
+
+@dataclass
+class _Compressor:
+    """Gated pooling of `ratio` tokens into one entry; with `series` 2 (CSA) entry g pools group
+    g-1's first series and group g's second. `kv`/`gate`/`out` are its cache columns."""
+
+    wkv: torch.Tensor  # [series * dim, hidden]
+    wgate: torch.Tensor
+    ape: torch.Tensor  # [ratio, series * dim] float32, added to the gate by position in group
+    norm: torch.Tensor  # [dim] float32
+    ratio: int
+    series: int
+    kv: slice
+    gate: slice
+    out: slice
+
+
+@dataclass
+class _Indexer:
+    wq_b: torch.Tensor  # [heads * dim, q_lora]
+    weights_proj: torch.Tensor  # [heads, hidden]
+    compressor: _Compressor
+
+
+@dataclass
+class _Attention:
+    kind: str
+    row: KVRow
+    wq_a: torch.Tensor
+    q_norm: torch.Tensor
+    wq_b: torch.Tensor
+    wkv: torch.Tensor
+    kv_norm: torch.Tensor
+    wo_a: torch.Tensor  # [groups, o_lora, heads * head_dim / groups]
+    wo_b: torch.Tensor
+    sinks: torch.Tensor  # [heads] float32
+    compressor: _Compressor | None
+    indexer: _Indexer | None
+
+
+@dataclass
+class _MoE:
+    gate: torch.Tensor  # [E, hidden] float32
+    bias: torch.Tensor | None  # [E] float32 correction bias (learned routing)
+    tid2eid: torch.Tensor | None  # [vocab, k] int64 (hash routing)
+    gate_up: torch.Tensor  # [E, 2 * I, hidden]
+    down: torch.Tensor  # [E, hidden, I]
+    shared_gate_up: torch.Tensor
+    shared_down: torch.Tensor
+
+
+@dataclass
+class _Layer:
+    attn_hc: _HyperConnection
+    attn_norm: torch.Tensor
+    attn: _Attention
+    ffn_hc: _HyperConnection
+    ffn_norm: torch.Tensor
+    moe: _MoE
+
+
+class DeepseekV4ForCausalLM:
+    family = "deepseek_v4"
+
+    def __init__(
+        self,
+        config: dict,
+        weights: WeightStore,
+        kernels: KernelSet,
+        fingerprint: str,
+        parallel: ModelShard | None = None,
+    ) -> None:
+        if parallel is not None:
+            raise UnsupportedModelError("deepseek_v4 does not run tensor/expert parallel yet")
+        a = self.args = DeepseekV4Args.from_hf(config)
+        self.k = kernels
+        self.fingerprint = fingerprint
+        self.vocab_size = a.vocab_size
+        self.max_position_embeddings = a.max_position_embeddings
+        self.num_mtp_layers = 0
+        self.device, self.dtype = weights.device, weights.dtype
+        self.rows = {
+            kind: kv_row(kind, a.head_dim, a.index_head_dim) for kind in (SLIDING, CSA, HCA)
+        }
+        width = max(self.rows[kind].width for kind in a.layer_types)
+        self.kv_cache_spec = KVCacheSpec(a.num_layers, width, self.dtype)
+        self.ropes = {
+            SLIDING: self._rope(a.rope_theta, None),
+            CSA: self._rope(a.compress_rope_theta, a.compress_rope_scaling),
+        }
+        self.ropes[HCA] = self.ropes[CSA]
+        self._ones = {}  # unweighted RMSNorm weights by (size, dtype)
+        self.embed = weights.get("embed.weight")
+        self.layers = [self._load_layer(weights, i) for i in range(a.num_layers)]
+        self.hc_head = _HyperConnection(
+            weights.get("hc_head_fn", F32), weights.get("hc_head_base", F32),
+            weights.get("hc_head_scale", F32),
+        )  # fmt: skip
+        self.norm = weights.get("norm.weight", F32)
+        self.lm_head = weights.get("head.weight")
+
+    def _rope(self, theta: float, scaling: dict | None) -> _Rope:
+        inv_freq, factor = rope_inv_freq(self.args.rope_dim, theta, scaling)
+        return _Rope(inv_freq.to(self.device), factor)
+
+    # ---- loading -------------------------------------------------------------------------------
+
+    def _load_layer(self, w: WeightStore, i: int) -> _Layer:
+        p = f"layers.{i}."
+        return _Layer(
+            attn_hc=self._load_hc(w, p + "hc_attn_"),
+            attn_norm=w.get(p + "attn_norm.weight", F32),
+            attn=self._load_attention(w, p + "attn.", self.args.layer_types[i]),
+            ffn_hc=self._load_hc(w, p + "hc_ffn_"),
+            ffn_norm=w.get(p + "ffn_norm.weight", F32),
+            moe=self._load_moe(w, p + "ffn.", self.args.hash_layers[i]),
+        )
+
+    @staticmethod
+    def _load_hc(w: WeightStore, p: str) -> _HyperConnection:
+        return _HyperConnection(
+            w.get(p + "fn", F32), w.get(p + "base", F32), w.get(p + "scale", F32)
+        )
+
+    def _load_attention(self, w: WeightStore, p: str, kind: str) -> _Attention:
+        a, row = self.args, self.rows[kind]
+        compressor = indexer = None
+        if kind != SLIDING:
+            ratio = a.compress_rates[kind]
+            compressor = self._load_compressor(
+                w, p + "compressor.", ratio, row.comp_kv, row.comp_gate, row.entry
+            )
+        if kind == CSA:
+            indexer = _Indexer(
+                wq_b=w.get(p + "indexer.wq_b.weight"),
+                weights_proj=w.get(p + "indexer.weights_proj.weight"),
+                compressor=self._load_compressor(
+                    w, p + "indexer.compressor.", ratio, row.idx_kv, row.idx_gate, row.idx_key
+                ),
+            )
+        wo_a = w.get(p + "wo_a.weight")
+        return _Attention(
+            kind=kind,
+            row=row,
+            wq_a=w.get(p + "wq_a.weight"),
+            q_norm=w.get(p + "q_norm.weight", F32),
+            wq_b=w.get(p + "wq_b.weight"),
+            wkv=w.get(p + "wkv.weight"),
+            kv_norm=w.get(p + "kv_norm.weight", F32),
+            wo_a=wo_a.view(a.o_groups, a.o_lora_rank, -1),
+            wo_b=w.get(p + "wo_b.weight"),
+            sinks=w.get(p + "attn_sink", F32),
+            compressor=compressor,
+            indexer=indexer,
+        )
+
+    @staticmethod
+    def _load_compressor(
+        w: WeightStore, p: str, ratio: int, kv: slice, gate: slice, out: slice
+    ) -> _Compressor:
+        wkv = w.get(p + "wkv.weight")
+        norm = w.get(p + "norm.weight", F32)
+        return _Compressor(
+            wkv=wkv, wgate=w.get(p + "wgate.weight"), ape=w.get(p + "ape", F32), norm=norm,
+            ratio=ratio, series=wkv.shape[0] // norm.shape[0], kv=kv, gate=gate, out=out,
+        )  # fmt: skip
+
+    def _load_moe(self, w: WeightStore, p: str, hashed: bool) -> _MoE:
+        experts = [self._load_mlp(w, f"{p}experts.{e}.") for e in range(self.args.n_routed_experts)]
+        shared_gate_up, shared_down = self._load_mlp(w, p + "shared_experts.")
+        return _MoE(
+            gate=w.get(p + "gate.weight", F32),
+            bias=None if hashed else w.get(p + "gate.bias", F32),
+            tid2eid=w.get(p + "gate.tid2eid", torch.long) if hashed else None,
+            gate_up=torch.stack([e[0] for e in experts]),
+            down=torch.stack([e[1] for e in experts]),
+            shared_gate_up=shared_gate_up,
+            shared_down=shared_down,
+        )
+
+    @staticmethod
+    def _load_mlp(w: WeightStore, p: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return w.cat([p + "w1.weight", p + "w3.weight"]), w.get(p + "w2.weight")
+
+    # ---- forward -------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        plan = StepPlan(attn, self.args.sliding_window)
+        ropes = {kind: rope.at(positions, self.dtype) for kind, rope in self.ropes.items()}
+        h = F.embedding(input_ids, self.embed)
+        h = h[:, None, :].expand(-1, self.args.hc_mult, -1).contiguous()  # [T, streams, hidden]
+        for layer, cache in zip(self.layers, kv_cache, strict=False):
+            h = self._decoder_layer(layer, h, input_ids, ropes, plan, cache)
+        return self._norm(self._hyper_head(h), self.norm)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.k.linear(hidden, self.lm_head).float()
+
+    def _decoder_layer(
+        self,
+        layer: _Layer,
+        h: torch.Tensor,
+        input_ids: torch.Tensor,
+        ropes: dict,
+        plan: StepPlan,
+        cache: torch.Tensor,
+    ) -> torch.Tensor:
+        post, comb, x = self._hc_collapse(layer.attn_hc, h)
+        out = self._attention(layer.attn, self._norm(x, layer.attn_norm), ropes, plan, cache)
+        h = self._hc_expand(h, out, post, comb)
+        post, comb, x = self._hc_collapse(layer.ffn_hc, h)
+        out = self._moe(layer.moe, self._norm(x, layer.ffn_norm), input_ids)
+        return self._hc_expand(h, out, post, comb)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm in float32, back in x's dtype; without a weight, the unweighted norm."""
+        if weight is None:
+            key = (x.shape[-1], x.dtype)
+            if key not in self._ones:
+                self._ones[key] = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+            weight = self._ones[key]
+        return self.k.rms_norm(x, weight, self.args.rms_norm_eps).to(x.dtype)
+
+    # ---- hyper-connections ---------------------------------------------------------------------
+
+    def _hc_mixes(self, w: _HyperConnection, h: torch.Tensor) -> torch.Tensor:
+        flat = self._norm(h.flatten(1).float())
+        return self.k.linear(flat, w.fn)
+
+    def _hc_collapse(
+        self, w: _HyperConnection, h: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Streams `h [T, n, hidden]` -> (post [T, n], comb [T, n, n], the block's input [T, hidden])."""
+        n, eps = self.args.hc_mult, self.args.hc_eps
+        pre, post, comb = self._hc_mixes(w, h).split([n, n, n * n], dim=-1)
+        b_pre, b_post, b_comb = w.base.split([n, n, n * n])
+        pre = torch.sigmoid(pre * w.scale[0] + b_pre) + eps
+        post = 2 * torch.sigmoid(post * w.scale[1] + b_post)
+        comb = self.k.softmax((comb * w.scale[2] + b_comb).view(-1, n, n), -1) + eps
+        comb = _sinkhorn(comb, self.args.hc_sinkhorn_iters, eps)
+        return post, comb, (pre[..., None] * h).sum(dim=1).to(h.dtype)
+
+    @staticmethod
+    def _hc_expand(
+        h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    ) -> torch.Tensor:
+        """Stream j of the result: `post[j] * out + sum_i comb[i, j] * h[i]`."""
+        mixed = torch.matmul(comb.to(h.dtype).transpose(-1, -2), h)
+        return post.to(h.dtype)[..., None] * out[:, None, :] + mixed
+
+    def _hyper_head(self, h: torch.Tensor) -> torch.Tensor:
+        w = self.hc_head
+        pre = torch.sigmoid(self._hc_mixes(w, h) * w.scale + w.base) + self.args.hc_eps
+        return (pre[..., None] * h).sum(dim=1).to(h.dtype)
+
+    # ---- attention -----------------------------------------------------------------------------
+
+    def _attention(
+        self, w: _Attention, x: torch.Tensor, ropes: dict, plan: StepPlan, cache: torch.Tensor
+    ) -> torch.Tensor:
+        a, k = self.args, self.k
+        tokens = x.shape[0]
+        cos, sin = ropes[w.kind]
+        q_lora = self._norm(k.linear(x, w.wq_a), w.q_norm)
+        q = self._norm(k.linear(q_lora, w.wq_b).view(tokens, a.num_heads, a.head_dim))
+        q = apply_rope_interleaved(q, cos, sin)
+        self._write_rows(w, x, cos, sin, plan, cache)
+        for c in (w.compressor, w.indexer and w.indexer.compressor):
+            if c is not None:
+                self._close_groups(c, plan, cache)
+        index_q = self._index_queries(w.indexer, q_lora, x, ropes[CSA]) if w.indexer else None
+        out = torch.empty_like(q)
+        for seq, span in enumerate(plan.spans):
+            if span.total > span.ctx:
+                q_seq = q[span.rows]
+                iq = None if index_q is None else (index_q[0][span.rows], index_q[1][span.rows])
+                out[span.rows] = self._sequence_attention(w, q_seq, iq, seq, plan, cache)
+        out = apply_rope_interleaved(out, cos, -sin)  # K = V: undo the rotation the values carried
+        return self._output(w, out)
+
+    def _write_rows(
+        self,
+        w: _Attention,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        plan: StepPlan,
+        cache: torch.Tensor,
+    ) -> None:
+        """This step's tokens' own columns: the window latent and the compressors' inputs."""
+        k = self.k
+        latent = self._norm(k.linear(x, w.wkv), w.kv_norm)
+        parts = [apply_rope_interleaved(latent[:, None], cos, sin)[:, 0]]
+        for c in (w.compressor, w.indexer and w.indexer.compressor):
+            if c is not None:
+                parts += [k.linear(x, c.wkv), k.linear(x, c.wgate)]
+        k.write_kv(cache[..., w.row.written], plan.step_slots, torch.cat(parts, dim=-1))
+
+    def _close_groups(self, c: _Compressor, plan: StepPlan, cache: torch.Tensor) -> None:
+        """Pool each group this step closes into its entry, written in its last token's row."""
+        groups = plan.closing(c.ratio)
+        if groups is None:
+            return
+        rows = cache.view(-1, cache.shape[-1])
+        cur = rows[groups.tokens]  # [G, ratio, width]
+        kv, gate = cur[..., c.kv], cur[..., c.gate] + c.ape
+        dim = c.norm.shape[0]
+        if c.series == 2:  # CSA: group g-1's first series, then group g's second
+            prev = rows[groups.previous]
+            prev_gate = prev[..., c.gate][..., :dim] + c.ape[:, :dim]
+            prev_gate = prev_gate.masked_fill(~groups.has_previous[:, None, None], float("-inf"))
+            kv = torch.cat([prev[..., c.kv][..., :dim], kv[..., dim:]], dim=1)
+            gate = torch.cat([prev_gate, gate[..., dim:]], dim=1)
+        pooled = (kv * self.k.softmax(gate, 1).to(kv.dtype)).sum(dim=1)
+        cos, sin = self.ropes[CSA].at(groups.first_position, self.dtype)
+        entry = apply_rope_interleaved(self._norm(pooled, c.norm)[:, None], cos, sin)[:, 0]
+        self.k.write_kv(cache[..., c.out], groups.last, entry)
+
+    def _index_queries(
+        self, w: _Indexer, q_lora: torch.Tensor, x: torch.Tensor, rope: tuple
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indexer's rotated queries [T, heads, dim] and per-head weights [T, heads]."""
+        a = self.args
+        q = self.k.linear(q_lora, w.wq_b).view(x.shape[0], a.index_heads, a.index_head_dim)
+        weights = self.k.linear(x, w.weights_proj).float() * a.index_heads**-0.5
+        return apply_rope_interleaved(q, *rope), weights
+
+    def _sequence_attention(
+        self,
+        w: _Attention,
+        q: torch.Tensor,
+        index_q: tuple[torch.Tensor, torch.Tensor] | None,
+        seq: int,
+        plan: StepPlan,
+        cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """One sequence's queries over its window and its visible compressed entries."""
+        rows = cache.view(-1, cache.shape[-1])
+        q_pos = plan.query_positions(seq)
+        key_pos, key_slots = plan.window_keys(seq)
+        keys = [rows[key_slots][:, w.row.window]]
+        near = (key_pos[None, :] <= q_pos[:, None]) & (
+            key_pos[None, :] > q_pos[:, None] - plan.window
+        )
+        visible = [near]
+        if w.compressor is not None:
+            entry_rows = rows[plan.entry_slots(seq, w.compressor.ratio)]
+            closed = (q_pos + 1) // w.compressor.ratio  # entries complete before each query
+            keys.append(entry_rows[:, w.compressor.out])
+            if w.indexer is None:  # HCA: every closed entry
+                visible.append(
+                    torch.arange(entry_rows.shape[0], device=q.device)[None, :] < closed[:, None]
+                )
+            else:
+                visible.append(self._chosen(w.indexer, index_q, entry_rows, closed))
+        scale = self.args.head_dim**-0.5
+        return self.k.sink_attention(q, torch.cat(keys), torch.cat(visible, dim=1), w.sinks, scale)
+
+    def _chosen(
+        self,
+        w: _Indexer,
+        index_q: tuple[torch.Tensor, torch.Tensor],
+        entry_rows: torch.Tensor,
+        closed: torch.Tensor,
+    ) -> torch.Tensor:
+        """[n, G] bool: the entries the indexer picks for each query."""
+        a = self.args
+        keys = entry_rows[:, w.compressor.out]
+        scale = a.index_head_dim**-0.5
+        ids = self.k.indexer_topk(index_q[0], index_q[1], keys, closed, a.index_topk, scale)
+        entries = keys.shape[0]
+        mask = torch.zeros(ids.shape[0], entries + 1, dtype=torch.bool, device=ids.device)
+        mask.scatter_(1, torch.where(ids < 0, entries, ids), True)
+        return mask[:, :entries]
+
+    def _output(self, w: _Attention, out: torch.Tensor) -> torch.Tensor:
+        """Grouped low-rank output projection: each group of heads -> o_lora, then all -> hidden."""
+        groups = w.wo_a.shape[0]
+        grouped = out.reshape(out.shape[0], groups, -1).transpose(0, 1)  # [G, T, heads*D/G]
+        mid = self.k.bmm(grouped, w.wo_a.transpose(1, 2))  # [G, T, o_lora]
+        return self.k.linear(mid.transpose(0, 1).reshape(out.shape[0], -1), w.wo_b)
+
+    # ---- MoE -----------------------------------------------------------------------------------
+
+    def _moe(self, w: _MoE, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        weights, experts = self._route(w, x, input_ids)
+        out = torch.zeros_like(x)
+        for e in experts.unique().tolist():
+            rows, slot = torch.where(experts == e)
+            y = self._swiglu(x[rows], w.gate_up[e], w.down[e])
+            out.index_add_(0, rows, (y * weights[rows, slot, None]).to(x.dtype))
+        return out + self._swiglu(x, w.shared_gate_up, w.shared_down)
+
+    def _route(
+        self, w: _MoE, x: torch.Tensor, input_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        a, k = self.args, self.k
+        logits = k.linear(x.float(), w.gate)
+        if w.tid2eid is None:
+            spec = RouteSpec(
+                a.scoring_func, 1, 1, a.num_experts_per_tok, True, a.routed_scaling_factor
+            )
+            # the composed routing: the fused kernels know sigmoid and softmax scores only
+            return k.moe_route_composed(logits, w.bias, spec, k.sigmoid, k.softmax)
+        experts = w.tid2eid[input_ids]
+        weights = self._scores(logits).gather(1, experts)
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * a.routed_scaling_factor, experts
+
+    def _scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """Router scores for hash routing, as the routing op scores them for learned routing."""
+        if self.args.scoring_func == "sqrtsoftplus":
+            return F.softplus(logits).sqrt()
+        if self.args.scoring_func == "sigmoid":
+            return self.k.sigmoid(logits)
+        return self.k.softmax(logits, -1)
+
+    def _swiglu(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate) * up) with gate clamped above and up on both sides at `swiglu_limit`."""
+        gate, up = self.k.linear(x, gate_up).chunk(2, dim=-1)
+        limit = self.args.swiglu_limit
+        if limit:
+            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return self.k.linear(F.silu(gate) * up, down)
+
+
+def _sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Alternate column and row normalisation towards a doubly-stochastic matrix (columns first,
+    `iters` column passes in all)."""
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb

@@ -1,0 +1,100 @@
+"""tiny-deepseek-v4 (seeded DeepSeek-V4 architecture: sliding / CSA / HCA layers, lightning indexer,
+hyper-connections, hash and sqrtsoftplus MoE) against transformers' DeepseekV4ForCausalLM on the
+same HF folder, and the per-token KV rows against chunking and batching."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_loop import SequenceLoop, batched_step_logits
+
+from deepserve.engine.config import EngineConfig
+from deepserve.engine.loading.loader import load_model
+from deepserve.engine.testmodels.tiny_deepseek_v4 import TINY_V4_CONFIG, write_tiny_deepseek_v4
+
+LENGTHS = [1, 17, 300, 2000]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_tiny_deepseek_v4(tmp_path_factory.mktemp("tiny-deepseek-v4"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def ours(tiny_dir):
+    torch.set_num_threads(1)
+    return load_model(EngineConfig(model=str(tiny_dir)))
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompt_ids():
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, 128000, (max(LENGTHS),), generator=gen).tolist()
+
+
+def test_tiny_config_reaches_past_the_window_and_the_indexers_top_k():
+    c = TINY_V4_CONFIG
+    csa, hca = (c["compress_rates"][t] for t in c["layer_types"][1:3])
+    assert set(c["layer_types"]) == {
+        "sliding_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+    }
+    assert "hash_moe" in c["mlp_layer_types"] and "moe" in c["mlp_layer_types"]
+    assert c["sliding_window"] < 300 and 300 // csa > c["index_topk"] and 300 // hca >= 8
+
+
+def test_model_info_and_kv_row_width(ours):
+    info, spec = ours.info, ours.model.kv_cache_spec
+    assert (info.family, info.architecture) == ("deepseek_v4", "DeepseekV4ForCausalLM")
+    d, di = TINY_V4_CONFIG["head_dim"], TINY_V4_CONFIG["index_head_dim"]
+    # CSA's row: window latent, 2-series compressor inputs, indexer inputs, entry and indexer key
+    assert (spec.num_layers, spec.width) == (4, d + 4 * d + 4 * di + d + di)
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_last_position_logits_match_transformers(ours, hf, prompt_ids, length):
+    prompt = prompt_ids[:length]
+    with torch.inference_mode():
+        expected = hf(torch.tensor([prompt])).logits[0, -1]
+    got = SequenceLoop(ours.model, length + 1).logits(prompt)
+    diff = (got - expected).abs().max().item()
+    print(f"tiny-deepseek-v4 float32 {length}-token prompt: max abs logit diff {diff:.2e}")
+    assert diff < 1e-4
+
+
+def test_greedy_64_tokens_match_transformers(ours, hf, prompt_ids):
+    """Decode crosses window, group and indexer boundaries one token at a time."""
+    prompt = prompt_ids[:120]
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False)
+    got = SequenceLoop(ours.model, len(prompt) + 65).greedy(prompt, 64)
+    assert got == expected[0, len(prompt) :].tolist()
+
+
+def test_chunked_prefill_matches_one_shot(ours, prompt_ids):
+    """Chunk edges that split compressed groups and windows: open groups are rebuilt from rows."""
+    prompt = prompt_ids[:300]
+    one_shot = SequenceLoop(ours.model, 301).logits(prompt)
+    loop, start = SequenceLoop(ours.model, 301), 0
+    for size in (5, 1, 62, 3, 17, 128):
+        loop.hidden(prompt[start : start + size])
+        start += size
+    chunked = loop.logits(prompt[start:])
+    assert (chunked - one_shot).abs().max().item() < 1e-5
+
+
+def test_mixed_batch_step_matches_each_sequence_alone(ours, prompt_ids):
+    ids = prompt_ids
+    contexts = [[], ids[:70], ids[100:163], ids[200:217]]
+    new = [ids[300:333], ids[70:82], [ids[163]], [ids[217]]]
+    batched = batched_step_logits(ours.model, contexts, new, block_size=8)
+    for i, (c, n) in enumerate(zip(contexts, new, strict=True)):
+        alone = SequenceLoop(ours.model, len(c) + len(n) + 1).logits(c + n)
+        assert (batched[i] - alone).abs().max().item() < 1e-4
