@@ -144,11 +144,19 @@ def _mlp(p: str, hidden: int, inter: int, linear) -> dict[str, torch.Tensor]:
 
 def write_tiny_deepseek(out_dir: Path, seed: int = 0) -> Path:
     """Write the checkpoint into `out_dir` (created if needed) and return it. Same seed, same bytes."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = deepseek_tokenizer_with_specials()
     config = dict(TINY_CONFIG, vocab_size=tokenizer.get_vocab_size())
     tensors = _tensors(config, torch.Generator().manual_seed(seed))
+    return write_deepseek_folder(out_dir, config, tensors, tokenizer)
+
+
+def write_deepseek_folder(
+    out_dir: Path, config: dict, tensors: dict[str, torch.Tensor], tokenizer: Tokenizer
+) -> Path:
+    """An HF folder with the DeepSeek V4 tokenizer: weights, tokenizer, its config and the
+    generation config, then config.json (builtin_models treats its presence as "complete")."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"))
     tokenizer.save(str(out_dir / "tokenizer.json"))
     tok_config = {
@@ -163,7 +171,6 @@ def write_tiny_deepseek(out_dir: Path, seed: int = 0) -> Path:
     gen_config = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
     _write_json(out_dir / "tokenizer_config.json", tok_config)
     _write_json(out_dir / "generation_config.json", gen_config)
-    # config.json last: builtin_models treats its presence as "the folder is complete"
     _write_json(out_dir / "config.json", config)
     return out_dir
 

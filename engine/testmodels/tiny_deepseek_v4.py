@@ -14,16 +14,17 @@ the indexer keeps (16). The vocabulary is the V4 tokenizer's, as tiny-deepseek's
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from deepserve.engine.models.deepseek_v4_config import CSA, HCA, SLIDING
 from deepserve.engine.testmodels.deepseek_v4_layout import tensor_specs
-from deepserve.engine.testmodels.tiny_deepseek import deepseek_tokenizer_with_specials
+from deepserve.engine.testmodels.tiny_deepseek import (
+    deepseek_tokenizer_with_specials,
+    write_deepseek_folder,
+)
 
 TINY_V4_CONFIG = {
     "architectures": ["DeepseekV4ForCausalLM"],
@@ -98,30 +99,8 @@ def _value(name: str, shape: tuple[int, ...], kind: str, gen: torch.Generator) -
 
 def write_tiny_deepseek_v4(out_dir: Path, seed: int = 0) -> Path:
     """Write the checkpoint into `out_dir` (created if needed) and return it. Same seed, same bytes."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = deepseek_tokenizer_with_specials()
     config = dict(TINY_V4_CONFIG, vocab_size=tokenizer.get_vocab_size())
     gen = torch.Generator().manual_seed(seed)
     tensors = {n: _value(n, s.shape, s.kind, gen) for n, s in tensor_specs(config).items()}
-    save_file(tensors, str(out_dir / "model.safetensors"))
-    tokenizer.save(str(out_dir / "tokenizer.json"))
-    tok_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<｜begin▁of▁sentence｜>",
-        "eos_token": "<｜end▁of▁sentence｜>",
-        "pad_token": "<｜end▁of▁sentence｜>",
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "model_max_length": config["max_position_embeddings"],
-    }
-    gen_config = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
-    _write_json(out_dir / "tokenizer_config.json", tok_config)
-    _write_json(out_dir / "generation_config.json", gen_config)
-    # config.json last: builtin_models treats its presence as "the folder is complete"
-    _write_json(out_dir / "config.json", config)
-    return out_dir
-
-
-def _write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    return write_deepseek_folder(out_dir, config, tensors, tokenizer)
