@@ -140,16 +140,35 @@ def _compress_rope_scaling(c: dict) -> dict | None:
     return {"attention_factor": 1.0, **rope, "rope_type": kind}
 
 
-@dataclass(frozen=True)
-class _Rope:
-    inv_freq: torch.Tensor  # [rope_dim // 2] float32
-    factor: float
+ROPE_BLOCK = 4096  # positions per block of the cos/sin table, each computed as one fixed shape
 
-    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin `[T, 1, rope_dim // 2]` in `dtype`, broadcast over heads."""
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        cos, sin = freqs.cos() * self.factor, freqs.sin() * self.factor
-        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
+
+class _Rope:
+    """cos/sin by position from a table grown in blocks of ROPE_BLOCK positions: a position's
+    values are computed once, in a tensor of one fixed shape, so their bits never depend on the
+    step (a CPU elementwise loop rounds its tail elements differently)."""
+
+    def __init__(self, inv_freq: torch.Tensor, factor: float) -> None:
+        self.inv_freq, self.factor = inv_freq, factor  # [rope_dim // 2] float32
+        self.cos = self.sin = inv_freq.new_empty(0, inv_freq.shape[0])
+
+    def at(
+        self, positions: torch.Tensor, upto: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin `[T, 1, rope_dim // 2]` in `dtype`, broadcast over heads; every position is
+        below `upto` (a host value, so growing the table costs no sync)."""
+        if self.cos.shape[0] < upto:
+            self._grow(upto)
+        return self.cos[positions].to(dtype)[:, None], self.sin[positions].to(dtype)[:, None]
+
+    def _grow(self, upto: int) -> None:
+        cos, sin = [self.cos], [self.sin]
+        for start in range(self.cos.shape[0], upto, ROPE_BLOCK):
+            pos = torch.arange(start, start + ROPE_BLOCK, device=self.inv_freq.device).float()
+            freqs = pos[:, None] * self.inv_freq[None, :]
+            cos.append(freqs.cos() * self.factor)
+            sin.append(freqs.sin() * self.factor)
+        self.cos, self.sin = torch.cat(cos), torch.cat(sin)
 
 
 @dataclass
@@ -352,7 +371,7 @@ class DeepseekV4ForCausalLM:
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
         plan = StepPlan(attn, self.args.sliding_window)
-        ropes = {kind: rope.at(positions, self.dtype) for kind, rope in self.ropes.items()}
+        ropes = {kind: r.at(positions, plan.max_len, self.dtype) for kind, r in self.ropes.items()}
         h = F.embedding(input_ids, self.embed)
         h = h[:, None, :].expand(-1, self.args.hc_mult, -1).contiguous()  # [T, streams, hidden]
         for layer, cache in zip(self.layers, kv_cache, strict=False):
@@ -400,8 +419,8 @@ class DeepseekV4ForCausalLM:
         n, eps = self.args.hc_mult, self.args.hc_eps
         pre, post, comb = self._hc_mixes(w, h).split([n, n, n * n], dim=-1)
         b_pre, b_post, b_comb = w.base.split([n, n, n * n])
-        pre = torch.sigmoid(pre * w.scale[0] + b_pre) + eps
-        post = 2 * torch.sigmoid(post * w.scale[1] + b_post)
+        pre = self.k.sigmoid(pre * w.scale[0] + b_pre) + eps
+        post = 2 * self.k.sigmoid(post * w.scale[1] + b_post)
         comb = self.k.softmax((comb * w.scale[2] + b_comb).view(-1, n, n), -1) + eps
         comb = _sinkhorn(comb, self.args.hc_sinkhorn_iters, eps)
         return post, comb, (pre[..., None] * h).sum(dim=1).to(h.dtype)
@@ -410,13 +429,17 @@ class DeepseekV4ForCausalLM:
     def _hc_expand(
         h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
     ) -> torch.Tensor:
-        """Stream j of the result: `post[j] * out + sum_i comb[i, j] * h[i]`."""
-        mixed = torch.matmul(comb.to(h.dtype).transpose(-1, -2), h)
+        """Stream j of the result: `post[j] * out + sum_i comb[i, j] * h[i]`, the sum over the
+        few streams in one fixed order (a batched matmul's order may change with the batch)."""
+        comb = comb.to(h.dtype)
+        mixed = comb[:, 0, :, None] * h[:, :1]
+        for i in range(1, h.shape[1]):
+            mixed = mixed + comb[:, i, :, None] * h[:, i : i + 1]
         return post.to(h.dtype)[..., None] * out[:, None, :] + mixed
 
     def _hyper_head(self, h: torch.Tensor) -> torch.Tensor:
         w = self.hc_head
-        pre = torch.sigmoid(self._hc_mixes(w, h) * w.scale + w.base) + self.args.hc_eps
+        pre = self.k.sigmoid(self._hc_mixes(w, h) * w.scale + w.base) + self.args.hc_eps
         return (pre[..., None] * h).sum(dim=1).to(h.dtype)
 
     # ---- attention -----------------------------------------------------------------------------
@@ -478,7 +501,7 @@ class DeepseekV4ForCausalLM:
             kv = torch.cat([prev[..., c.kv][..., :dim], kv[..., dim:]], dim=1)
             gate = torch.cat([prev_gate, gate[..., dim:]], dim=1)
         pooled = (kv * self.k.softmax(gate, 1).to(kv.dtype)).sum(dim=1)
-        cos, sin = self.ropes[CSA].at(groups.first_position, self.dtype)
+        cos, sin = self.ropes[CSA].at(groups.first_position, plan.max_len, self.dtype)
         entry = apply_rope_interleaved(self._norm(pooled, c.norm)[:, None], cos, sin)[:, 0]
         self.k.write_kv(cache[..., c.out], groups.last, entry)
 
@@ -567,7 +590,9 @@ class DeepseekV4ForCausalLM:
                 a.scoring_func, 1, 1, a.num_experts_per_tok, True, a.routed_scaling_factor
             )
             # the composed routing: the fused kernels know sigmoid and softmax scores only
-            return k.moe_route_composed(logits, w.bias, spec, k.sigmoid, k.softmax)
+            return k.moe_route_composed(
+                logits, w.bias, spec, k.sigmoid, k.softmax, softplus=k.softplus
+            )
         experts = w.tid2eid[input_ids]
         weights = self._scores(logits).gather(1, experts)
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -576,7 +601,7 @@ class DeepseekV4ForCausalLM:
     def _scores(self, logits: torch.Tensor) -> torch.Tensor:
         """Router scores for hash routing, as the routing op scores them for learned routing."""
         if self.args.scoring_func == "sqrtsoftplus":
-            return F.softplus(logits).sqrt()
+            return self.k.softplus(logits).sqrt()
         if self.args.scoring_func == "sigmoid":
             return self.k.sigmoid(logits)
         return self.k.softmax(logits, -1)
@@ -587,7 +612,8 @@ class DeepseekV4ForCausalLM:
         limit = self.args.swiglu_limit
         if limit:
             gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-        return self.k.linear(F.silu(gate) * up, down)
+        # silu as gate * sigmoid(gate): the KernelSet's sigmoid keeps `--batch-invariant` exact
+        return self.k.linear(gate * self.k.sigmoid(gate) * up, down)
 
 
 def _sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
