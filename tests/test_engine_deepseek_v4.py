@@ -1,13 +1,15 @@
 """tiny-deepseek-v4 through the engine (scheduler, block manager, runner): greedy tokens equal to
 transformers' with one-shot and chunked prefill, and after a prefix-cache hit, whose blocks carry
-V4's window latents, compressor inputs and compressed entries as plain KV rows."""
+V4's window latents, compressor inputs and compressed entries as plain KV rows; bitwise logprobs
+under --batch-invariant; and the MTP layer as the `--speculative mtp` drafter, whose output must
+be plain greedy decoding's, token for token."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from deepserve.engine.config import EngineConfig
+from deepserve.engine.config import EngineConfig, SpeculativeConfig
 from deepserve.engine.llm import LLM
 from deepserve.engine.sampling_params import SamplingParams
 from deepserve.engine.testmodels.tiny_deepseek_v4 import write_tiny_deepseek_v4
@@ -97,3 +99,21 @@ def test_batch_invariant_logprobs_bitwise_equal_alone_batched_chunked_and_cached
         if g != a
     ]
     assert differing == []
+
+
+def test_mtp_drafter_gives_the_plain_greedy_tokens(tiny_dir, prompt):
+    # one sequence alone, a batch, the window passed while drafting, and a prefix hit
+    prompts = [prompt[:7], prompt[50:120], prompt[:230]]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = _llm(tiny_dir)
+    want = [r.token_ids for r in plain.generate(prompts, params)]
+    plain.close()
+    spec = _llm(tiny_dir, speculative=SpeculativeConfig("mtp", 3))
+    assert spec.engine.model.num_mtp_layers == 1
+    alone = [spec.generate([p], params)[0].token_ids for p in prompts]
+    batched = [r.token_ids for r in spec.generate(prompts, params)]  # all three hit the cache now
+    stats = spec.engine.spec.stats
+    spec.close()
+    assert alone == want
+    assert batched == want
+    assert stats.num_draft_tokens > 0
