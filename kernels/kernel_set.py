@@ -42,6 +42,8 @@ class KernelSet:
     # MoE routing scores; an op here because torch's CPU elementwise loops send a batch-dependent
     # tail through a scalar path with other rounding (kernels/reference/invariant.py)
     sigmoid: Callable[[Tensor], Tensor] = torch.sigmoid
+    # DeepSeek-V4's sqrtsoftplus routing scores; an op for the same reason as `sigmoid`
+    softplus: Callable[[Tensor], Tensor] = torch.nn.functional.softplus
     # Fused fast paths. None: models compose the op from the ones above; a fused op also returns
     # None (False for the in-place write) when it does not cover the call.
     add_rms_norm_: Callable[..., Tensor | None] | None = None  # (h, delta, w, eps): h += delta

@@ -1,4 +1,5 @@
-"""`--batch-invariant` end to end on the CPU, for SmolLM2 (real weights) and tiny-deepseek.
+"""`--batch-invariant` end to end on the CPU, for SmolLM2 (real weights), tiny-deepseek and
+tiny-deepseek-v4.
 
 A set of prompts is run alone (cold, one request in the engine), then inside batches of different
 sizes with different neighbours, with chunked prefill at two chunk sizes, and after a
@@ -14,7 +15,7 @@ from deepserve.engine.config import EngineConfig
 from deepserve.engine.llm import LLM
 from deepserve.engine.sampling_params import SamplingParams
 
-MODELS = ["smollm2-135m", "tiny-deepseek"]
+MODELS = ["smollm2-135m", "tiny-deepseek", "tiny-deepseek-v4"]
 SHARED = "You are a careful assistant. Answer in one short sentence, plainly and politely. "
 PROMPTS = [
     SHARED + "What is the capital of France?",

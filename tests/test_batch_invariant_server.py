@@ -1,4 +1,5 @@
-"""The listing audit through the HTTP server (SmolLM2, official openai SDK): 40 saved prompts, each
+"""The listing audit through the HTTP server (SmolLM2 and tiny-deepseek-v4, official openai SDK):
+40 saved prompts, each
 run 10 times while random concurrent traffic comes and goes, at temperature 0 and at 0.8 with a
 fixed seed. With `--batch-invariant` no output (text and per-token logprobs) may differ from its
 prompt's first run; without it the same audit finds differences (the count is printed)."""
@@ -26,9 +27,11 @@ NOISE = [f"Write a list of {k} colours and say why each is nice." for k in range
 RUNS = 10
 
 
-def _ask(client: OpenAI, prompt: str, temperature: float, seed: int | None, max_tokens: int):
+def _ask(
+    client: OpenAI, model: str, prompt: str, temperature: float, seed: int | None, max_tokens: int
+):
     r = client.chat.completions.create(
-        model=MODEL,
+        model=model,
         messages=[{"role": "user", "content": prompt}],
         temperature=temperature,
         seed=seed,
@@ -40,7 +43,9 @@ def _ask(client: OpenAI, prompt: str, temperature: float, seed: int | None, max_
     return choice.message.content or "", lps
 
 
-def _audit(client: OpenAI, temperature: float, seed: int | None, rng: random.Random) -> int:
+def _audit(
+    client: OpenAI, model: str, temperature: float, seed: int | None, rng: random.Random
+) -> int:
     """Outputs that differ from their prompt's first run, over len(PROMPTS) * RUNS requests."""
     first: dict[str, tuple] = {}
     differ = 0
@@ -49,10 +54,10 @@ def _audit(client: OpenAI, temperature: float, seed: int | None, rng: random.Ran
             order = PROMPTS[:]
             rng.shuffle(order)
             noise = [
-                pool.submit(_ask, client, rng.choice(NOISE), 1.0, None, rng.randint(2, 12))
+                pool.submit(_ask, client, model, rng.choice(NOISE), 1.0, None, rng.randint(2, 12))
                 for _ in range(rng.randint(0, 10))
             ]
-            futures = {p: pool.submit(_ask, client, p, temperature, seed, 3) for p in order}
+            futures = {p: pool.submit(_ask, client, model, p, temperature, seed, 3) for p in order}
             for p, f in futures.items():
                 out = f.result()
                 if p not in first:
@@ -64,20 +69,21 @@ def _audit(client: OpenAI, temperature: float, seed: int | None, rng: random.Ran
     return differ
 
 
-def _run_audit(batch_invariant: bool) -> dict[float, int]:
+def _run_audit(batch_invariant: bool, model: str = MODEL) -> dict[float, int]:
     rng = random.Random(7)
     with (
-        engine_for(MODEL, batch_invariant=batch_invariant, max_num_batched_tokens=64) as engine,
-        running_server(engine, MODEL) as srv,
+        engine_for(model, batch_invariant=batch_invariant, max_num_batched_tokens=64) as engine,
+        running_server(engine, model) as srv,
     ):
         assert httpx.get(srv.base_url + "/health").json()["batch_invariant"] is batch_invariant
         client = OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0, timeout=300)
-        return {t: _audit(client, t, 1234 if t else None, rng) for t in (0.0, 0.8)}
+        return {t: _audit(client, model, t, 1234 if t else None, rng) for t in (0.0, 0.8)}
 
 
 @pytest.mark.slow
-def test_listing_audit_no_output_differs_with_the_flag():
-    assert _run_audit(batch_invariant=True) == {0.0: 0, 0.8: 0}
+@pytest.mark.parametrize("model", [MODEL, "tiny-deepseek-v4"])
+def test_listing_audit_no_output_differs_with_the_flag(model):
+    assert _run_audit(batch_invariant=True, model=model) == {0.0: 0, 0.8: 0}
 
 
 @pytest.mark.slow

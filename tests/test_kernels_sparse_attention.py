@@ -1,6 +1,7 @@
 """DeepSeek-V4's reference attention ops (kernels/reference/sparse_attention.py): sink attention
 against the softmax written out, and the indexer's top-k choice: causal, -1 padded, ties to the
-lower entry, and blind to entries a query cannot see (so chunking never changes it)."""
+lower entry, and blind to entries a query cannot see (so chunking never changes it); and their
+`--batch-invariant` versions (kernels/reference/invariant.py) against them."""
 
 from __future__ import annotations
 
@@ -42,3 +43,31 @@ def test_indexer_topk_ignores_entries_a_query_cannot_see():
     short = indexer_topk(q, w, keys[:25], visible, 6, 0.25)
     long = indexer_topk(q, w, keys, visible, 6, 0.25)
     assert torch.equal(short, long)
+
+
+def test_invariant_sink_attention_matches_the_reference_and_ignores_key_layout():
+    from deepserve.kernels.reference.invariant import RowTiledMatmul, SplitSinkAttention
+
+    gen = torch.Generator().manual_seed(2)
+    q, kv = torch.randn(6, 4, 16, generator=gen), torch.randn(300, 16, generator=gen)
+    sinks = torch.randn(4, generator=gen)
+    visible = torch.rand(6, 300, generator=gen) > 0.5
+    visible[0] = False
+    op = SplitSinkAttention(RowTiledMatmul())
+    got = op(q, kv, visible, sinks, 0.25)
+    assert torch.allclose(got, sink_attention(q, kv, visible, sinks, 0.25), atol=1e-5)
+    # the same visible keys behind 50 more invisible ones, for one query alone: the same bits
+    shifted = torch.cat([torch.randn(50, 16, generator=gen), kv])
+    seen = torch.cat([torch.zeros(6, 50, dtype=torch.bool), visible], dim=1)
+    assert torch.equal(op(q[3:4], shifted, seen[3:4], sinks, 0.25), got[3:4])
+
+
+def test_invariant_indexer_topk_matches_the_reference():
+    from deepserve.kernels.reference.invariant import RowTiledMatmul, TiledIndexer
+
+    gen = torch.Generator().manual_seed(3)
+    q, w = torch.randn(5, 8, 16, generator=gen), torch.randn(5, 8, generator=gen)
+    keys = torch.randn(70, 16, generator=gen)
+    visible = torch.tensor([0, 3, 20, 64, 70])
+    got = TiledIndexer(RowTiledMatmul())(q, w, keys, visible, 12, 0.25)
+    assert torch.equal(got, indexer_topk(q, w, keys, visible, 12, 0.25))

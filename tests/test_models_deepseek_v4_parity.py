@@ -55,8 +55,9 @@ def test_model_info_and_kv_row_width(ours):
     info, spec = ours.info, ours.model.kv_cache_spec
     assert (info.family, info.architecture) == ("deepseek_v4", "DeepseekV4ForCausalLM")
     d, di = TINY_V4_CONFIG["head_dim"], TINY_V4_CONFIG["index_head_dim"]
-    # CSA's row: window latent, 2-series compressor inputs, indexer inputs, entry and indexer key
-    assert (spec.num_layers, spec.width) == (4, d + 4 * d + 4 * di + d + di)
+    # CSA's row: window latent, 2-series compressor inputs, indexer inputs, entry and indexer key;
+    # one slot per decoder layer and one for the MTP layer
+    assert (spec.num_layers, spec.width) == (4 + 1, d + 4 * d + 4 * di + d + di)
 
 
 @pytest.mark.parametrize("length", LENGTHS)

@@ -18,8 +18,14 @@ MoE: sqrtsoftplus scores, a correction bias for the choice only, normalised top-
 `routed_scaling_factor`, one shared expert; SwiGLU with clamped gate/up (`swiglu_limit`). The first
 layers route by a fixed token -> experts table (`tid2eid[input_ids]`).
 
+MTP (`num_nextn_predict_layers`, `mtp.{j}.*`): the token's embedding (enorm, e_proj) is added to
+every stream of the previous position's hidden streams (hnorm per stream, h_proj), one decoder
+block runs over them in the MTP's own KV slot, and its hyper head, norm and the shared head give
+the draft's logits. So `forward` returns the streams before the hyper head (`[T, hc_mult *
+hidden]`): the MTP drafter reads them, `compute_logits` collapses them.
+
 The KV rows and what a step reads of them: deepseek_v4_cache.py. Weights: the published layout
-(engine/testmodels/deepseek_v4_layout.py names it). The MTP layer is not served yet.
+(engine/testmodels/deepseek_v4_layout.py names it).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from deepserve.engine.models.deepseek_v4_config import (
     compress_rate,
     layer_types,
     mlp_layer_types,
+    mtp_layer_type,
 )
 from deepserve.engine.parallel.plan import ModelShard
 from deepserve.kernels.attention_metadata import AttentionMetadata
@@ -83,6 +90,7 @@ class DeepseekV4Args:
     compress_rope_theta: float
     compress_rope_scaling: dict | None
     max_position_embeddings: int
+    mtp_layer_types: tuple[str, ...]
 
     @classmethod
     def from_hf(cls, c: dict) -> DeepseekV4Args:
@@ -125,6 +133,9 @@ class DeepseekV4Args:
             compress_rope_theta=c.get("compress_rope_theta", 160000.0),
             compress_rope_scaling=_compress_rope_scaling(c),
             max_position_embeddings=c.get("max_position_embeddings", 1048576),
+            mtp_layer_types=tuple(
+                mtp_layer_type(c, j) for j in range(c.get("num_nextn_predict_layers") or 0)
+            ),
         )
 
 
@@ -140,16 +151,35 @@ def _compress_rope_scaling(c: dict) -> dict | None:
     return {"attention_factor": 1.0, **rope, "rope_type": kind}
 
 
-@dataclass(frozen=True)
-class _Rope:
-    inv_freq: torch.Tensor  # [rope_dim // 2] float32
-    factor: float
+ROPE_BLOCK = 4096  # positions per block of the cos/sin table, each computed as one fixed shape
 
-    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin `[T, 1, rope_dim // 2]` in `dtype`, broadcast over heads."""
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        cos, sin = freqs.cos() * self.factor, freqs.sin() * self.factor
-        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
+
+class _Rope:
+    """cos/sin by position from a table grown in blocks of ROPE_BLOCK positions: a position's
+    values are computed once, in a tensor of one fixed shape, so their bits never depend on the
+    step (a CPU elementwise loop rounds its tail elements differently)."""
+
+    def __init__(self, inv_freq: torch.Tensor, factor: float) -> None:
+        self.inv_freq, self.factor = inv_freq, factor  # [rope_dim // 2] float32
+        self.cos = self.sin = inv_freq.new_empty(0, inv_freq.shape[0])
+
+    def at(
+        self, positions: torch.Tensor, upto: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin `[T, 1, rope_dim // 2]` in `dtype`, broadcast over heads; every position is
+        below `upto` (a host value, so growing the table costs no sync)."""
+        if self.cos.shape[0] < upto:
+            self._grow(upto)
+        return self.cos[positions].to(dtype)[:, None], self.sin[positions].to(dtype)[:, None]
+
+    def _grow(self, upto: int) -> None:
+        cos, sin = [self.cos], [self.sin]
+        for start in range(self.cos.shape[0], upto, ROPE_BLOCK):
+            pos = torch.arange(start, start + ROPE_BLOCK, device=self.inv_freq.device).float()
+            freqs = pos[:, None] * self.inv_freq[None, :]
+            cos.append(freqs.cos() * self.factor)
+            sin.append(freqs.sin() * self.factor)
+        self.cos, self.sin = torch.cat(cos), torch.cat(sin)
 
 
 @dataclass
@@ -219,6 +249,19 @@ class _Layer:
     moe: _MoE
 
 
+@dataclass
+class _MTP:
+    embed: torch.Tensor
+    enorm: torch.Tensor
+    hnorm: torch.Tensor
+    e_proj: torch.Tensor
+    h_proj: torch.Tensor
+    layer: _Layer
+    hc_head: _HyperConnection
+    norm: torch.Tensor
+    head: torch.Tensor
+
+
 class DeepseekV4ForCausalLM:
     family = "deepseek_v4"
 
@@ -237,13 +280,13 @@ class DeepseekV4ForCausalLM:
         self.fingerprint = fingerprint
         self.vocab_size = a.vocab_size
         self.max_position_embeddings = a.max_position_embeddings
-        self.num_mtp_layers = 0
+        self.num_mtp_layers = len(a.mtp_layer_types)
         self.device, self.dtype = weights.device, weights.dtype
         self.rows = {
             kind: kv_row(kind, a.head_dim, a.index_head_dim) for kind in (SLIDING, CSA, HCA)
         }
-        width = max(self.rows[kind].width for kind in a.layer_types)
-        self.kv_cache_spec = KVCacheSpec(a.num_layers, width, self.dtype)
+        width = max(self.rows[kind].width for kind in a.layer_types + a.mtp_layer_types)
+        self.kv_cache_spec = KVCacheSpec(a.num_layers + self.num_mtp_layers, width, self.dtype)
         self.ropes = {
             SLIDING: self._rope(a.rope_theta, None),
             CSA: self._rope(a.compress_rope_theta, a.compress_rope_scaling),
@@ -252,12 +295,10 @@ class DeepseekV4ForCausalLM:
         self._ones = {}  # unweighted RMSNorm weights by (size, dtype)
         self.embed = weights.get("embed.weight")
         self.layers = [self._load_layer(weights, i) for i in range(a.num_layers)]
-        self.hc_head = _HyperConnection(
-            weights.get("hc_head_fn", F32), weights.get("hc_head_base", F32),
-            weights.get("hc_head_scale", F32),
-        )  # fmt: skip
+        self.hc_head = self._load_hc(weights, "hc_head_")
         self.norm = weights.get("norm.weight", F32)
         self.lm_head = weights.get("head.weight")
+        self.mtp = [self._load_mtp(weights, j) for j in range(self.num_mtp_layers)]
 
     def _rope(self, theta: float, scaling: dict | None) -> _Rope:
         inv_freq, factor = rope_inv_freq(self.args.rope_dim, theta, scaling)
@@ -266,14 +307,33 @@ class DeepseekV4ForCausalLM:
     # ---- loading -------------------------------------------------------------------------------
 
     def _load_layer(self, w: WeightStore, i: int) -> _Layer:
-        p = f"layers.{i}."
+        a = self.args
+        return self._load_block(w, f"layers.{i}.", a.layer_types[i], a.hash_layers[i])
+
+    def _load_block(self, w: WeightStore, p: str, kind: str, hashed: bool) -> _Layer:
         return _Layer(
             attn_hc=self._load_hc(w, p + "hc_attn_"),
             attn_norm=w.get(p + "attn_norm.weight", F32),
-            attn=self._load_attention(w, p + "attn.", self.args.layer_types[i]),
+            attn=self._load_attention(w, p + "attn.", kind),
             ffn_hc=self._load_hc(w, p + "hc_ffn_"),
             ffn_norm=w.get(p + "ffn_norm.weight", F32),
-            moe=self._load_moe(w, p + "ffn.", self.args.hash_layers[i]),
+            moe=self._load_moe(w, p + "ffn.", hashed),
+        )
+
+    def _load_mtp(self, w: WeightStore, j: int) -> _MTP:
+        p = f"mtp.{j}."
+        # published checkpoints share the main embedding and head; a checkpoint may carry its own
+        own_embed, own_head = p + "emb.tok_emb.weight", p + "head.weight"
+        return _MTP(
+            embed=w.get(own_embed) if w.has(own_embed) else self.embed,
+            enorm=w.get(p + "enorm.weight", F32),
+            hnorm=w.get(p + "hnorm.weight", F32),
+            e_proj=w.get(p + "e_proj.weight"),
+            h_proj=w.get(p + "h_proj.weight"),
+            layer=self._load_block(w, p, self.args.mtp_layer_types[j], hashed=False),
+            hc_head=self._load_hc(w, p + "hc_head_"),
+            norm=w.get(p + "norm.weight", F32),
+            head=w.get(own_head) if w.has(own_head) else self.lm_head,
         )
 
     @staticmethod
@@ -351,16 +411,53 @@ class DeepseekV4ForCausalLM:
         attn: AttentionMetadata,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
-        plan = StepPlan(attn, self.args.sliding_window)
-        ropes = {kind: rope.at(positions, self.dtype) for kind, rope in self.ropes.items()}
+        """The hidden streams before the hyper head, `[T, hc_mult * hidden]`."""
+        plan, ropes = self._step(positions, attn)
         h = F.embedding(input_ids, self.embed)
         h = h[:, None, :].expand(-1, self.args.hc_mult, -1).contiguous()  # [T, streams, hidden]
         for layer, cache in zip(self.layers, kv_cache, strict=False):
             h = self._decoder_layer(layer, h, input_ids, ropes, plan, cache)
-        return self._norm(self._hyper_head(h), self.norm)
+        return h.flatten(1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.k.linear(hidden, self.lm_head).float()
+        return self._logits(hidden, self.hc_head, self.norm, self.lm_head)
+
+    def forward_mtp(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        previous_hidden: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        mtp_index: int = 0,
+    ) -> torch.Tensor:
+        """One MTP step: `input_ids[t]` is the token after the one whose hidden streams (as
+        `forward` returns them) are `previous_hidden[t]`; returns the MTP's streams, the same
+        shape, for `compute_mtp_logits` and for the next draft's `previous_hidden`."""
+        a, m, k = self.args, self.mtp[mtp_index], self.k
+        plan, ropes = self._step(positions, attn)
+        e = F.embedding(input_ids, m.embed)
+        e = torch.where(positions[:, None] == 0, torch.zeros_like(e), e)  # no token before it
+        e = k.linear(self._norm(e, m.enorm), m.e_proj)
+        prev = previous_hidden.view(-1, a.hc_mult, a.hidden_size)
+        h = k.linear(self._norm(prev, m.hnorm), m.h_proj) + e[:, None, :]
+        cache = kv_cache[a.num_layers + mtp_index]
+        return self._decoder_layer(m.layer, h, input_ids, ropes, plan, cache).flatten(1)
+
+    def compute_mtp_logits(self, hidden: torch.Tensor, mtp_index: int = 0) -> torch.Tensor:
+        m = self.mtp[mtp_index]
+        return self._logits(hidden, m.hc_head, m.norm, m.head)
+
+    def _step(self, positions: torch.Tensor, attn: AttentionMetadata) -> tuple[StepPlan, dict]:
+        plan = StepPlan(attn, self.args.sliding_window)
+        ropes = {kind: r.at(positions, plan.max_len, self.dtype) for kind, r in self.ropes.items()}
+        return plan, ropes
+
+    def _logits(
+        self, hidden: torch.Tensor, hc_head: _HyperConnection, norm: torch.Tensor, head
+    ) -> torch.Tensor:
+        h = hidden.view(hidden.shape[0], self.args.hc_mult, self.args.hidden_size)
+        return self.k.linear(self._norm(self._hyper_head(h, hc_head), norm), head).float()
 
     def _decoder_layer(
         self,
@@ -400,8 +497,8 @@ class DeepseekV4ForCausalLM:
         n, eps = self.args.hc_mult, self.args.hc_eps
         pre, post, comb = self._hc_mixes(w, h).split([n, n, n * n], dim=-1)
         b_pre, b_post, b_comb = w.base.split([n, n, n * n])
-        pre = torch.sigmoid(pre * w.scale[0] + b_pre) + eps
-        post = 2 * torch.sigmoid(post * w.scale[1] + b_post)
+        pre = self.k.sigmoid(pre * w.scale[0] + b_pre) + eps
+        post = 2 * self.k.sigmoid(post * w.scale[1] + b_post)
         comb = self.k.softmax((comb * w.scale[2] + b_comb).view(-1, n, n), -1) + eps
         comb = _sinkhorn(comb, self.args.hc_sinkhorn_iters, eps)
         return post, comb, (pre[..., None] * h).sum(dim=1).to(h.dtype)
@@ -410,13 +507,16 @@ class DeepseekV4ForCausalLM:
     def _hc_expand(
         h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
     ) -> torch.Tensor:
-        """Stream j of the result: `post[j] * out + sum_i comb[i, j] * h[i]`."""
-        mixed = torch.matmul(comb.to(h.dtype).transpose(-1, -2), h)
+        """Stream j of the result: `post[j] * out + sum_i comb[i, j] * h[i]`, the sum over the
+        few streams in one fixed order (a batched matmul's order may change with the batch)."""
+        comb = comb.to(h.dtype)
+        mixed = comb[:, 0, :, None] * h[:, :1]
+        for i in range(1, h.shape[1]):
+            mixed = mixed + comb[:, i, :, None] * h[:, i : i + 1]
         return post.to(h.dtype)[..., None] * out[:, None, :] + mixed
 
-    def _hyper_head(self, h: torch.Tensor) -> torch.Tensor:
-        w = self.hc_head
-        pre = torch.sigmoid(self._hc_mixes(w, h) * w.scale + w.base) + self.args.hc_eps
+    def _hyper_head(self, h: torch.Tensor, w: _HyperConnection) -> torch.Tensor:
+        pre = self.k.sigmoid(self._hc_mixes(w, h) * w.scale + w.base) + self.args.hc_eps
         return (pre[..., None] * h).sum(dim=1).to(h.dtype)
 
     # ---- attention -----------------------------------------------------------------------------
@@ -478,7 +578,7 @@ class DeepseekV4ForCausalLM:
             kv = torch.cat([prev[..., c.kv][..., :dim], kv[..., dim:]], dim=1)
             gate = torch.cat([prev_gate, gate[..., dim:]], dim=1)
         pooled = (kv * self.k.softmax(gate, 1).to(kv.dtype)).sum(dim=1)
-        cos, sin = self.ropes[CSA].at(groups.first_position, self.dtype)
+        cos, sin = self.ropes[CSA].at(groups.first_position, plan.max_len, self.dtype)
         entry = apply_rope_interleaved(self._norm(pooled, c.norm)[:, None], cos, sin)[:, 0]
         self.k.write_kv(cache[..., c.out], groups.last, entry)
 
@@ -567,7 +667,9 @@ class DeepseekV4ForCausalLM:
                 a.scoring_func, 1, 1, a.num_experts_per_tok, True, a.routed_scaling_factor
             )
             # the composed routing: the fused kernels know sigmoid and softmax scores only
-            return k.moe_route_composed(logits, w.bias, spec, k.sigmoid, k.softmax)
+            return k.moe_route_composed(
+                logits, w.bias, spec, k.sigmoid, k.softmax, softplus=k.softplus
+            )
         experts = w.tid2eid[input_ids]
         weights = self._scores(logits).gather(1, experts)
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -576,7 +678,7 @@ class DeepseekV4ForCausalLM:
     def _scores(self, logits: torch.Tensor) -> torch.Tensor:
         """Router scores for hash routing, as the routing op scores them for learned routing."""
         if self.args.scoring_func == "sqrtsoftplus":
-            return F.softplus(logits).sqrt()
+            return self.k.softplus(logits).sqrt()
         if self.args.scoring_func == "sigmoid":
             return self.k.sigmoid(logits)
         return self.k.softmax(logits, -1)
@@ -587,7 +689,8 @@ class DeepseekV4ForCausalLM:
         limit = self.args.swiglu_limit
         if limit:
             gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-        return self.k.linear(F.silu(gate) * up, down)
+        # silu as gate * sigmoid(gate): the KernelSet's sigmoid keeps `--batch-invariant` exact
+        return self.k.linear(gate * self.k.sigmoid(gate) * up, down)
 
 
 def _sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:

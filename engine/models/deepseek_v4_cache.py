@@ -108,6 +108,7 @@ class StepPlan:
             Span(slice(starts[i], starts[i + 1]), attn.context_lens_cpu[i], attn.seq_lens_cpu[i])
             for i in range(attn.num_seqs)
         ]
+        self.max_len = max(attn.seq_lens_cpu)  # every position of the step is below it
         self._memo: dict = {}
 
     def slots(self, seq: int, positions: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """How a DeepSeek-V4 config.json names its layer schedule, read the same way by the model and the
 test-model writers: transformers' `layer_types` / `mlp_layer_types` / `compress_rates`, or the
-published checkpoints' `compress_ratios` (0 / 4 / 128 per layer) and `num_hash_layers`."""
+published checkpoints' `compress_ratios` (0 / 4 / 128 per layer, then the MTP layers') and
+`num_hash_layers`."""
 
 from __future__ import annotations
 
@@ -18,6 +19,16 @@ def layer_types(config: dict) -> list[str]:
         return list(config["layer_types"])[:n]
     by_ratio = {0: SLIDING, 4: CSA, 128: HCA}
     return [by_ratio[r] for r in config["compress_ratios"][:n]]
+
+
+def mtp_layer_type(config: dict, j: int) -> str:
+    """Attention type of MTP layer `j`: the schedule's entry after the last decoder layer where
+    the config lists one, else sliding window."""
+    n = config["num_hidden_layers"] + j
+    kinds = config.get("layer_types") or [
+        {0: SLIDING, 4: CSA, 128: HCA}[r] for r in config.get("compress_ratios") or []
+    ]
+    return kinds[n] if n < len(kinds) else SLIDING
 
 
 def mlp_layer_types(config: dict) -> list[str]:

@@ -5,7 +5,13 @@ with values; the engine's model (engine/models/deepseek_v4.py) reads the same na
 Names are the published checkpoints' (`embed.weight`, `layers.{i}.attn.wq_a.weight`,
 `layers.{i}.ffn.experts.{e}.w1.weight`, ...), the layout transformers' `DeepseekV4ForCausalLM`
 loads through its conversion mapping. Routed experts are one tensor per expert, as published.
-The MTP layer (`mtp.*`) is not written: transformers does not load it.
+
+The MTP layers (`num_nextn_predict_layers`) are `mtp.{j}.*` as published (transformers skips
+them on load): a decoder block under the same names as a layer's (`mtp.{j}.attn.*`,
+`mtp.{j}.ffn.*`, `mtp.{j}.hc_attn_fn`, ...), `enorm` / `hnorm` and the separate `e_proj` /
+`h_proj` that feed it, and its own hyper head (`hc_head_*`) and `norm` before the shared `head`.
+The block's attention type is `compress_ratios[num_hidden_layers + j]` where the config lists
+one, else sliding window (deepseek_v4_config.py); its MoE routes by score, not by hash.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from deepserve.engine.models.deepseek_v4_config import (
     compress_rate,
     layer_types,
     mlp_layer_types,
+    mtp_layer_type,
 )
 
 
@@ -46,7 +53,25 @@ def tensor_specs(config: dict) -> dict[str, TensorSpec]:
         specs |= _hyper_connections(p, hidden, hc)
         specs |= _attention(c, p + "attn.", kinds[i])
         specs |= _moe(c, p + "ffn.", mlps[i] == "hash_moe")
+    for j in range(c.get("num_nextn_predict_layers") or 0):
+        specs |= _mtp(c, f"mtp.{j}.", mtp_layer_type(c, j))
     return specs
+
+
+def _mtp(c: dict, p: str, kind: str) -> dict[str, TensorSpec]:
+    hidden, hc = c["hidden_size"], c["hc_mult"]
+    out = {
+        p + "enorm.weight": TensorSpec((hidden,), "norm"),
+        p + "hnorm.weight": TensorSpec((hidden,), "norm"),
+        p + "e_proj.weight": TensorSpec((hidden, hidden), "matrix"),
+        p + "h_proj.weight": TensorSpec((hidden, hidden), "matrix"),
+        p + "norm.weight": TensorSpec((hidden,), "norm"),
+        p + "hc_head_fn": TensorSpec((hc, hc * hidden), "hc_fn"),
+        p + "hc_head_base": TensorSpec((hc,), "hc_base"),
+        p + "hc_head_scale": TensorSpec((1,), "hc_scale"),
+    }
+    out |= _hyper_connections(p, hidden, hc)
+    return out | _attention(c, p + "attn.", kind) | _moe(c, p + "ffn.", False)
 
 
 def _hyper_connections(p: str, hidden: int, hc: int) -> dict[str, TensorSpec]:

@@ -9,7 +9,8 @@ CSA, hash-routed MoE in the first two layers, sqrtsoftplus routing with a correc
 clamped SwiGLU, hyper-connections, the grouped output projection, attention sinks, and YaRN on the
 compressed branch. The window (64) and compress rates (4 and 16) make prompts of 300 and 2,000
 tokens pass the window, close many compressed groups, and give CSA more compressed entries than
-the indexer keeps (16). The vocabulary is the V4 tokenizer's, as tiny-deepseek's.
+the indexer keeps (16). One MTP layer (`mtp.0.*`, the `--speculative mtp` drafter). The
+vocabulary is the V4 tokenizer's, as tiny-deepseek's.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ TINY_V4_CONFIG = {
     "norm_topk_prob": True,
     "routed_scaling_factor": 1.5,
     "swiglu_limit": 1.5,
-    "num_nextn_predict_layers": 0,
+    "num_nextn_predict_layers": 1,
     "hidden_act": "silu",
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,

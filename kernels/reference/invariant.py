@@ -22,6 +22,12 @@ docs/batch_invariance.md):
   split's P@V and sum of P is a GEMM of one fixed shape; splits are folded in order by a scan, so
   extra all-masked splits (a longer neighbour, a prefill chunk) add exact zeros. A query row gets the
   same bits in prefill, any chunking, decode, or after a prefix-cache hit.
+- DeepSeek-V4's sink attention: the keys a step gathers for a sequence start wherever its window
+  starts in that step, so each query's visible keys are first packed to the front of its own row
+  (in the gathered order: window by position, then entries by index), then attended in KV_SPLIT
+  splits folded in order as above, the sink joining the sum last. The lightning indexer scores
+  entries with one row-tiled GEMM over entries padded to KV_SPLIT, sums heads one by one, and
+  breaks ties by the stable sort of the reference.
 What does not live here: the reference ops, the native and GPU kernels, and anything with engine
 state.
 """
@@ -38,7 +44,7 @@ import torch.nn.functional as F
 
 from deepserve.kernels.attention_metadata import AttentionMetadata
 from deepserve.kernels.kernel_set import KernelSet
-from deepserve.kernels.reference import attention, moe_routing, ops, sparse_attention
+from deepserve.kernels.reference import attention, moe_routing, ops
 
 Tensor = torch.Tensor
 
@@ -238,6 +244,69 @@ class SplitKVAttention:
         return acc / denom.cumsum(-1)[..., -1:]
 
 
+class SplitSinkAttention:
+    """`sparse_attention.sink_attention` with a fixed reduction order (see the module docstring)."""
+
+    def __init__(self, mm: RowTiledMatmul) -> None:
+        self.mm = mm
+        self.exp = elementwise(torch.exp)
+
+    def __call__(
+        self, q: Tensor, kv: Tensor, visible: Tensor, sinks: Tensor, scale: float
+    ) -> Tensor:
+        out = torch.empty_like(q)
+        keys = kv.float()
+        for start in range(0, q.shape[0], QUERY_BLOCK):
+            rows = slice(start, start + QUERY_BLOCK)
+            out[rows] = self._block(q[rows].float(), keys, visible[rows], sinks.float(), scale)
+        return out
+
+    def _block(self, q: Tensor, kv: Tensor, visible: Tensor, sinks: Tensor, scale: float) -> Tensor:
+        counts = visible.sum(-1)
+        width = _round_up(max(int(counts.max()), 1), KV_SPLIT)
+        # a stable sort of "not visible" puts each row's visible keys first, in gathered order
+        order = torch.sort((~visible).to(torch.uint8), dim=-1, stable=True).indices
+        order = F.pad(order, (0, max(0, width - order.shape[1])))[:, :width]
+        inside = torch.arange(width, device=q.device)[None, :] < counts[:, None]  # [T, W]
+        keys = kv[order].masked_fill(~inside[..., None], 0.0)  # [T, W, D]
+        scores = self.mm.bmm(q, keys.transpose(1, 2)) * scale  # [T, H, W]
+        scores = scores.masked_fill(~inside[:, None], float("-inf"))
+        top = torch.maximum(scores.amax(-1), sinks[None])  # exact in any order
+        p = self.exp(scores - top[..., None])
+        splits = width // KV_SPLIT
+        denom = p.unflatten(-1, (splits, KV_SPLIT)).sum(-1).cumsum(-1)[..., -1]
+        denom = denom + self.exp(sinks[None] - top)
+        p = p.unflatten(-1, (splits, KV_SPLIT)).transpose(1, 2)  # [T, S, H, C]
+        partial = self.mm.bmm(p, keys.unflatten(1, (splits, KV_SPLIT)))  # [T, S, H, D]
+        return partial.cumsum(1)[:, -1] / denom[..., None]
+
+
+@dataclass
+class TiledIndexer:
+    """`sparse_attention.indexer_topk` with scores whose bits do not depend on the step."""
+
+    mm: RowTiledMatmul
+
+    def __call__(
+        self, q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, k: int, scale: float
+    ) -> Tensor:
+        entries = keys.shape[0]
+        k = min(k, entries)
+        if k == 0:
+            return torch.empty(q.shape[0], 0, dtype=torch.long, device=q.device)
+        padded = _pad_rows(keys.float(), _round_up(entries, KV_SPLIT))
+        dots = torch.relu(self.mm.linear(q.float(), padded)) * scale  # [T, Hi, Gp]
+        w = weights.float()
+        scores = dots[:, 0] * w[:, 0, None]
+        for h in range(1, dots.shape[1]):  # heads summed in one fixed order
+            scores = scores + dots[:, h] * w[:, h, None]
+        ids = torch.arange(scores.shape[1], device=q.device)
+        scores = scores.masked_fill(ids[None, :] >= visible[:, None], float("-inf"))
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+        ranks = torch.arange(k, device=q.device)
+        return order.masked_fill(ranks[None, :] >= visible[:, None], -1)
+
+
 def invariant_kernels() -> KernelSet:
     mm = RowTiledMatmul()
     return KernelSet(
@@ -252,7 +321,7 @@ def invariant_kernels() -> KernelSet:
         moe_route_composed=moe_routing.route,
         argmax=ops.argmax,
         sigmoid=elementwise(torch.sigmoid),
-        # per sequence, with a deterministic top-k; fixed-order reductions are a later step
-        sink_attention=sparse_attention.sink_attention,
-        indexer_topk=sparse_attention.indexer_topk,
+        softplus=elementwise(F.softplus),
+        sink_attention=SplitSinkAttention(mm),
+        indexer_topk=TiledIndexer(mm),
     )

@@ -20,11 +20,11 @@ from deepserve.kernels.route_spec import RouteSpec
 Tensor = torch.Tensor
 
 
-def _scores(logits: Tensor, scoring: str, sigmoid, softmax) -> Tensor:
+def _scores(logits: Tensor, scoring: str, sigmoid, softmax, softplus) -> Tensor:
     if scoring == "sigmoid":
         return sigmoid(logits)
     if scoring == "sqrtsoftplus":  # DeepSeek-V4
-        return torch.nn.functional.softplus(logits).sqrt()
+        return softplus(logits).sqrt()
     return softmax(logits, -1)
 
 
@@ -34,9 +34,10 @@ def route(
     spec: RouteSpec,
     sigmoid: Callable[[Tensor], Tensor] = torch.sigmoid,
     softmax: Callable[[Tensor, int], Tensor] = reference_softmax,
+    softplus: Callable[[Tensor], Tensor] = torch.nn.functional.softplus,
 ) -> tuple[Tensor, Tensor]:
     """logits [T, E] float32 -> (weights [T, k] float32, ids [T, k] int64), best first."""
-    scores = _scores(logits, spec.scoring, sigmoid, softmax)
+    scores = _scores(logits, spec.scoring, sigmoid, softmax, softplus)
     choice = scores if bias is None else scores + bias
     if spec.n_group > 1:
         grouped = choice.view(logits.shape[0], spec.n_group, -1)
