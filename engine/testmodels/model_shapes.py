@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from deepserve.engine.models.deepseek_v4_config import CSA, HCA, SLIDING
 from deepserve.engine.testmodels.deepseek_v4_layout import tensor_specs
@@ -256,6 +256,8 @@ def _word_tokenizer(vocab_size: int, special: dict[str, int] | None = None) -> T
         vocab[text] = i
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if special:  # tokens decode concatenated, so a text's decode is the same however split
+        tok.decoder = decoders.Fuse()
     # as published, the think markers are plain added tokens and the rest special ones
     think = [t for t in (special or {}) if t in ("<think>", "</think>")]
     tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in think])
