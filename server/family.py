@@ -99,10 +99,21 @@ class ModelFamily:
         return None
 
     def answer_constraint(
-        self, request: dr.ConversationRequest, structured: StructuredOutput | None
+        self, parsing: dr.ParsingOptions, structured: StructuredOutput | None
     ) -> StructuredOutput | None:
-        """The request's final output constraint as the engine must apply it (see DeepSeek)."""
-        return structured
+        """The request's final output constraint as the engine must apply it: when the output
+        starts in reasoning (`parsing`, the prepared prompt's), a json / regex / grammar constraint
+        holds only after `</think>`.
+
+        Applied from the first token it would force the answer into the reasoning, and leave
+        `content` empty; DeepSeek's tool-call tags carry their own reasoning part.
+        """
+        if structured is None or structured.kind == "dsml_tool_calls":
+            return structured
+        stage = parsing.thinking_initial_stage
+        if stage is None or not stage.starts_in_reasoning():
+            return structured
+        return after_reasoning(structured, THINK_END, (THINK_START, THINK_END))
 
 
 _JSON_OBJECT = StructuredOutput("json_object")
@@ -187,20 +198,6 @@ class DeepSeekFamily(ModelFamily):
         }
         # The engine builds the structural tag (engine/structured.py): xgrammar loads torch.
         return StructuredOutput("dsml_tool_calls", json.dumps(spec))
-
-    def answer_constraint(
-        self, request: dr.ConversationRequest, structured: StructuredOutput | None
-    ) -> StructuredOutput | None:
-        """In thinking mode a json / regex / grammar constraint holds only after `</think>`.
-
-        Applied from the first token it would force the answer into the reasoning, and leave
-        `content` empty; the tool-call tags carry their own reasoning part.
-        """
-        if structured is None or structured.kind == "dsml_tool_calls":
-            return structured
-        if not _in_reasoning(request):
-            return structured
-        return after_reasoning(structured, THINK_END, (THINK_START, THINK_END))
 
 
 class ChatMLFamily(ModelFamily):

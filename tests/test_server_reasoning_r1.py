@@ -2,10 +2,13 @@
 R1's chat template opening `<think>\\n`, `<think>` / `</think>` single tokens) whose weights are set
 so greedy decoding writes `t10 t11 </think> t12` then EOS whatever the question; the text before
 `</think>` must arrive as reasoning (Chat Completions `reasoning_content`, Responses reasoning
-items), the rest as the answer, streamed and not. Plus where parsing starts (server/reasoning.py)."""
+items), the rest as the answer, streamed and not. Plus where parsing starts (server/reasoning.py) and where an output constraint starts to hold."""
 
 from __future__ import annotations
 
+import json
+
+import deepseek_recipe as dr
 import pytest
 import torch
 from openai import OpenAI
@@ -13,7 +16,12 @@ from safetensors.torch import load_file, save_file
 from server_harness import engine_for, running_server
 from tokenizers import Tokenizer
 
-from deepserve.engine.testmodels.model_shapes import R1_SPECIAL_TOKENS, write_shaped_model
+from deepserve.engine.sampling_params import StructuredOutput
+from deepserve.engine.testmodels.model_shapes import (
+    R1_CHAT_TEMPLATE,
+    R1_SPECIAL_TOKENS,
+    write_shaped_model,
+)
 from deepserve.server.family import make_family
 from deepserve.server.reasoning import opens_think_block
 
@@ -23,6 +31,7 @@ EOS = R1_SPECIAL_TOKENS["<｜end▁of▁sentence｜>"]
 # each token -> the one greedy decoding writes after it
 CHAIN = {THINK: 10, 10: 11, 11: END_THINK, END_THINK: 12, 12: EOS}
 ASK = [{"role": "user", "content": "t5 t6 t7"}]
+JSON = StructuredOutput("json_object")
 
 
 def _force_chain(folder) -> None:
@@ -110,19 +119,35 @@ def test_a_prompt_opens_a_think_block_when_it_ends_with_think(prompt, opens):
     assert opens_think_block(prompt) is opens
 
 
-def test_a_chatml_template_without_think_parses_plain_text(tmp_path):
-    """SmolLM2-style templates keep their output all content (parsing starts outside reasoning)."""
-    import deepseek_recipe as dr
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}<|im_start|>assistant\n"
+)
 
-    folder = write_shaped_model(
-        "r1-distill-qwen-1.5b", tmp_path, overrides={"num_hidden_layers": 0}
-    )
-    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    chatml = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-        "{% endfor %}<|im_start|>assistant\n"
-    )
-    family = make_family("qwen2", tokenizer, "m", chatml)
+
+@pytest.fixture(scope="module")
+def r1_tokenizer(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("r1-tokenizer")
+    write_shaped_model("r1-distill-qwen-1.5b", folder, overrides={"num_hidden_layers": 0})
+    return Tokenizer.from_file(str(folder / "tokenizer.json"))
+
+
+def _prepared(tokenizer: Tokenizer, template: str):
+    family = make_family("qwen2", tokenizer, "m", template)
     body = {"model": "m", "messages": ASK}
-    conv = dr.ChatCompletionRequest(body).convert(family.conversion_options)
-    assert family.prepare(conv).parsing.thinking_initial_stage is None
+    return family, family.prepare(dr.ChatCompletionRequest(body).convert(family.conversion_options))
+
+
+def test_a_chatml_template_without_think_parses_plain_text(r1_tokenizer):
+    """SmolLM2-style templates keep their output all content, constraints from the first token."""
+    family, prompt = _prepared(r1_tokenizer, CHATML)
+    assert prompt.parsing.thinking_initial_stage is None
+    assert family.answer_constraint(prompt.parsing, JSON).kind == "json_object"
+
+
+def test_r1_output_constraint_holds_only_after_the_think_block(r1_tokenizer):
+    family, prompt = _prepared(r1_tokenizer, R1_CHAT_TEMPLATE)
+    assert prompt.parsing.thinking_initial_stage.starts_in_reasoning()
+    constraint = family.answer_constraint(prompt.parsing, JSON)
+    assert constraint.kind == "after_reasoning"
+    assert json.loads(constraint.spec)["end"] == "</think>"
