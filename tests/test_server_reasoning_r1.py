@@ -151,3 +151,17 @@ def test_r1_output_constraint_holds_only_after_the_think_block(r1_tokenizer):
     constraint = family.answer_constraint(prompt.parsing, JSON)
     assert constraint.kind == "after_reasoning"
     assert json.loads(constraint.spec)["end"] == "</think>"
+
+
+def test_deepseek_v2_is_served_with_its_own_chat_template(r1_tokenizer):
+    """V2-Lite-Chat's template (no think block): rendered as the checkpoint says, not with the
+    V4 encoding the recipe families use, and its output parsed as plain content."""
+    v2_chat = (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}"
+        "{{ 'User: ' + m['content'] + '\\n\\n' }}{% endif %}{% endfor %}Assistant:"
+    )
+    family = make_family("deepseek_v2", r1_tokenizer, "m", v2_chat)
+    request = dr.ChatCompletionRequest({"model": "m", "messages": ASK})
+    conversation = request.convert(family.conversion_options)
+    assert family.render(conversation.conversation) == "User: t5 t6 t7\n\nAssistant:"
+    assert family.prepare(conversation).parsing.thinking_initial_stage is None
