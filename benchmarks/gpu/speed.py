@@ -5,8 +5,8 @@ one of a 2,000-token prefill.
 
 Shapes: DeepSeek-V2-Lite (15.7B: MLA, 64 routed experts top-6 + 2 shared, 27 layers, in the
 DeepseekV3 architecture with a 4K context: model_shapes' `deepseek-v2-lite-v3arch`) and
-SmolLM2-135M. transformers builds the model with its own random init; deepserve's model is built over the very same tensors (no copy of the
-experts). Imported by run_all.py.
+SmolLM2-135M. transformers builds the model with its own random init; deepserve's model is built
+over the very same tensors (no copy of the experts). Imported by run_all.py.
 """
 
 from __future__ import annotations
