@@ -154,7 +154,7 @@ def prepare(spec: ProtocolSpec, body: dict, state: AppState, tenant: str | None 
     _check_tool_constraint(prompt.tools, extras)
     options = recipe_options(conv.inference_options, extras)
     params = sampling_params(options, extras, prompt.structured, salt)
-    answer = state.family.answer_constraint(conv, params.structured)
+    answer = state.family.answer_constraint(prompt.parsing, params.structured)
     if answer is not params.structured:
         params = replace(params, structured=answer)
     admitted = admit(state, prompt.token_ids, params)

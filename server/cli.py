@@ -508,8 +508,10 @@ def build_parser() -> argparse.ArgumentParser:
             "tiny-deepseek",
             "tiny-deepseek-v4",
             "deepseek-v2-lite",
+            "deepseek-v2-lite-v3arch",
             "deepseek-v4-flash",
             "smollm2-135m",
+            "r1-distill-qwen-1.5b",
         ],
         help="tiny-deepseek(-v4) (real tokenizer, small dims) or a real model's shape, random bf16",
     )

@@ -3,8 +3,9 @@
 A family turns a converted recipe `ConversationRequest` into prompt token ids, says how the output
 is parsed (`ParsingOptions`) and which output constraint the engine enforces. `DeepSeekFamily`
 renders with deepseek-recipe's V4 / V4.1 encodings and parses reasoning and DSML tool calls;
-`ChatMLFamily` (SmolLM2 and other HF chat models) renders with the model's own chat template and
-parses plain text, with tool calls from server/tool_calls.py. Not here: protocol request/response
+`ChatMLFamily` (SmolLM2, Qwen2 / R1-Distill, DeepSeek-V2 and other HF chat models) renders with the
+model's own chat template and parses text, with R1-style reasoning where the template opens a think
+block (server/reasoning.py) and tool calls from server/tool_calls.py. Not here: protocol request/response
 handling (server/chat_routes.py).
 """
 
@@ -21,6 +22,7 @@ from tokenizers import Tokenizer
 
 from deepserve.engine.errors import InvalidRequestError, UnsupportedModelError
 from deepserve.engine.sampling_params import StructuredOutput, after_reasoning
+from deepserve.server.reasoning import THINK_END, THINK_START, template_parsing
 from deepserve.server.tool_calls import (
     ToolPlan,
     ToolRequest,
@@ -97,14 +99,24 @@ class ModelFamily:
         return None
 
     def answer_constraint(
-        self, request: dr.ConversationRequest, structured: StructuredOutput | None
+        self, parsing: dr.ParsingOptions, structured: StructuredOutput | None
     ) -> StructuredOutput | None:
-        """The request's final output constraint as the engine must apply it (see DeepSeek)."""
-        return structured
+        """The request's final output constraint as the engine must apply it: when the output
+        starts in reasoning (`parsing`, the prepared prompt's), a json / regex / grammar constraint
+        holds only after `</think>`.
+
+        Applied from the first token it would force the answer into the reasoning, and leave
+        `content` empty; DeepSeek's tool-call tags carry their own reasoning part.
+        """
+        if structured is None or structured.kind == "dsml_tool_calls":
+            return structured
+        stage = parsing.thinking_initial_stage
+        if stage is None or not stage.starts_in_reasoning():
+            return structured
+        return after_reasoning(structured, THINK_END, (THINK_START, THINK_END))
 
 
 _JSON_OBJECT = StructuredOutput("json_object")
-THINK_START, THINK_END = "<think>", "</think>"  # DeepSeek V4's reasoning markers (one token each)
 
 
 def _in_reasoning(request: dr.ConversationRequest) -> bool:
@@ -187,23 +199,10 @@ class DeepSeekFamily(ModelFamily):
         # The engine builds the structural tag (engine/structured.py): xgrammar loads torch.
         return StructuredOutput("dsml_tool_calls", json.dumps(spec))
 
-    def answer_constraint(
-        self, request: dr.ConversationRequest, structured: StructuredOutput | None
-    ) -> StructuredOutput | None:
-        """In thinking mode a json / regex / grammar constraint holds only after `</think>`.
-
-        Applied from the first token it would force the answer into the reasoning, and leave
-        `content` empty; the tool-call tags carry their own reasoning part.
-        """
-        if structured is None or structured.kind == "dsml_tool_calls":
-            return structured
-        if not _in_reasoning(request):
-            return structured
-        return after_reasoning(structured, THINK_END, (THINK_START, THINK_END))
-
 
 class ChatMLFamily(ModelFamily):
-    """HF chat models: the checkpoint's own chat template, plain-text output (no reasoning).
+    """HF chat models: the checkpoint's own chat template; the output is text, with R1-style
+    reasoning when the rendered prompt opens a think block (server/reasoning.py).
 
     Tool calls go through server/tool_calls.py: a named or required tool_choice constrains the
     output to JSON, "auto" parses `<tool_call>` blocks out of the text.
@@ -211,8 +210,17 @@ class ChatMLFamily(ModelFamily):
 
     name = "chatml"
 
-    def __init__(self, tokenizer: Tokenizer, served_name: str, chat_template: str) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        served_name: str,
+        chat_template: str,
+        bos_token_id: int | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
+        # templates such as R1's start with `{{ bos_token }}`
+        bos = tokenizer.id_to_token(bos_token_id) if bos_token_id is not None else None
+        self.bos_token = bos or ""
         self.recipe_tokenizer = dr.Tokenizer.from_str(tokenizer.to_str())
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self.template = env.from_string(chat_template)
@@ -234,7 +242,9 @@ class ChatMLFamily(ModelFamily):
         elif plan is not None:
             messages = with_tool_instructions(messages, plan)
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True, **extra)
+            return self.template.render(
+                messages=messages, add_generation_prompt=True, bos_token=self.bos_token, **extra
+            )
         except TemplateError as e:
             raise InvalidRequestError(f"the chat template rejected the messages: {e}") from e
 
@@ -248,7 +258,9 @@ class ChatMLFamily(ModelFamily):
         structured = plan.constraint() if plan else self.constraint(request, parallel_tools)
         text = self.render(request.conversation, plan)
         ids = encode_text(self.tokenizer, text)
-        return PreparedPrompt(ids, plain_parsing(request.parsing_options), structured, plan)
+        return PreparedPrompt(
+            ids, template_parsing(request.parsing_options, text), structured, plan
+        )
 
 
 def encode_text(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -257,21 +269,17 @@ def encode_text(tokenizer: Tokenizer, text: str) -> list[int]:
     return tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
 
-def plain_parsing(options: dr.ParsingOptions) -> dr.ParsingOptions:
-    """The request's parsing options with reasoning and DeepSeek tool-call markup parsing off."""
-    return dr.ParsingOptions(
-        parse_tool_calls=False,
-        starts_in_tool_calls=False,
-        parse_json_output=options.parse_json_output,
-        thinking_initial_stage=None,
-        stop_sequences=options.stop_sequences,
-    )
-
-
-def make_family(family: str, tokenizer: Tokenizer, served_name: str, chat_template: str | None):
-    """The family for an engine's ModelInfo.family ("deepseek_v3" or a ChatML-templated model)."""
-    if family.startswith("deepseek"):
+def make_family(
+    family: str,
+    tokenizer: Tokenizer,
+    served_name: str,
+    chat_template: str | None,
+    bos_token_id: int | None = None,
+):
+    """The family for an engine's ModelInfo.family: deepseek-recipe's encodings for DeepSeek-V3 and
+    V4, the checkpoint's own chat template for every other model (DeepSeek-V2 included)."""
+    if family in ("deepseek_v3", "deepseek_v4"):
         return DeepSeekFamily(tokenizer, served_name)
     if not chat_template:
         raise UnsupportedModelError(f"model family {family!r} has no chat template to render with")
-    return ChatMLFamily(tokenizer, served_name, chat_template)
+    return ChatMLFamily(tokenizer, served_name, chat_template, bos_token_id)

@@ -53,7 +53,7 @@ async def connect(config: FrontendConfig) -> RemoteEngine:
 def build_frontend_app(engine: RemoteEngine, server: ServerConfig) -> FastAPI:
     """The app over a connected RemoteEngine (tests build it on their own loop)."""
     info, name = engine.card.info, server.served_model_name
-    family = make_family(info.family, engine.tokenizer, name, info.chat_template)
+    family = make_family(info.family, engine.tokenizer, name, info.chat_template, info.bos_token_id)
     # What the workers run: a frontend has no engine of its own to ask.
     metrics = ServerMetrics(name, server.role, engine.load, engine.card.batch_invariant)
     metrics.registry.register(RouterCollector(engine.router, metrics.labels))

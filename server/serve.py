@@ -26,7 +26,9 @@ def build_app(engine: EngineClient, server_config: ServerConfig) -> FastAPI:
     """The app for an already-built AsyncEngine (tests use this with their own engine)."""
     card = engine.card
     name = server_config.served_model_name
-    family = make_family(card.info.family, engine.tokenizer, name, card.info.chat_template)
+    family = make_family(
+        card.info.family, engine.tokenizer, name, card.info.chat_template, card.info.bos_token_id
+    )
     metrics = ServerMetrics(name, server_config.role, engine.load, card.batch_invariant)
     metrics.registry.register(EngineCollector(engine.stats, metrics.labels))
     return create_app(engine, family, server_config, metrics)

@@ -117,3 +117,21 @@ def batched_step_logits(
         if c:
             step([i], [c], [0])
     return step(list(range(len(lens))), new, [len(c) for c in contexts])
+
+
+def logit_gap_to_transformers(model, hf_model, prompt: list[int]) -> float:
+    """Max abs difference of the last position's logits: ours (paged, one sequence) against a
+    transformers model's full forward over the same prompt."""
+    with torch.inference_mode():
+        expected = hf_model(torch.tensor([prompt])).logits[0, -1]
+    return (SequenceLoop(model, len(prompt) + 1).logits(prompt) - expected).abs().max().item()
+
+
+def greedy_pair(model, hf_model, prompt: list[int], n: int) -> tuple[list[int], list[int]]:
+    """(ours, transformers') n greedy tokens after `prompt`, no stop token."""
+    expected = hf_model.generate(
+        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None
+    )
+    return SequenceLoop(model, len(prompt) + n + 1).greedy(prompt, n), expected[
+        0, len(prompt) :
+    ].tolist()

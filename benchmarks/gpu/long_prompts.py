@@ -284,7 +284,7 @@ def section_serve_long(out: dict, work, log_dir) -> None:
     folder = Path(work) / "v2-lite-4l-long"
     overrides = {"max_position_embeddings": V2_CONTEXT, "num_hidden_layers": 4}
     if not (folder / "config.json").exists():
-        write_shaped_model("deepseek-v2-lite", folder, "cuda", 0, overrides)
+        write_shaped_model("deepseek-v2-lite-v3arch", folder, "cuda", 0, overrides)
         torch.cuda.empty_cache()
     port = serve_bench._free_port()
     cmd = [sys.executable, "-m", "deepserve.server.cli", "serve", "--model", str(folder),

@@ -72,7 +72,7 @@ def write_checkpoint(folder: Path, run: ServeRun, quick: bool) -> tuple[Path, fl
     t0 = time.time()
     if not (folder / "config.json").exists():
         overrides = QUICK_OVERRIDES if quick else None
-        write_shaped_model("deepseek-v2-lite", folder, run.device, 0, overrides)
+        write_shaped_model("deepseek-v2-lite-v3arch", folder, run.device, 0, overrides)
         _free(run)
     return folder, time.time() - t0
 

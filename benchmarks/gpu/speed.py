@@ -4,9 +4,9 @@ process, a profile of one decode step (kernels, device-to-host copies, GPU busy 
 one of a 2,000-token prefill.
 
 Shapes: DeepSeek-V2-Lite (15.7B: MLA, 64 routed experts top-6 + 2 shared, 27 layers, in the
-DeepseekV3 architecture with a 4K context) and SmolLM2-135M. transformers builds the model with
-its own random init; deepserve's model is built over the very same tensors (no copy of the
-experts). Imported by run_all.py.
+DeepseekV3 architecture with a 4K context: model_shapes' `deepseek-v2-lite-v3arch`) and
+SmolLM2-135M. transformers builds the model with its own random init; deepserve's model is built
+over the very same tensors (no copy of the experts). Imported by run_all.py.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from deepserve.engine.testmodels.model_shapes import DEEPSEEK_V2_LITE, SMOLLM2_135M
+from deepserve.engine.testmodels.model_shapes import DEEPSEEK_V2_LITE_AS_V3, SMOLLM2_135M
 
-SHAPES = {"v2-lite": DEEPSEEK_V2_LITE, "smollm2": SMOLLM2_135M}
+SHAPES = {"v2-lite": DEEPSEEK_V2_LITE_AS_V3, "smollm2": SMOLLM2_135M}
 
 
 def _sync() -> None:

@@ -10,6 +10,8 @@ from deepserve.engine.errors import UnsupportedModelError
 # architecture -> (module under deepserve.engine.models, class); imported only when asked for
 ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "Qwen2ForCausalLM"),
+    "DeepseekV2ForCausalLM": ("deepseek_v3", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
     "DeepseekV4ForCausalLM": ("deepseek_v4", "DeepseekV4ForCausalLM"),
 }

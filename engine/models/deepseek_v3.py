@@ -1,4 +1,5 @@
-"""The `deepseek_v3` family: Multi-head Latent Attention (MLA), DeepSeekMoE, and the MTP module.
+"""The `deepseek_v3` family: Multi-head Latent Attention (MLA), DeepSeekMoE, and the MTP module;
+DeepSeek-V2 (`DeepseekV2ForCausalLM`) is the same model read through `DeepseekV3Args.from_hf_v2`.
 
 MLA: queries through an optional low-rank `q_a -> norm -> q_b`; keys/values through a compressed latent
 `kv_a -> norm` (kv_lora_rank) plus one shared rope key (qk_rope_head_dim). The KV cache holds only
@@ -14,13 +15,18 @@ MTP (`num_nextn_predict_layers`, stored as layers num_hidden_layers..): enorm(em
 token) and hnorm(previous hidden) -> eh_proj -> one decoder layer -> shared_head norm. Its KV lives in
 the cache slots after the main layers.
 
+DeepSeek-V2 differs in routing only: softmax scores, no correction bias, `topk_method` "greedy"
+(plain top-k) or "group_limited_greedy" (the best `topk_group` groups, a group scored by its best
+expert); with `norm_topk_prob` the weights are normalized and not scaled, as DeepSeek's own V2
+code does (transformers' V2 ignores the flag; every published V2 checkpoint has it false).
+
 Interleaved rope (HF `rope_interleave`, the DeepSeek default) is turned into the half-split layout by
 permuting the rope rows of q_b / kv_a once at load time: q.k is unchanged under a shared permutation.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +109,30 @@ class DeepseekV3Args:
             max_position_embeddings=c.get("max_position_embeddings", 4096),
         )
 
+    @classmethod
+    def from_hf_v2(cls, c: dict) -> DeepseekV3Args:
+        """A DeepSeek-V2 config.json (model_type `deepseek_v2`)."""
+        method = c.get("topk_method") or "greedy"
+        if method not in ("greedy", "group_limited_greedy"):
+            raise UnsupportedModelError(f"DeepSeek-V2 topk_method {method!r} is not supported")
+        if c.get("scoring_func", "softmax") != "softmax":
+            raise UnsupportedModelError("DeepSeek-V2 routes with softmax scores only")
+        grouped = method == "group_limited_greedy"
+        # V2 always rotates interleaved pairs (transformers' V2 has no rope_interleave switch)
+        args = cls.from_hf(
+            dict(
+                c,
+                scoring_func="softmax",
+                rope_interleave=True,
+                n_group=c.get("n_group") if grouped else 1,
+                topk_group=c.get("topk_group") if grouped else 1,
+                num_nextn_predict_layers=0,
+            )
+        )
+        normalize = args.norm_topk_prob and args.num_experts_per_tok > 1
+        scale = 1.0 if normalize else args.routed_scaling_factor
+        return replace(args, norm_topk_prob=normalize, routed_scaling_factor=scale)
+
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -174,6 +204,7 @@ def _rope_rows_to_half_split(w: torch.Tensor, head_dim: int, rope_dim: int) -> t
 
 class DeepseekV3ForCausalLM:
     family = "deepseek_v3"
+    args_from_hf = DeepseekV3Args.from_hf
 
     def __init__(
         self,
@@ -183,7 +214,7 @@ class DeepseekV3ForCausalLM:
         fingerprint: str,
         parallel: ModelShard | None = None,  # tensor/expert parallel: this rank's share
     ) -> None:
-        a = self.args = DeepseekV3Args.from_hf(config)
+        a = self.args = type(self).args_from_hf(config)
         self.k = kernels
         self.parallel = parallel
         self.fingerprint = fingerprint
@@ -432,3 +463,11 @@ class DeepseekV3ForCausalLM:
         if fused is not None:
             return fused
         return self.k.moe_route_composed(logits, w.bias, spec, self.k.sigmoid, self.k.softmax)
+
+
+class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
+    """DeepSeek-V2 / V2-Lite / Coder-V2: V3's model under V2's routing (see the module docstring).
+    Its own family name: V2 checkpoints are served with their own chat template."""
+
+    family = "deepseek_v2"
+    args_from_hf = DeepseekV3Args.from_hf_v2

@@ -1,5 +1,6 @@
 """The `llama` family (SmolLM2, Llama 2/3): GQA attention with RoPE (llama3 scaling when configured),
-RMSNorm, SwiGLU MLP, optionally tied embeddings.
+RMSNorm, SwiGLU MLP, optionally tied embeddings. `Qwen2ForCausalLM` (Qwen2, DeepSeek-R1-Distill-Qwen)
+is the same model with biases on q, k and v; its sliding window is refused (R1-Distill ships it off).
 
 Weights arrive as a dict of HF-named tensors (the loaders translate GGUF names); q/k/v and gate/up are
 fused at construction so a layer is four matmuls. KV cache layout per layer: `[K | V]` on the last dim,
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from deepserve.engine.errors import UnsupportedModelError
 from deepserve.engine.models.base import KVCacheSpec
 from deepserve.engine.models.common import WeightStore, add_rms_norm, require, swiglu
 from deepserve.engine.parallel.plan import ModelShard
@@ -66,10 +68,12 @@ class _Layer:
     down: Weight
     # The four matmuls as the KernelSet's `llama_layer_` takes them, when all are packed.
     native: tuple | None = None
+    qkv_bias: torch.Tensor | None = None  # Qwen2: [(Hq + 2 Hkv) * D]
 
 
 class LlamaForCausalLM:
     family = "llama"
+    qkv_bias = False
 
     def __init__(
         self,
@@ -116,9 +120,11 @@ class LlamaForCausalLM:
     def _load_layer(self, w: WeightStore, i: int) -> _Layer:
         p = f"model.layers.{i}."
         matmuls = {field: w.cat(names) for field, names in self._matmul_names(i).items()}
+        biases = [p + f"self_attn.{n}_proj.bias" for n in ("q", "k", "v")]
         return _Layer(
             attn_norm=w.get(p + "input_layernorm.weight"),
             mlp_norm=w.get(p + "post_attention_layernorm.weight"),
+            qkv_bias=w.cat(biases) if self.qkv_bias else None,
             **matmuls,
         )
 
@@ -127,11 +133,13 @@ class LlamaForCausalLM:
         with the checkpoint's quantized blocks where it has them. A tied lm_head gets its own
         packed copy: the embedding lookup needs the plain table."""
         pack = self.k.pack_weight
-        fuse = self.k.pack_llama_layer if self.parallel is None else None
+        # the fused layer has no all-reduce between its matmuls, and no biases
+        fused_ok = self.parallel is None and not self.qkv_bias
+        fuse = self.k.pack_llama_layer if fused_ok else None
         for i, layer in enumerate(self.layers):
             for field, names in self._matmul_names(i).items():
                 setattr(layer, field, pack(getattr(layer, field), w.quantized(names)))
-            if fuse is not None:  # the fused layer has no all-reduce between its matmuls
+            if fuse is not None:
                 layer.native = fuse([layer.qkv, layer.o, layer.gate_up, layer.down])
         self.lm_head = pack(self.lm_head, w.quantized([head]))
 
@@ -180,6 +188,8 @@ class LlamaForCausalLM:
         a = self.args
         tokens, hq, hkv, d = x.shape[0], a.num_heads, a.num_kv_heads, a.head_dim
         qkv = self.k.linear(x, layer.qkv)
+        if layer.qkv_bias is not None:
+            qkv = qkv + layer.qkv_bias
         k_cache, v_cache = cache
         fused = self.k.rope_qk_write_kv_ is not None and self.k.rope_qk_write_kv_(
             qkv, cos, sin, k_cache, v_cache, attn.slot_mapping, hq
@@ -214,3 +224,15 @@ class LlamaForCausalLM:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.k.linear(hidden, self.lm_head).float()
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2 / R1-Distill-Qwen: Llama with q/k/v biases."""
+
+    family = "qwen2"
+    qkv_bias = True
+
+    def __init__(self, config: dict, *args, **kwargs) -> None:
+        if config.get("use_sliding_window"):
+            raise UnsupportedModelError("Qwen2 with use_sliding_window=true is not supported")
+        super().__init__(config, *args, **kwargs)

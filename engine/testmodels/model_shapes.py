@@ -7,13 +7,17 @@ DeepSeek-V4-Flash's shape (hidden 4096, 64 heads over one 512-dim latent, 256 ro
 only, then CSA and HCA alternating, hash-routed MoE in the first three (fewer with fewer layers, so
 every kind of layer is kept from 3 layers up).
 
-DeepSeek-V2-Lite's shape (15.7B: MLA with kv_lora_rank 512, 64 routed experts top-6 + 2 shared,
-27 layers) is written in the DeepseekV3 architecture with a 4K context, and SmolLM2-135M's as a
-Llama. Weights are drawn on `device` (a GPU draws 15.7B values in seconds) from N(0, 0.02) like
-transformers' own init, norms are ones, experts are stored in transformers 5's fused layout
-(`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]); the tokenizer is a
-word-level one over the vocabulary, split on whitespace (`t5 t7` is ids 5, 7; other words are id
-0). Timing does not depend on the values, so these serve the benchmarks; they are not for text.
+DeepSeek-V2-Lite's shape (15.7B: MLA with kv_lora_rank 512, no q LoRA, 64 routed experts top-6
+under softmax routing + 2 shared, 27 layers, YaRN to 160K) is written as published
+(`DeepseekV2ForCausalLM`, one tensor per expert); `deepseek-v2-lite-v3arch` is the same geometry
+in the DeepseekV3 architecture with a 4K context and transformers 5's fused expert layout
+(`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]), which the GPU
+benchmarks run beside transformers' DeepseekV3 model. SmolLM2-135M's is written as a Llama, and
+DeepSeek-R1-Distill-Qwen-1.5B's as a Qwen2 (q/k/v biases, untied head) with R1's special tokens and
+chat template. Weights are drawn on `device` (a GPU draws 15.7B values in seconds) from N(0, 0.02)
+like transformers' own init, norms are ones; the tokenizer is a word-level one over the
+vocabulary, split on whitespace (`t5 t7` is ids 5, 7; other words are id 0). Timing does not
+depend on the values, so these serve the benchmarks; they are not for text.
 """
 
 from __future__ import annotations
@@ -23,12 +27,29 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from deepserve.engine.models.deepseek_v4_config import CSA, HCA, SLIDING
 from deepserve.engine.testmodels.deepseek_v4_layout import tensor_specs
 
 DEEPSEEK_V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+    "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
+    "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
+    "num_key_value_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6, "n_group": 1,
+    "topk_group": 1, "topk_method": "greedy", "scoring_func": "softmax",
+    "norm_topk_prob": False, "routed_scaling_factor": 1.0, "first_k_dense_replace": 1,
+    "moe_layer_freq": 1, "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                     "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+    "max_position_embeddings": 163840, "tie_word_embeddings": False, "attention_bias": False,
+    "bos_token_id": 100000, "eos_token_id": 100001, "torch_dtype": "bfloat16",
+}  # fmt: skip
+# The V2-Lite geometry in the DeepseekV3 architecture with a 4K context: what the GPU benchmarks
+# (benchmarks/gpu/) run, where transformers' DeepseekV3 model is the baseline.
+DEEPSEEK_V2_LITE_AS_V3 = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
     "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
     "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_nextn_predict_layers": 0,
@@ -48,6 +69,36 @@ SMOLLM2_135M = {
     "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": True,
     "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "torch_dtype": "bfloat16",
 }  # fmt: skip
+R1_DISTILL_QWEN_1_5B = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936,
+    "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+    "num_attention_heads": 12, "num_key_value_heads": 2, "max_position_embeddings": 131072,
+    "max_window_layers": 21, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "sliding_window": 4096, "use_sliding_window": False, "tie_word_embeddings": False,
+    "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+}  # fmt: skip
+# R1-Distill's special tokens at their ids in the published tokenizer (Qwen2's vocabulary).
+R1_SPECIAL_TOKENS = {
+    "<｜end▁of▁sentence｜>": 151643, "<｜User｜>": 151644, "<｜Assistant｜>": 151645,
+    "<｜begin▁of▁sentence｜>": 151646, "<think>": 151648, "</think>": 151649,
+}  # fmt: skip
+# R1-Distill's chat template without its tool-call branches: earlier answers keep only the text
+# after `</think>`, and the assistant turn opens a think block.
+R1_CHAT_TEMPLATE = (
+    "{% set ns = namespace(system_prompt='') %}"
+    "{% for message in messages %}{% if message['role'] == 'system' %}"
+    "{% set ns.system_prompt = message['content'] %}{% endif %}{% endfor %}"
+    "{{ bos_token }}{{ ns.system_prompt }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}{% endif %}"
+    "{% if message['role'] == 'assistant' and message['content'] is not none %}"
+    "{% set content = message['content'] %}"
+    "{% if '</think>' in content %}{% set content = content.split('</think>')[-1] %}{% endif %}"
+    "{{ '<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<｜Assistant｜><think>\\n' }}{% endif %}"
+)
 DEEPSEEK_V4_FLASH = {
     "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
     "vocab_size": 129280, "hidden_size": 4096, "moe_intermediate_size": 2048,
@@ -67,14 +118,16 @@ DEEPSEEK_V4_FLASH = {
 }  # fmt: skip
 SHAPES = {
     "deepseek-v2-lite": DEEPSEEK_V2_LITE,
+    "deepseek-v2-lite-v3arch": DEEPSEEK_V2_LITE_AS_V3,
     "deepseek-v4-flash": DEEPSEEK_V4_FLASH,
     "smollm2-135m": SMOLLM2_135M,
+    "r1-distill-qwen-1.5b": R1_DISTILL_QWEN_1_5B,
 }
 STD = 0.02
 
 
 def random_weights(config: dict, device: str, seed: int) -> dict[str, torch.Tensor]:
-    """HF-named bf16 tensors of `config`'s shapes (llama, deepseek_v3 or deepseek_v4)."""
+    """HF-named bf16 tensors of `config`'s shapes (llama, qwen2, deepseek_v2/v3 or v4)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     if config["model_type"] == "deepseek_v4":
         return _deepseek_v4_weights(config, device, gen)
@@ -90,7 +143,8 @@ def random_weights(config: dict, device: str, seed: int) -> dict[str, torch.Tens
     w = {"model.embed_tokens.weight": mat(vocab, hidden), "model.norm.weight": ones(hidden)}
     if not config.get("tie_word_embeddings"):
         w["lm_head.weight"] = mat(vocab, hidden)
-    layer = _deepseek_layer if config["model_type"] == "deepseek_v3" else _llama_layer
+    deepseek = config["model_type"] in ("deepseek_v2", "deepseek_v3")
+    layer = _deepseek_layer if deepseek else _llama_layer
     for i in range(config["num_hidden_layers"]):
         w |= {f"model.layers.{i}.{k}": v for k, v in layer(config, i, mat, ones).items()}
     return w
@@ -107,7 +161,7 @@ def _mlp(prefix: str, hidden: int, inter: int, mat) -> dict[str, torch.Tensor]:
 def _llama_layer(c: dict, i: int, mat, ones) -> dict[str, torch.Tensor]:
     h, heads, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
     d = h // heads
-    return {
+    t = {
         "input_layernorm.weight": ones(h),
         "post_attention_layernorm.weight": ones(h),
         "self_attn.q_proj.weight": mat(heads * d, h),
@@ -116,6 +170,10 @@ def _llama_layer(c: dict, i: int, mat, ones) -> dict[str, torch.Tensor]:
         "self_attn.o_proj.weight": mat(h, heads * d),
         **_mlp("mlp.", h, c["intermediate_size"], mat),
     }
+    if c["model_type"] == "qwen2":  # Qwen2: biases on q, k and v only
+        t |= {f"self_attn.{n}_proj.bias": mat(rows) for n, rows in (("q", heads * d),
+              ("k", kv * d), ("v", kv * d))}  # fmt: skip
+    return t
 
 
 def _deepseek_layer(c: dict, i: int, mat, ones) -> dict[str, torch.Tensor]:
@@ -141,12 +199,16 @@ def _deepseek_layer(c: dict, i: int, mat, ones) -> dict[str, torch.Tensor]:
     if i < c["first_k_dense_replace"]:
         return t | _mlp("mlp.", h, c["intermediate_size"], mat)
     experts, inter = c["n_routed_experts"], c["moe_intermediate_size"]
-    t |= {
-        "mlp.gate.weight": mat(experts, h).float(),
-        "mlp.gate.e_score_correction_bias": torch.zeros(experts, device=ones(1).device),
-        "mlp.experts.gate_up_proj": mat(experts, 2 * inter, h),
-        "mlp.experts.down_proj": mat(experts, h, inter),
-    }
+    t["mlp.gate.weight"] = mat(experts, h).float()
+    if c["model_type"] == "deepseek_v2":  # as published: one tensor per expert, no bias
+        for e in range(experts):
+            t |= _mlp(f"mlp.experts.{e}.", h, inter, mat)
+    else:
+        t |= {
+            "mlp.gate.e_score_correction_bias": torch.zeros(experts, device=ones(1).device),
+            "mlp.experts.gate_up_proj": mat(experts, 2 * inter, h),
+            "mlp.experts.down_proj": mat(experts, h, inter),
+        }
     return t | _mlp("mlp.shared_experts.", h, inter * c["n_shared_experts"], mat)
 
 
@@ -184,12 +246,40 @@ def _deepseek_v4_weights(config: dict, device: str, gen: torch.Generator) -> dic
     return out
 
 
-def _word_tokenizer(vocab_size: int) -> Tokenizer:
+def _word_tokenizer(vocab_size: int, special: dict[str, int] | None = None) -> Tokenizer:
     """Words `t0`..`t{V-1}` are the token ids; any other word is `t0`. Split on whitespace, so a
-    text prompt (an HTTP benchmark's) has as many tokens as words."""
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    text prompt (an HTTP benchmark's) has as many tokens as words. `special` tokens take their
+    ids' places and are matched anywhere in the text (`<｜Assistant｜><think>` is two tokens)."""
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    for text, i in (special or {}).items():
+        del vocab[f"t{i}"]
+        vocab[text] = i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if special:  # tokens decode concatenated, so a text's decode is the same however split
+        tok.decoder = decoders.Fuse()
+    # as published, the think markers are plain added tokens and the rest special ones
+    think = [t for t in (special or {}) if t in ("<think>", "</think>")]
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in think])
+    tok.add_special_tokens(
+        [AddedToken(t, normalized=False) for t in special or {} if t not in think]
+    )
     return tok
+
+
+def _write_tokenizer(config: dict, out_dir: Path) -> None:
+    """tokenizer.json; for R1-Distill also its special tokens and chat template (which the server
+    renders prompts with, through its chat-template family)."""
+    if config["model_type"] != "qwen2":
+        _word_tokenizer(config["vocab_size"]).save(str(out_dir / "tokenizer.json"))
+        return
+    _word_tokenizer(config["vocab_size"], R1_SPECIAL_TOKENS).save(str(out_dir / "tokenizer.json"))
+    tokenizer_config = {
+        "bos_token": "<｜begin▁of▁sentence｜>",
+        "eos_token": "<｜end▁of▁sentence｜>",
+        "chat_template": R1_CHAT_TEMPLATE,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 
 
 def write_shaped_model(
@@ -207,7 +297,7 @@ def write_shaped_model(
     save_file(
         {k: v.contiguous().cpu() for k, v in weights.items()}, str(out_dir / "model.safetensors")
     )
-    _word_tokenizer(config["vocab_size"]).save(str(out_dir / "tokenizer.json"))
+    _write_tokenizer(config, out_dir)
     # config.json last: model_registry treats its presence as "the folder is complete"
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out_dir
