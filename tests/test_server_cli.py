@@ -133,10 +133,15 @@ def test_kv_secret_comes_from_the_environment_or_a_file_never_argv(monkeypatch, 
     assert repr(derive_mac_key(b"from-env")) not in repr(engine_config_from_args(args))
 
 
-def test_workers_without_a_kv_secret_share_one_derived_from_the_internal_token(monkeypatch):
+def test_workers_without_a_kv_secret_share_one_derived_from_the_internal_token(
+    monkeypatch, tmp_path
+):
     from deepserve.kvcache.codec import derive_mac_key
+    from deepserve.server.state_dir import local_kv_secret
 
     monkeypatch.delenv("DEEPSERVE_KV_SECRET", raising=False)
     worker = _store_mac(["worker", "--internal-token", "tok"])
     assert worker == derive_mac_key(b"tok") == _store_mac(["worker", "--internal-token", "tok"])
-    assert _store_mac(["serve"]) is None  # a random key of the process (kv_tiering)
+    # Without a token either: this machine's secret (tests/test_kvcache_local_secret.py).
+    local = _store_mac(["serve", "--state-dir", str(tmp_path)])
+    assert local == derive_mac_key(local_kv_secret(tmp_path))
