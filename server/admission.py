@@ -126,7 +126,7 @@ def check_fields(body: dict, max_text_chars: int, endpoint: str = "chat") -> Non
 def cache_salt(body: dict, config: ServerConfig, tenant: str | None) -> str | None:
     """Take `cache_salt` out of a checked body: the salt its KV blocks are hashed under
     (server/cache_salt.py), the tenant's too when salting by API key."""
-    by_key = tenant if config.cache_salt_by_api_key else None
+    by_key = tenant if config.salts_by_api_key else None
     return request_salt(body.pop("cache_salt", None), by_key)
 
 

@@ -406,9 +406,11 @@ def add_auth_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--cache-salt-by-api-key",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="salt the prefix cache by API key: requests share cached blocks only with requests "
-        "of the same key (docs/server.md, cache_salt)",
+        "of the same key (default: on with more than one key; --no-cache-salt-by-api-key lets "
+        "several keys of one team share the cache; docs/server.md, cache_salt)",
     )
 
 

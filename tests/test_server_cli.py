@@ -46,18 +46,29 @@ def test_serve_flags_reach_server_and_engine_config():
     assert engine.batch_invariant
 
 
-def test_api_key_repeats_and_salting_by_key_is_a_flag():
-    args = build_parser().parse_args(
-        ["serve", "--api-key", "a", "--api-key", "b", "--cache-salt-by-api-key"]
-    )
-    server = server_config_from_args(args)
-    assert server.api_keys == ("a", "b") and server.cache_salt_by_api_key
+def _server(*argv: str):
+    return server_config_from_args(build_parser().parse_args(["serve", *argv]))
+
+
+def test_api_key_repeats_and_several_keys_salt_the_cache_by_key_by_default():
+    server = _server("--api-key", "a", "--api-key", "b")
+    assert server.api_keys == ("a", "b") and server.salts_by_api_key
+
+
+def test_one_key_shares_its_cache_unless_salting_is_forced_on():
+    assert not _server("--api-key", "team").salts_by_api_key
+    assert _server("--api-key", "team", "--cache-salt-by-api-key").salts_by_api_key
+
+
+def test_salting_by_key_can_be_turned_off_for_keys_of_one_team():
+    server = _server("--api-key", "a", "--api-key", "b", "--no-cache-salt-by-api-key")
+    assert not server.salts_by_api_key
 
 
 def test_api_keys_from_the_environment_are_comma_separated(monkeypatch):
     monkeypatch.setenv("DEEPSERVE_API_KEY", "a,b")
     server = server_config_from_args(build_parser().parse_args(["serve"]))
-    assert server.api_keys == ("a", "b") and not server.cache_salt_by_api_key
+    assert server.api_keys == ("a", "b")
 
 
 def test_bench_serve_flags():
