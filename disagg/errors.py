@@ -17,13 +17,15 @@ class WorkerRejectedError(InvalidRequestError):
 
 
 class WorkerUnavailableError(EngineError):
-    """A worker failed; `started` tells whether it had already streamed tokens for the request."""
+    """A worker failed; `started` tells whether it had already streamed tokens for the request,
+    `worker` which worker it was (its URL, set by the router), so a resume can avoid it."""
 
     status_code = 503
 
-    def __init__(self, message: str, started: bool = False) -> None:
+    def __init__(self, message: str, started: bool = False, worker: str | None = None) -> None:
         super().__init__(message)
         self.started = started
+        self.worker = worker
 
 
 class NoWorkerError(WorkerUnavailableError):

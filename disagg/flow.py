@@ -55,9 +55,12 @@ class WorkerPicker(Protocol):
     def has_role(self, role: str) -> bool:
         """Whether the pool has a worker of `role` at all (healthy or not)."""
 
-    def stream(self, role: str, req: GenerateRequest) -> AsyncIterator[StreamEvent]:
+    def stream(
+        self, role: str, req: GenerateRequest, *, avoid: frozenset[str] = frozenset()
+    ) -> AsyncIterator[StreamEvent]:
         """`req`'s events from one worker of `role`, tried elsewhere before the first token;
-        `WorkerUnavailableError` (with `started`) when that fails."""
+        `WorkerUnavailableError` (with `started` and the failed `worker`) when that fails.
+        `avoid`: workers not to pick while another of the role is available."""
 
     def retried(self, role: str) -> None:
         """Count one request tried again on another worker of `role`."""
@@ -136,11 +139,14 @@ class GenerationFlow:
         resumes after every token emitted so far (n=1 only; the seed is fixed by then)."""
         emitted = list(req.resume_token_ids)
         first: StreamEvent | None = None
+        failed: frozenset[str] = frozenset()  # workers that died serving this request
         for attempt in range(self.picker.max_attempts):
             if attempt:
                 req = dataclasses.replace(req, resume_token_ids=list(emitted))
             try:
-                async with contextlib.aclosing(self.picker.stream(role, req)) as events:
+                async with contextlib.aclosing(
+                    self.picker.stream(role, req, avoid=failed)
+                ) as events:
                     async for ev in events:
                         first = first or ev
                         emitted += [t for o in ev.outputs for t in o["token_ids"]]
@@ -150,6 +156,8 @@ class GenerationFlow:
                 last_try = attempt + 1 == self.picker.max_attempts
                 if not (e.started and resumable(params)) or last_try:
                     raise
+                if e.worker is not None:
+                    failed |= {e.worker}
                 log.warning(
                     "%s died mid-stream, resuming after %d tokens: %s",
                     req.request_id,

@@ -13,6 +13,7 @@ vocabulary (those padding ids are never allowed under a grammar).
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +27,11 @@ from deepserve.engine.xgrammar_import import xgrammar as xgr
 # An unbounded compile cache grows with every distinct schema a client sends (CVE-2025-32381).
 DEFAULT_CACHE_BYTES = 64 * 2**20
 _ANY_OBJECT = '{"type": "object"}'
+# xgrammar's native errors start with a log prefix, "[12:34:56] /project/cpp/file.cc:820: ":
+# a time of day and a source path of its build, neither of them about the client's constraint.
+_NATIVE_PREFIX = re.compile(
+    r"(?:\[\d\d:\d\d:\d\d\]\s*)?(?:[\w.\-]*/)+[\w.\-]+\.(?:cc|cpp|h|hpp|py):\d+:\s*"
+)
 _EOS_SPELLINGS = ("<|im_end|>", "<｜end▁of▁sentence｜>", "<|endoftext|>", "</s>", "<|eot_id|>")
 
 
@@ -100,7 +106,7 @@ class GrammarCache:
             raise
         except (RuntimeError, ValueError, TypeError, KeyError) as e:
             # xgrammar reports bad input as RuntimeError/ValueError (or subclasses of them).
-            raise InvalidRequestError(f"invalid {structured.kind} constraint: {e}") from e
+            raise constraint_error(structured.kind, e) from e
         return CompiledGrammar(grammar, structured.kind, time.perf_counter() - start)
 
     def _compile(self, s: StructuredOutput) -> xgr.CompiledGrammar:
@@ -279,5 +285,12 @@ def _answer_grammar(s: StructuredOutput) -> xgr.Grammar:
         if s.kind == "ebnf":
             return xgr.Grammar.from_ebnf(s.spec)
     except (RuntimeError, ValueError, TypeError, KeyError) as e:
-        raise InvalidRequestError(f"invalid {s.kind} constraint: {e}") from e
+        raise constraint_error(s.kind, e) from e
     raise InvalidRequestError(f"a {s.kind} constraint cannot follow the reasoning")
+
+
+def constraint_error(kind: str, e: Exception) -> InvalidRequestError:
+    """The 400 for a constraint xgrammar refused: its message, without the log prefix and source
+    paths of xgrammar's build (the client learns what is wrong, not where the parser lives)."""
+    message = _NATIVE_PREFIX.sub("", str(e)).strip()
+    return InvalidRequestError(f"invalid {kind} constraint: {message}")

@@ -54,6 +54,11 @@ class BlockFormatError(ValueError):
     the reader expects, a wrong length, or a checksum mismatch."""
 
 
+class MACMismatchError(BlockFormatError):
+    """A well-formed block whose MAC does not verify under the reader's key: forged, altered, or
+    written by a process holding another KV secret."""
+
+
 @dataclass(frozen=True)
 class BlockSpec:
     """What every block of one model's KV cache looks like; both writer and reader hold one."""
@@ -135,7 +140,9 @@ def decode_block(
     body_end = expected_len - trailer
     # compare_digest: how long a forged tag matched must not show in the time taken.
     if not hmac.compare_digest(_trailer((view[:body_end],), mac_key), view[body_end:]):
-        raise BlockFormatError("MAC mismatch" if mac_key is not None else "checksum mismatch")
+        if mac_key is not None:
+            raise MACMismatchError("MAC mismatch")
+        raise BlockFormatError("checksum mismatch")
     off = _FIXED.size
     if view[off : off + len(fp)] != fp:
         raise BlockFormatError("block belongs to another model fingerprint")

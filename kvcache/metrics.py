@@ -29,6 +29,10 @@ class KVCacheMetrics:
         self.integrity_failures = counter(
             "kv_tier_integrity_failures", "Blocks that failed the codec checks (treated as misses)"
         )
+        self.mac_rejections = counter(
+            "kv_store_mac_rejected_blocks",
+            "Blocks whose MAC did not verify under this process's KV secret (treated as misses)",
+        )
         self.store_errors = counter(
             "kv_store_errors",
             "Failed store operations (timeouts, connection errors)",
@@ -71,6 +75,7 @@ class KVCacheMetrics:
         if tier == "host":
             self.used_bytes.labels(tier)  # L1 starts empty
         if tier == "store":
+            self.mac_rejections.labels(tier)
             for op in ("get", "put"):  # the data-path operations of a store
                 self.store_errors.labels(tier, op)
 

@@ -16,17 +16,25 @@ block manager decides that).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from deepserve.kvcache.codec import BlockFormatError, BlockSpec, decode_block, encode_block
+from deepserve.kvcache.codec import (
+    BlockFormatError,
+    BlockSpec,
+    MACMismatchError,
+    decode_block,
+    encode_block,
+)
 from deepserve.kvcache.host_cache import HostCache
 from deepserve.kvcache.metrics import KVCacheMetrics
 from deepserve.kvcache.store import BlockStore
 from deepserve.kvcache.write_queue import Item, WriteQueue
 
 HOST, STORE = "host", "store"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,7 @@ class TieredKVCache:
         self.spec = spec
         self.store_mac_key = store_mac_key
         self.metrics = metrics
+        self._told_mac_rejection = False  # the hint is logged once, the counter counts them all
         self.host = host
         self.store = store
         for tier, present in ((HOST, host), (STORE, store)):
@@ -114,9 +123,11 @@ class TieredKVCache:
                 break
             try:
                 good.append((key, value, decode_block(self.spec, key, value, mac_key)))
-            except BlockFormatError:
+            except BlockFormatError as e:
                 delete([key])
                 self.metrics.integrity_failures.labels(tier).inc()
+                if isinstance(e, MACMismatchError):
+                    self._count_mac_rejection(tier)
                 break  # a chain with a gap is only usable up to the gap
         if tier == STORE and self.host is not None:
             for key, _, view in good:  # L1 keeps its own (checksummed) framing
@@ -126,6 +137,16 @@ class TieredKVCache:
         self.metrics.record_lookup(tier, len(keys), len(good))
         self.metrics.latency.labels(tier, "fetch").observe(time.perf_counter() - start)
         return [view for _, _, view in good]
+
+    def _count_mac_rejection(self, tier: str) -> None:
+        self.metrics.mac_rejections.labels(tier).inc()
+        if not self._told_mac_rejection:
+            self._told_mac_rejection = True
+            log.warning(
+                "an L2 block failed its MAC: it was forged, or written by a process with another "
+                "KV secret; processes sharing a store need the same one ($DEEPSERVE_KV_SECRET or "
+                "--kv-secret-file, docs/kvcache.md)"
+            )
 
     # -- writes --------------------------------------------------------------------------------
 

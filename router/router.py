@@ -123,14 +123,23 @@ class Router:
         return worker
 
     async def stream(
-        self, role: str, req: GenerateRequest, route_tokens: list[int] | None = None
+        self,
+        role: str,
+        req: GenerateRequest,
+        route_tokens: list[int] | None = None,
+        *,
+        avoid: frozenset[str] = frozenset(),
     ) -> AsyncIterator[StreamEvent]:
-        """Events of `req` from one worker of `role`, retrying elsewhere before the first token."""
+        """Events of `req` from one worker of `role`, retrying elsewhere before the first token.
+        `avoid`: workers that just failed this request (a resume), tried only when no other
+        worker of the role is available."""
         tried: set[str] = set()
         last: WorkerUnavailableError | None = None
         for _ in range(self.config.max_attempts):
             try:
-                worker = self.pick(role, route_tokens or req.prompt_token_ids, tried)
+                worker = self._pick_avoiding(
+                    role, route_tokens or req.prompt_token_ids, tried, avoid
+                )
             except NoWorkerError as e:
                 raise NoWorkerError(f"{e} (last failure: {last})" if last else str(e)) from last
             tried.add(worker.url)
@@ -146,6 +155,19 @@ class Router:
                 last = e
                 self.stats.retried(role)
         raise NoWorkerError(f"request failed on {len(tried)} {role} workers; last: {last}")
+
+    def _pick_avoiding(
+        self, role: str, token_ids: list[int], tried: set[str], avoid: frozenset[str]
+    ) -> Worker:
+        # A worker that just died mid-stream is usually still marked healthy (ejection needs
+        # several failures): without `avoid` the resume could go back to it and wait out a
+        # connect timeout first.
+        if avoid:
+            try:
+                return self.pick(role, token_ids, tried | avoid)
+            except NoWorkerError:
+                pass
+        return self.pick(role, token_ids, tried)
 
     async def _stream_one(self, w: Worker, req: GenerateRequest) -> AsyncIterator[StreamEvent]:
         w.inflight += 1
@@ -164,8 +186,9 @@ class Router:
         except WorkerRejectedError:
             settled = True
             raise
-        except WorkerUnavailableError:
+        except WorkerUnavailableError as e:
             self.pool.record_failure(w)
+            e.worker = e.worker or w.url
             raise
         finally:
             w.inflight -= 1

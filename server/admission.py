@@ -126,7 +126,7 @@ def check_fields(body: dict, max_text_chars: int, endpoint: str = "chat") -> Non
 def cache_salt(body: dict, config: ServerConfig, tenant: str | None) -> str | None:
     """Take `cache_salt` out of a checked body: the salt its KV blocks are hashed under
     (server/cache_salt.py), the tenant's too when salting by API key."""
-    by_key = tenant if config.cache_salt_by_api_key else None
+    by_key = tenant if config.salts_by_api_key else None
     return request_salt(body.pop("cache_salt", None), by_key)
 
 
@@ -216,10 +216,11 @@ class RequestOptions:
 
 
 def recipe_options(options: dr.InferenceOptions, extras: BodyExtras) -> RequestOptions:
-    """The chat protocols: what the recipe converted, and the max_tokens taken out before."""
+    """The chat protocols: what the recipe converted, and the max_tokens and seed taken out
+    before."""
     logprobs = (options.top_logprobs or 0) if options.logprobs else None
     return RequestOptions(
-        options.temperature, options.top_p, options.seed, extras.max_tokens, logprobs
+        options.temperature, options.top_p, extras.seed, extras.max_tokens, logprobs
     )
 
 
@@ -230,7 +231,7 @@ def completion_options(body: dict, extras: BodyExtras) -> RequestOptions:
     return RequestOptions(
         body.get("temperature"),
         body.get("top_p"),
-        body.get("seed"),
+        extras.seed,
         LEGACY_MAX_TOKENS if extras.max_tokens is None else extras.max_tokens,
         logprobs,
     )
@@ -283,6 +284,7 @@ class BodyExtras:
     parallel_tool_calls: bool = True
     tools: ToolRequest = field(default_factory=ToolRequest)
     sampling: BodySampling = field(default_factory=BodySampling)
+    seed: int | None = None  # read here: the recipe's chat conversion caps it at 2^63
 
 
 def pop_extras(body: dict, allow_n: bool, max_tokens_fields: tuple[str, ...]) -> BodyExtras:
@@ -293,7 +295,8 @@ def pop_extras(body: dict, allow_n: bool, max_tokens_fields: tuple[str, ...]) ->
     "json"; the engine samples n choices itself and the grammar enforces JSON regardless of the
     prompt, so both are taken out before conversion. The output budget (`max_tokens_fields`, the
     protocol's names for it, preferred first) is resolved by the engine's admission alone: the
-    recipe would clamp it on one protocol and refuse it on another.
+    recipe would clamp it on one protocol and refuse it on another. The seed too: every route
+    takes FIELD_RULES' range, where the recipe's Chat Completions conversion stops at 2^63.
     """
     n = body.pop("n", None) if allow_n else None
     _Rule("integer", 1, MAX_N).check("n", n)
@@ -313,6 +316,7 @@ def pop_extras(body: dict, allow_n: bool, max_tokens_fields: tuple[str, ...]) ->
         parallel,
         ToolRequest.from_body(body),
         BodySampling.from_body(body),
+        body.pop("seed", None),
     )
 
 

@@ -168,9 +168,22 @@ def list_of(item: Check, max_items: int | None = None) -> Check:
     def check(path: str, value: object) -> None:
         array(path, value)
         if max_items is not None and len(value) > max_items:
-            _refuse(path, f"may hold at most {max_items} items")
+            _refuse(path, f"may hold at most {max_items} items, not {len(value)}")
         for i, v in enumerate(value):
             item(f"{path}[{i}]", v)
+
+    return check
+
+
+def string_or_list(max_items: int) -> Check:
+    """A string, or a list of at most `max_items` strings; a list's own error (too long, an item
+    not a string) is reported as such, not as "not a string"."""
+
+    def check(path: str, value: object) -> None:
+        if isinstance(value, list):
+            list_of(string, max_items)(path, value)
+        elif not isinstance(value, str):
+            _refuse(path, f"must be a string or a list of strings, not {_type_name(value)}")
 
     return check
 
@@ -204,7 +217,7 @@ TOP_LEVEL: dict[str, Check] = {
     "stream": boolean,
     "stream_options": fields(include_usage=boolean, continuous_usage_stats=boolean),
     "best_of": integer(1),
-    "stop": one_of(string, list_of(string, MAX_STOP_STRINGS), what="a string or strings"),
+    "stop": string_or_list(MAX_STOP_STRINGS),
     "stop_sequences": list_of(string, MAX_STOP_STRINGS),
     "echo": boolean,
     "parallel_tool_calls": boolean,

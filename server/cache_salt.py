@@ -3,8 +3,9 @@
 A salt goes into the hash of a request's first KV block (engine/block_manager.py), so blocks
 computed under different salts never match: a client cannot learn from `cached_tokens` or the
 time to first token whether another tenant sent a prompt. The salt is the client's `cache_salt`,
-and with `--cache-salt-by-api-key` also a digest of the API key the request came with, so a
-client cannot pick another key's namespace by naming its salt.
+and when salting by API key (by default with more than one key: ServerConfig.salts_by_api_key)
+also a digest of the API key the request came with, so a client cannot pick another key's
+namespace by naming its salt.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ import os
 import secrets
 import socket
 import sys
+from pathlib import Path
 
 from deepserve.engine.config import EngineConfig, KVTierConfig, SpeculativeConfig
 from deepserve.engine.loading.builtin_models import DEFAULT_MODEL
@@ -108,7 +109,14 @@ def add_kv_tier_args(p: argparse.ArgumentParser) -> None:
         "--kv-secret-file",
         default=None,
         help="file holding the secret that authenticates L2 blocks (default: $DEEPSERVE_KV_SECRET,"
-        " else derived from the internal token; workers sharing a store need the same one)",
+        " else derived from the internal token, else a secret generated once in --state-dir; "
+        "workers on several hosts sharing a store need the same one)",
+    )
+    g.add_argument(
+        "--state-dir",
+        default=None,
+        help="where this machine's generated KV secret is kept, owner-only (default: "
+        "$XDG_STATE_HOME/deepserve, else ~/.local/state/deepserve)",
     )
 
 
@@ -134,9 +142,11 @@ def kv_tier_config_from_args(args: argparse.Namespace) -> KVTierConfig | None:
 
 def kv_mac_key(args: argparse.Namespace) -> bytes | None:
     """The L2 block MAC key: from --kv-secret-file or $DEEPSERVE_KV_SECRET (never argv itself),
-    else derived from the internal token the workers already share. None: a random key of this
-    process, which then cannot share blocks with other processes."""
+    else derived from the internal token the workers already share, else from the secret this
+    machine keeps in its state directory (server/state_dir.py), which every local process and
+    every restart shares."""
     from deepserve.kvcache.codec import derive_mac_key
+    from deepserve.server.state_dir import StateDirError, default_state_dir, local_kv_secret
 
     if args.kv_secret_file:
         with open(args.kv_secret_file, "rb") as f:
@@ -147,12 +157,18 @@ def kv_mac_key(args: argparse.Namespace) -> bytes | None:
     secret = env_secret("DEEPSERVE_KV_SECRET") or getattr(args, "internal_token", None)
     if secret:
         return derive_mac_key(secret.encode())
-    log.warning(
-        "no KV secret ($DEEPSERVE_KV_SECRET or --kv-secret-file): blocks in %s are signed with "
-        "a random key of this process, so no other process can use them",
+    state_dir = args.state_dir or default_state_dir(dict(os.environ))
+    try:
+        secret_bytes = local_kv_secret(Path(state_dir))
+    except (OSError, StateDirError) as e:
+        raise SystemExit(f"deepserve: no KV secret configured and {e}") from e
+    log.info(
+        "KV secret: this machine's, in %s (processes on other hosts sharing %s need "
+        "$DEEPSERVE_KV_SECRET or --kv-secret-file)",
+        state_dir,
         args.kv_store.split("@")[-1],
     )
-    return None
+    return derive_mac_key(secret_bytes)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -390,9 +406,11 @@ def add_auth_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--cache-salt-by-api-key",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="salt the prefix cache by API key: requests share cached blocks only with requests "
-        "of the same key (docs/server.md, cache_salt)",
+        "of the same key (default: on with more than one key; --no-cache-salt-by-api-key lets "
+        "several keys of one team share the cache; docs/server.md, cache_salt)",
     )
 
 

@@ -86,6 +86,14 @@ class _Job:
 
 
 @dataclass
+class _PromptUsage:
+    """The prompt's usage, known once the engine's first output arrives."""
+
+    prompt_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass
 class _Event:
     """One choice's new output: text, its token count, and its logprobs in the legacy shape."""
 
@@ -104,14 +112,14 @@ async def handle(request: Request, state: AppState) -> Response:
             request, body, INLINE_PREPARE_BYTES, _prepare, body, state, tenant_of(request)
         )
     rid = "cmpl-" + uuid.uuid4().hex[:24]
-    events = _generate(state, rid, job)
-    n_prompt = len(job.admitted.prompt_token_ids)
+    prompt = _PromptUsage(len(job.admitted.prompt_token_ids))
+    events = _generate(state, rid, job, prompt)
     if body.get("stream"):
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        sse_events = _sse(events, rid, state, usage, n_prompt)
+        sse_events = _sse(events, rid, state, usage, prompt)
         return StreamingResponse(sse_events, media_type="text/event-stream")
     try:
-        collected = _collect(events, rid, state, job.admitted.params, n_prompt)
+        collected = _collect(events, rid, state, job.admitted.params, prompt)
         result = await until_disconnect(request.receive, collected)
     except ClientDisconnected:
         return Response(status_code=499)
@@ -183,8 +191,11 @@ class _Choice:
     done: bool = False
 
 
-async def _generate(state: AppState, rid: str, job: _Job) -> AsyncIterator[_Event]:
-    """Yield each choice's new output as it comes; aborts the engine request when left early."""
+async def _generate(
+    state: AppState, rid: str, job: _Job, prompt: _PromptUsage
+) -> AsyncIterator[_Event]:
+    """Yield each choice's new output as it comes; aborts the engine request when left early.
+    Sets `prompt`'s cached tokens from the first output."""
     tok = state.backend.tokenizer
     params = job.admitted.params
     choices = [_Choice(DecodeStream(skip_special_tokens=True), job.echo) for _ in range(params.n)]
@@ -197,6 +208,7 @@ async def _generate(state: AppState, rid: str, job: _Job) -> AsyncIterator[_Even
             async for out in outputs:
                 if not timing.ready:
                     timing.ready = True
+                    prompt.cached_tokens = out.cached_tokens
                     record_prompt(state.metrics, out)
                 record_tokens(state.metrics, timing, out)
                 for c in out.outputs:
@@ -231,18 +243,20 @@ def _advance(
         offsets.append(base + len(piece))
         piece += choice.decoder.step(tok, t) or ""
     piece, hit = _apply_stops(before, piece, stops)
-    kept = len(c.token_ids)
+    # A stop token (EOS or a stop id) is neither output nor counted, as on the chat routes
+    # (server/stream.py); tokens after it were never generated.
+    stop_token = c.stop_token_id is not None and c.token_ids and c.token_ids[-1] == c.stop_token_id
+    generated = len(c.token_ids) - 1 if stop_token else len(c.token_ids)
+    kept = generated
     if hit:
         # Tokens that start inside the stop string are cut with it.
         kept = sum(1 for o in offsets if o < base + len(piece))
-    elif c.stop_token_id is not None and c.token_ids and c.token_ids[-1] == c.stop_token_id:
-        kept -= 1  # a stop token (EOS or a stop id) is not output, as a stop string is not
     choice.text = before + piece
     lp = None
     if k is not None and c.logprobs is not None:
         lp = _legacy_logprobs(c.logprobs[:kept], offsets[:kept], tok, k)
     finish = "stop" if hit else c.finish_reason
-    return _Event(c.index, prefix + piece, finish, len(c.token_ids), lp)
+    return _Event(c.index, prefix + piece, finish, generated, lp)
 
 
 def _legacy_logprobs(lps: list[TokenLogprob], offsets: list[int], tok: Tokenizer, k: int) -> dict:
@@ -290,16 +304,25 @@ def _chunk(rid: str, model: str, choices: list[dict], usage: dict | None = None)
     }
 
 
-def _usage(prompt: int, completion: int) -> dict:
+def _usage(prompt: _PromptUsage, completion: int) -> dict:
+    """Usage in the shape the chat routes report it (OpenAI's fields, DeepSeek's cache fields)."""
+    cached = prompt.cached_tokens
     return {
-        "prompt_tokens": prompt,
+        "prompt_tokens": prompt.prompt_tokens,
         "completion_tokens": completion,
-        "total_tokens": prompt + completion,
+        "total_tokens": prompt.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+        "prompt_cache_hit_tokens": cached,
+        "prompt_cache_miss_tokens": prompt.prompt_tokens - cached,
     }
 
 
 async def _sse(
-    events: AsyncIterator[_Event], rid: str, state: AppState, include_usage: bool, n_prompt: int
+    events: AsyncIterator[_Event],
+    rid: str,
+    state: AppState,
+    include_usage: bool,
+    prompt: _PromptUsage,
 ) -> AsyncIterator[bytes]:
     model = state.config.served_model_name
     tokens = 0
@@ -314,12 +337,16 @@ async def _sse(
             }
             yield sse(None, json.dumps(_chunk(rid, model, [choice])))
     if include_usage:
-        yield sse(None, json.dumps(_chunk(rid, model, [], _usage(n_prompt, tokens))))
+        yield sse(None, json.dumps(_chunk(rid, model, [], _usage(prompt, tokens))))
     yield sse(None, "[DONE]")
 
 
 async def _collect(
-    events: AsyncIterator[_Event], rid: str, state: AppState, params: SamplingParams, n_prompt: int
+    events: AsyncIterator[_Event],
+    rid: str,
+    state: AppState,
+    params: SamplingParams,
+    prompt: _PromptUsage,
 ) -> dict:
     n = params.n
     texts, finishes, tokens = [""] * n, [None] * n, 0
@@ -336,7 +363,7 @@ async def _collect(
         {"index": i, "text": texts[i], "logprobs": logprobs[i], "finish_reason": finishes[i]}
         for i in range(n)
     ]
-    return _chunk(rid, state.config.served_model_name, choices, _usage(n_prompt, tokens))
+    return _chunk(rid, state.config.served_model_name, choices, _usage(prompt, tokens))
 
 
 def _empty_logprobs() -> dict:

@@ -7,6 +7,7 @@ protocol differs in lives in this table, so the request path (server/chat_routes
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ def parse_request(
     spec: ProtocolSpec, body: dict, options: dr.ConversionOptions, served_name: str
 ) -> ParsedRequest:
     """Validate and convert a request body with the recipe; HTTPError(400...) when it is bad."""
+    _developer_as_system(spec, body)
     try:
         raw = spec.request_cls(body)
         extra = _pre_convert(spec, raw, options)
@@ -68,7 +70,7 @@ def parse_request(
     except dr.ConversionError as e:
         raise HTTPError(e.status_code, message_of_conversion_error(e.body)) from e
     except ValueError as e:  # body that does not deserialize into the protocol's request
-        raise HTTPError(400, str(e)) from e
+        raise HTTPError(400, _client_roles_only(str(e))) from e
     rid = new_request_id(spec)
 
     def make_generator():
@@ -79,6 +81,34 @@ def parse_request(
         return gen
 
     return ParsedRequest(conversation, rid, make_generator)
+
+
+# The message roles a client may send on the OpenAI protocols; the recipe also knows internal ones
+# (`latest_reminder`) that no client should see named in an error.
+CLIENT_ROLES = ("system", "developer", "user", "assistant", "tool")
+_ROLE_LIST = re.compile(r"expected one of (`\w+`(?:, `\w+`)*, `latest_reminder`)")
+
+
+def _developer_as_system(spec: ProtocolSpec, body: dict) -> None:
+    """OpenAI's `developer` role is its newer name for `system`: map it before conversion.
+
+    The recipe refuses it on Chat Completions and would render it as a user turn on Responses;
+    both model families (the DeepSeek encoding and the chat templates) know `system` only.
+    """
+    items = body.get("messages") if spec is CHAT else body.get("input")
+    if spec is MESSAGES or not isinstance(items, list):
+        return
+    for item in items:
+        message = isinstance(item, dict) and item.get("type", "message") == "message"
+        if message and item.get("role") == "developer":
+            item["role"] = "system"
+
+
+def _client_roles_only(message: str) -> str:
+    """The recipe's "unknown variant" error on a message role, listing the roles a client may
+    send rather than the recipe's internal ones."""
+    allowed = ", ".join(f"`{r}`" for r in CLIENT_ROLES)
+    return _ROLE_LIST.sub(f"expected one of {allowed}", message)
 
 
 def _pre_convert(spec: ProtocolSpec, raw, options: dr.ConversionOptions):

@@ -5,6 +5,8 @@
   tests, which must leave it running.
 - `make_redis_server` (session): a factory for extra private redis-servers (stopped at the end).
 - `redis_url` (function): the shared server's URL after FLUSHALL, so each test starts empty.
+- `private_state_home` (session, autouse): $XDG_STATE_HOME set to a temporary directory, so a CLI
+  that generates the machine's KV secret (server/state_dir.py) never writes into the real home.
 - `smollm_engine` (session): server_harness's SmolLM2 AsyncEngine, one for every module that uses
   it without importing its own (an imported fixture is a module's own, loaded once per module).
 """
@@ -22,6 +24,14 @@ import pytest
 from server_harness import smollm_engine
 
 __all__ = ["smollm_engine"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_state_home(tmp_path_factory) -> Iterator[None]:
+    mp = pytest.MonkeyPatch()
+    mp.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state-home")))
+    yield
+    mp.undo()
 
 
 def _free_port() -> int:

@@ -11,6 +11,7 @@ request generates a few tokens only and the run stays short.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 from hypothesis import strategies as st
@@ -20,6 +21,8 @@ MAX_TOKENS = 4
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 _MAX_FIELD = {"/v1/responses": "max_output_tokens"}
+# A source file with a line number, as native libraries (xgrammar) and tracebacks write them.
+SOURCE_PATH = re.compile(rb"/[\w./-]+\.(?:cc|cpp|h|hpp|py):\d+")
 
 
 def base_body(route: str, model: str = MODEL) -> dict:
@@ -112,6 +115,10 @@ structured = st.sampled_from(
         {"type": "regex", "regex": 7},
         {"type": "json_object"},
         "json",
+        {"type": "regex", "regex": "(("},  # constraints xgrammar refuses: errors without paths
+        {"grammar": "root ::= (("},
+        {"regex": "(("},
+        {"json": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}},
     ]
 )
 tools = st.sampled_from(
@@ -162,10 +169,13 @@ def cases(draw, model: str = MODEL) -> Case:
 
 
 def problem(case: Case, status: int, content_type: str, payload: bytes) -> str | None:
-    """What is wrong with an answer, or None. 5xx, or not the content type the request asked
-    for: SSE for an accepted `"stream": true`, JSON otherwise (every error included)."""
+    """What is wrong with an answer, or None. 5xx, not the content type the request asked
+    for (SSE for an accepted `"stream": true`, JSON otherwise, every error included), or an
+    error that names a source file of the server or its libraries."""
     if status >= 500:
         return f"{status}: {payload[:300]!r}"
+    if status >= 400 and (path := SOURCE_PATH.search(payload)):
+        return f"{status} names a source path {path.group()!r}: {payload[:300]!r}"
     streamed = status == 200 and case.wants_stream
     wanted = "text/event-stream" if streamed else "application/json"
     if not content_type.startswith(wanted):

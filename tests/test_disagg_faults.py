@@ -1,12 +1,14 @@
 """Faults in a disaggregated cluster of real processes (2 prefill + 2 decode workers, a frontend,
 a redis-server): aborts free the KV on both workers, 4xx storms eject nobody, and a worker killed
 with SIGKILL during 32 concurrent streams fails no stream (those it was serving resume on the
-other worker), is routed around, and is re-admitted once restarted."""
+other worker, never first sent back to the dead one), is routed around, and is re-admitted once
+restarted."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import time
 from dataclasses import dataclass
@@ -17,6 +19,8 @@ import router_cluster as rc
 
 from deepserve.disagg import protocol as P
 from deepserve.disagg.errors import WorkerRejectedError
+from deepserve.disagg.flow import GenerationFlow
+from deepserve.engine.sampling_params import SamplingParams
 from deepserve.router.pool import HealthPolicy
 from deepserve.router.router import Router, RouterConfig
 
@@ -227,6 +231,15 @@ def check_after_kill(cluster: Cluster, results: list[StreamResult]) -> None:
     assert all(chat_ok(cluster.front, f"After {i}") for i in range(8))
 
 
+def resumed_streams(front: rc.Proc, victim: rc.Proc) -> tuple[set[str], set[str]]:
+    """From the frontend's log: the requests resumed after a worker died mid-stream, and those
+    of them whose resume was first sent to `victim` (the router logs each failed try)."""
+    text = front.log.read_text(errors="replace")
+    resumed = set(re.findall(r"(\S+) died mid-stream, resuming", text))
+    sent_back = {rid for rid in resumed if f"request {rid} failed on {victim.url}" in text}
+    return resumed, sent_back
+
+
 def test_killed_decode_worker_fails_no_stream_and_is_readmitted(cluster):
     victim = cluster.decode[0]
 
@@ -234,6 +247,42 @@ def test_killed_decode_worker_fails_no_stream_and_is_readmitted(cluster):
         return sum(r.chunks >= 2 for r in results) >= 4 and rc.load(victim)["running"] > 0
 
     check_after_kill(cluster, asyncio.run(streams_with_kill(cluster, victim, mid_decode)))
+    resumed, sent_back = resumed_streams(cluster.front, victim)
+    assert resumed, "the kill caught no stream mid-decode"
+    assert not sent_back, f"resumed on the worker that had just died: {sent_back}"
+    restart_and_wait_readmitted(cluster, victim)
+
+
+def test_a_resumed_stream_is_never_sent_back_to_the_worker_that_died(cluster):
+    # Cache-aware routing remembers where the prompt went: without avoiding the dead worker, the
+    # resume (same prompt) would be routed straight back to it and wait for a refused connect.
+    async def stream_and_kill() -> tuple[Router, rc.Proc, list]:
+        urls = {
+            "prefill": tuple(w.url for w in cluster.prefill),
+            "decode": tuple(w.url for w in cluster.decode),
+        }
+        config = RouterConfig(
+            workers=urls, internal_token=rc.TOKEN, policy="cache_aware", health=HealthPolicy(9, 1)
+        )
+        router = Router(config)
+        await router.health.probe_all()
+        flow = GenerationFlow(router, max_model_len=2048)
+        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        events, victim = [], None
+        async for ev in flow.stream("resume-once", list(range(1000, 1064)), params):
+            events.append(ev)
+            if len(events) == 3:
+                (url,) = [u for u, role in router.stats.decisions if role == "decode"]
+                victim = next(w for w in cluster.decode if w.url == url)
+                await asyncio.to_thread(victim.kill, signal.SIGKILL)
+        await router.close()
+        return router, victim, events
+
+    router, victim, events = asyncio.run(stream_and_kill())
+    assert events[-1].finished
+    assert sum(len(o["token_ids"]) for ev in events for o in ev.outputs) == 400
+    decode_picks = {u: n for (u, role), n in router.stats.decisions.items() if role == "decode"}
+    assert decode_picks == {victim.url: 1, **{w.url: 1 for w in cluster.decode if w is not victim}}
     restart_and_wait_readmitted(cluster, victim)
 
 

@@ -1,4 +1,5 @@
-"""`cache_salt` and `--cache-salt-by-api-key` close the prefix cache as a cross-tenant oracle.
+"""`cache_salt` and salting by API key (the default with several keys) close the prefix cache as a
+cross-tenant oracle.
 
 The probe: a victim sends a prompt; the attacker sends the same prompt and reads how many of its
 tokens came from the cache. Under a different salt (or key) that number must be 0, while the same
@@ -60,9 +61,8 @@ def server(smollm_engine):
 
 @pytest.fixture(scope="module")
 def keyed(smollm_engine):
-    with running_server(
-        smollm_engine, MODEL, api_keys=("key-a", "key-b"), cache_salt_by_api_key=True
-    ) as srv:
+    """Two API keys and default flags: salted by key."""
+    with running_server(smollm_engine, MODEL, api_keys=("key-a", "key-b")) as srv:
         yield httpx.Client(base_url=srv.base_url, timeout=120)
 
 
@@ -99,6 +99,23 @@ def test_a_client_salt_cannot_reach_another_keys_namespace(keyed):
     cached_tokens(keyed, route, secret, salt="shared", key="key-a")
     assert cached_tokens(keyed, route, secret, salt="shared", key="key-b") == 0
     assert cached_tokens(keyed, route, secret, salt="shared", key="key-a") > 0
+
+
+def test_one_key_shared_by_a_team_shares_its_cache(smollm_engine):
+    with running_server(smollm_engine, MODEL, api_keys=("team",)) as srv:
+        client = httpx.Client(base_url=srv.base_url, timeout=120)
+        route, secret = "/v1/completions", f"one team key {SECRET}"
+        cached_tokens(client, route, secret, key="team")  # one member
+        assert cached_tokens(client, route, secret, key="team") > 0  # another
+
+
+def test_keys_of_one_team_share_the_cache_with_salting_turned_off(smollm_engine):
+    keys = ("alice", "bob")
+    with running_server(smollm_engine, MODEL, api_keys=keys, cache_salt_by_api_key=False) as srv:
+        client = httpx.Client(base_url=srv.base_url, timeout=120)
+        route, secret = "/v1/completions", f"team keys {SECRET}"
+        cached_tokens(client, route, secret, key="alice")
+        assert cached_tokens(client, route, secret, key="bob") > 0
 
 
 @pytest.mark.parametrize("salt", ["", 7, ["a"], "x" * 257])

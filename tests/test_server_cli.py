@@ -46,18 +46,29 @@ def test_serve_flags_reach_server_and_engine_config():
     assert engine.batch_invariant
 
 
-def test_api_key_repeats_and_salting_by_key_is_a_flag():
-    args = build_parser().parse_args(
-        ["serve", "--api-key", "a", "--api-key", "b", "--cache-salt-by-api-key"]
-    )
-    server = server_config_from_args(args)
-    assert server.api_keys == ("a", "b") and server.cache_salt_by_api_key
+def _server(*argv: str):
+    return server_config_from_args(build_parser().parse_args(["serve", *argv]))
+
+
+def test_api_key_repeats_and_several_keys_salt_the_cache_by_key_by_default():
+    server = _server("--api-key", "a", "--api-key", "b")
+    assert server.api_keys == ("a", "b") and server.salts_by_api_key
+
+
+def test_one_key_shares_its_cache_unless_salting_is_forced_on():
+    assert not _server("--api-key", "team").salts_by_api_key
+    assert _server("--api-key", "team", "--cache-salt-by-api-key").salts_by_api_key
+
+
+def test_salting_by_key_can_be_turned_off_for_keys_of_one_team():
+    server = _server("--api-key", "a", "--api-key", "b", "--no-cache-salt-by-api-key")
+    assert not server.salts_by_api_key
 
 
 def test_api_keys_from_the_environment_are_comma_separated(monkeypatch):
     monkeypatch.setenv("DEEPSERVE_API_KEY", "a,b")
     server = server_config_from_args(build_parser().parse_args(["serve"]))
-    assert server.api_keys == ("a", "b") and not server.cache_salt_by_api_key
+    assert server.api_keys == ("a", "b")
 
 
 def test_bench_serve_flags():
@@ -133,10 +144,15 @@ def test_kv_secret_comes_from_the_environment_or_a_file_never_argv(monkeypatch, 
     assert repr(derive_mac_key(b"from-env")) not in repr(engine_config_from_args(args))
 
 
-def test_workers_without_a_kv_secret_share_one_derived_from_the_internal_token(monkeypatch):
+def test_workers_without_a_kv_secret_share_one_derived_from_the_internal_token(
+    monkeypatch, tmp_path
+):
     from deepserve.kvcache.codec import derive_mac_key
+    from deepserve.server.state_dir import local_kv_secret
 
     monkeypatch.delenv("DEEPSERVE_KV_SECRET", raising=False)
     worker = _store_mac(["worker", "--internal-token", "tok"])
     assert worker == derive_mac_key(b"tok") == _store_mac(["worker", "--internal-token", "tok"])
-    assert _store_mac(["serve"]) is None  # a random key of the process (kv_tiering)
+    # Without a token either: this machine's secret (tests/test_kvcache_local_secret.py).
+    local = _store_mac(["serve", "--state-dir", str(tmp_path)])
+    assert local == derive_mac_key(local_kv_secret(tmp_path))

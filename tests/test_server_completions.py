@@ -111,3 +111,40 @@ def test_suffix_is_rejected(client):
 def test_non_integer_logprobs_or_seed_is_rejected(client, field):
     with pytest.raises(openai.BadRequestError, match=field):
         complete(client, max_tokens=2, extra_body={field: "3"})
+
+
+def test_completion_tokens_equal_chat_for_the_same_generation(server, client):
+    # An answer that ends on EOS: neither route counts the stop token (docs/server.md).
+    template = server.app.state.deepserve.family.template
+    prompt = template.render(messages=CAPITAL, add_generation_prompt=True)
+    legacy = complete(client, prompt=prompt, max_tokens=24)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=CAPITAL, temperature=0, max_tokens=24
+    )
+    assert legacy.choices[0].finish_reason == chat.choices[0].finish_reason == "stop"
+    assert legacy.choices[0].text == chat.choices[0].message.content
+    assert legacy.usage.completion_tokens == chat.usage.completion_tokens > 0
+    assert legacy.usage.prompt_tokens == chat.usage.prompt_tokens
+
+
+def test_streamed_completion_usage_equals_non_stream(client):
+    whole = complete(client, max_tokens=24)
+    chunks = list(
+        complete(client, max_tokens=24, stream=True, stream_options={"include_usage": True})
+    )
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == whole.usage.completion_tokens
+    assert usage.prompt_tokens == whole.usage.prompt_tokens
+    assert (
+        usage.prompt_tokens_details.cached_tokens == whole.usage.prompt_tokens_details.cached_tokens
+    )
+
+
+def test_repeated_completion_prompt_reports_cached_tokens(client):
+    prompt = "Here is a list of the planets of the solar system, from the Sun outwards:"
+    first = complete(client, prompt=prompt, max_tokens=2)
+    second = complete(client, prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 16
+    assert second.usage.model_extra["prompt_cache_hit_tokens"] == cached
