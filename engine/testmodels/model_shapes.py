@@ -31,6 +31,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from deepserve.engine.models.deepseek_v4_config import CSA, HCA, SLIDING
 from deepserve.engine.testmodels.deepseek_v4_layout import tensor_specs
+from deepserve.engine.testmodels.quantize import quantize_checkpoint
 
 DEEPSEEK_V2_LITE = {
     "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
@@ -283,9 +284,15 @@ def _write_tokenizer(config: dict, out_dir: Path) -> None:
 
 
 def write_shaped_model(
-    name: str, out_dir: Path, device: str = "cpu", seed: int = 0, overrides: dict | None = None
+    name: str,
+    out_dir: Path,
+    device: str = "cpu",
+    seed: int = 0,
+    overrides: dict | None = None,
+    quantization: str | None = None,
 ) -> Path:
-    """Write shape `name` (a key of SHAPES; `overrides` replace config values) as an HF folder."""
+    """Write shape `name` (a key of SHAPES; `overrides` replace config values) as an HF folder,
+    quantized as the real model is published with `quantization` (testmodels/quantize.py)."""
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r} ({', '.join(SHAPES)})")
     config = dict(SHAPES[name], **(overrides or {}))
@@ -294,6 +301,8 @@ def write_shaped_model(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     weights = random_weights(config, device, seed)
+    if quantization is not None:
+        config, weights = quantize_checkpoint(config, weights, quantization)
     save_file(
         {k: v.contiguous().cpu() for k, v in weights.items()}, str(out_dir / "model.safetensors")
     )
