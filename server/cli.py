@@ -509,6 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
             "tiny-deepseek-v4",
             "deepseek-v2-lite",
             "deepseek-v2-lite-v3arch",
+            "deepseek-v3-slice",
             "deepseek-v4-flash",
             "smollm2-135m",
             "r1-distill-qwen-1.5b",

@@ -21,6 +21,7 @@ from deepserve.engine.llm import LLM
 from deepserve.engine.loading.loader import load_model
 from deepserve.engine.loading.quantized import dequantize_fp8, dequantize_mxfp4
 from deepserve.engine.sampling_params import SamplingParams
+from deepserve.engine.testmodels.model_shapes import write_shaped_model
 from deepserve.engine.testmodels.quantize import quantize_fp8, quantize_mxfp4
 from deepserve.engine.testmodels.tiny_deepseek import write_tiny_deepseek
 from deepserve.engine.testmodels.tiny_deepseek_v4 import write_tiny_deepseek_v4
@@ -68,11 +69,11 @@ def dequantized_copy(folder, dst):
     return dst
 
 
-def greedy(folder, max_tokens=8):
+def greedy(folder, max_tokens=8, prompts=PROMPTS):
     llm = LLM(EngineConfig(model=str(folder), dtype="bfloat16", kv_cache_bytes=2**22))
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     try:
-        return [r.token_ids for r in llm.generate(PROMPTS, params)]
+        return [r.token_ids for r in llm.generate(prompts, params)]
     finally:
         llm.close()
 
@@ -239,3 +240,29 @@ def test_fp8_weight_without_its_scale_is_refused(v3_fp8, tmp_path):
     save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(UnsupportedModelError, match=r"o_proj\.weight is torch.float8_e4m3fn"):
         load_model(EngineConfig(model=str(folder)))
+
+
+# -- the DeepSeek-V3 slice: the real routing and layer plan, dims shrunk to blocks with cut edges
+
+V3_SLICE_SMALL = dict(
+    vocab_size=300, hidden_size=160, intermediate_size=288, moe_intermediate_size=96,
+    num_attention_heads=2, num_key_value_heads=2, q_lora_rank=136, kv_lora_rank=64,
+    qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=16,
+)  # fmt: skip
+
+
+def test_v3_slice_fp8_greedy_tokens_equal_the_dequantized_bf16_checkpoint(tmp_path):
+    folder = write_shaped_model(
+        "deepseek-v3-slice", tmp_path / "q", overrides=V3_SLICE_SMALL, quantization="fp8"
+    )
+    config = json.loads((folder / "config.json").read_text())
+    routing = ("n_group", "topk_group", "num_experts_per_tok", "routed_scaling_factor")
+    assert [config[k] for k in routing] == [8, 4, 8, 2.5]
+    assert (config["first_k_dense_replace"], config["num_nextn_predict_layers"]) == (3, 1)
+    t = load_file(str(folder / "model.safetensors"))
+    assert tuple(t["model.layers.3.mlp.experts.15.up_proj.weight_scale_inv"].shape) == (1, 2)
+    assert t["model.layers.4.eh_proj.weight"].dtype == torch.float8_e4m3fn  # the MTP layer
+    assert t["model.layers.4.shared_head.head.weight"].dtype == torch.bfloat16
+    reference = dequantized_copy(folder, tmp_path / "bf16")
+    prompts = [[5, 6, 7, 8], [299, 17, 123]]
+    assert greedy(folder, prompts=prompts) == greedy(reference, prompts=prompts)
