@@ -552,6 +552,29 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _make_test_model(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    if args.shape == "tiny-deepseek-v4":
+        from deepserve.engine.testmodels.tiny_deepseek_v4 import write_tiny_deepseek_v4
+
+        print(write_tiny_deepseek_v4(Path(args.out), args.seed, args.quantization))
+        return 0
+    if args.shape != "tiny-deepseek":
+        from deepserve.engine.testmodels.model_shapes import write_shaped_model
+
+        layers = {} if args.layers is None else {"num_hidden_layers": args.layers}
+        out = write_shaped_model(
+            args.shape, Path(args.out), args.device, args.seed, layers, args.quantization
+        )
+        print(out)
+        return 0
+    from deepserve.engine.testmodels.tiny_deepseek import write_tiny_deepseek
+
+    print(write_tiny_deepseek(Path(args.out), args.seed, args.quantization))
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.command == "fetch-model":
         from deepserve.engine.loading.builtin_models import fetch_model
@@ -559,26 +582,11 @@ def _run(args: argparse.Namespace) -> int:
         print(fetch_model(args.name))
         return 0
     if args.command == "make-test-model":
-        from pathlib import Path
-
-        if args.shape == "tiny-deepseek-v4":
-            from deepserve.engine.testmodels.tiny_deepseek_v4 import write_tiny_deepseek_v4
-
-            print(write_tiny_deepseek_v4(Path(args.out), args.seed, args.quantization))
-            return 0
-        if args.shape != "tiny-deepseek":
-            from deepserve.engine.testmodels.model_shapes import write_shaped_model
-
-            layers = {} if args.layers is None else {"num_hidden_layers": args.layers}
-            out = write_shaped_model(
-                args.shape, Path(args.out), args.device, args.seed, layers, args.quantization
-            )
-            print(out)
-            return 0
-        from deepserve.engine.testmodels.tiny_deepseek import write_tiny_deepseek
-
-        print(write_tiny_deepseek(Path(args.out), args.seed, args.quantization))
-        return 0
+        try:
+            return _make_test_model(args)
+        except ValueError as e:  # a shape and quantization the real model is not published in
+            print(f"deepserve make-test-model: {e}", file=sys.stderr)
+            return 2
     if args.command == "frontend":
         from deepserve.server.frontend import run_frontend
 

@@ -127,9 +127,10 @@ def test_v4_mxfp4_checkpoint_is_in_the_published_layout(tmp_path):
     assert t["layers.1.hc_attn_fn"].dtype == torch.float32
 
 
-def test_mxfp4_is_refused_for_v3_which_is_not_published_so(tmp_path):
-    with pytest.raises(ValueError, match="mxfp4"):
-        write_tiny_deepseek(tmp_path / "m", quantization="mxfp4")
+def test_mxfp4_is_refused_for_v3_which_is_not_published_so(tmp_path, capsys):
+    args = ["make-test-model", "--shape", "tiny-deepseek", "--quantization", "mxfp4"]
+    assert main([*args, "--out", str(tmp_path)]) == 2
+    assert "--quantization mxfp4 is not how deepseek_v3 is published" in capsys.readouterr().err
 
 
 # -- greedy tokens: the quantized checkpoint against its reference dequantization in bf16
@@ -159,6 +160,20 @@ def test_scales_are_applied(v3_fp8, tmp_path):
     config.pop("quantization_config")
     (folder / "config.json").write_text(json.dumps(config))
     assert greedy(v3_fp8, 4) != greedy(folder, 4)
+
+
+def test_scales_in_another_shard_than_their_weights_are_found(v3_fp8, tmp_path):
+    tensors = load_file(str(v3_fp8 / "model.safetensors"))
+    sharded = tmp_path / "sharded"
+    shutil.copytree(v3_fp8, sharded, ignore=shutil.ignore_patterns("*.safetensors"))
+    scales = sorted(n for n in tensors if n.endswith("_scale_inv"))
+    shards = {"model-00001-of-00002.safetensors": sorted(set(tensors) - set(scales)),
+              "model-00002-of-00002.safetensors": scales}  # fmt: skip
+    for file, names in shards.items():
+        save_file({n: tensors[n] for n in names}, str(sharded / file))
+    index = {"weight_map": {n: f for f, names in shards.items() for n in names}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert greedy(sharded, 4) == greedy(v3_fp8, 4)
 
 
 # -- the dequantization against transformers' FP8 integration
