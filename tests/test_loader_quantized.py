@@ -222,7 +222,7 @@ def test_mxfp4_dequantization_agrees_with_transformers():
         (V3_QCONFIG | {"activation_scheme": "static"}, "quantization_config.activation_scheme"),
         (V3_QCONFIG | {"weight_block_size": [128]}, "quantization_config.weight_block_size"),
         (V3_QCONFIG | {"bits": 4}, "quantization_config.bits = 4"),
-        ({"quant_method": "gptq", "bits": 4}, "quantization_config.quant_method = 'gptq'"),
+        ({"bits": 4, "quant_method": "gptq"}, "quantization_config.quant_method = 'gptq'"),
     ],
 )
 def test_unread_quantization_config_is_refused_naming_the_field(v3_fp8, tmp_path, qconfig, named):
@@ -281,3 +281,13 @@ def test_v3_slice_fp8_greedy_tokens_equal_the_dequantized_bf16_checkpoint(tmp_pa
     reference = dequantized_copy(folder, tmp_path / "bf16")
     prompts = [[5, 6, 7, 8], [299, 17, 123]]
     assert greedy(folder, prompts=prompts) == greedy(reference, prompts=prompts)
+
+
+def test_scales_of_the_wrong_shape_are_refused_naming_the_tensor(v3_fp8, tmp_path):
+    folder = tmp_path / "bad-scale"
+    shutil.copytree(v3_fp8, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.layers.0.self_attn.o_proj.weight_scale_inv"] = torch.ones(2, 2)
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(UnsupportedModelError, match=r"o_proj\.weight: FP8 weight \(64, 64\)"):
+        load_model(EngineConfig(model=str(folder)))

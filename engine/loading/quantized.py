@@ -96,7 +96,8 @@ def quant_scheme(config: dict) -> QuantScheme | None:
     q = dict(q)
     if "expert_dtype" not in q and config.get("expert_dtype") is not None:
         q["expert_dtype"] = config["expert_dtype"]  # V4 ships it beside quantization_config
-    for key, value in q.items():
+    # the method first: the rest of a config for another method means little
+    for key, value in sorted(q.items(), key=lambda kv: kv[0] != "quant_method"):
         if key in _IGNORED or key == "weight_block_size":
             continue
         if key not in _ACCEPTED:
@@ -212,9 +213,10 @@ def _stream(
             tensor, where[scale].get_tensor(scale), _format(name, tensor, scheme)
         )
         try:
-            yield name, weight.dequantize(scheme.block, dtype)
-        except ValueError as e:
+            dequantized = weight.dequantize(scheme.block, dtype)
+        except ValueError as e:  # scales of the wrong shape
             raise UnsupportedModelError(f"checkpoint tensor {name}: {e}") from e
+        yield name, dequantized
 
 
 def _format(name: str, tensor: torch.Tensor, scheme: QuantScheme) -> str:
