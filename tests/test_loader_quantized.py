@@ -291,3 +291,21 @@ def test_scales_of_the_wrong_shape_are_refused_naming_the_tensor(v3_fp8, tmp_pat
     save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(UnsupportedModelError, match=r"o_proj\.weight: FP8 weight \(64, 64\)"):
         load_model(EngineConfig(model=str(folder)))
+
+
+def test_v4_flash_shape_in_its_published_mxfp4_layout_matches_its_dequantized_copy(tmp_path):
+    """model_shapes' V4 weights (bf16 matrices, fp32 vectors) through the same path."""
+    small = dict(
+        vocab_size=300, hidden_size=64, moe_intermediate_size=64, num_attention_heads=4,
+        head_dim=32, qk_rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16,
+        index_n_heads=4, index_head_dim=16, index_topk=8, n_routed_experts=8,
+        num_experts_per_tok=2, num_hidden_layers=3,
+    )  # fmt: skip
+    folder = write_shaped_model("deepseek-v4-flash", tmp_path / "q", overrides=small,
+                                quantization="mxfp4")  # fmt: skip
+    assert load_file(str(folder / "model.safetensors"))[
+        "layers.2.ffn.experts.7.w2.weight"
+    ].shape == (64, 32)
+    reference = dequantized_copy(folder, tmp_path / "bf16")
+    prompts = [[5, 6, 7, 8], [299, 17, 123]]
+    assert greedy(folder, prompts=prompts) == greedy(reference, prompts=prompts)

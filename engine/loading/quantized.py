@@ -143,10 +143,14 @@ def dequantize_fp8(
             f"FP8 weight {tuple(weight.shape)} with {block} blocks needs scales "
             f"{(*weight.shape[:-2], *want)}, not {tuple(scale_inv.shape)}"
         )
-    s = scale_to_float(scale_inv)
-    s = s.repeat_interleave(block[0], dim=-2)[..., :rows, :]
-    s = s.repeat_interleave(block[1], dim=-1)[..., :cols]
-    return (weight.float() * s).to(dtype)
+    # scales spread over rows only, then broadcast over each block's columns: no second
+    # weight-sized float32 tensor beside the one being scaled
+    s = scale_to_float(scale_inv).repeat_interleave(block[0], dim=-2)[..., :rows, :]
+    w = weight.float()
+    full = cols // block[1] * block[1]
+    w[..., :full].unflatten(-1, (-1, block[1])).mul_(s[..., : full // block[1], None])
+    w[..., full:].mul_(s[..., full // block[1] :])  # the cut last column of blocks, if any
+    return w.to(dtype)
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
