@@ -87,7 +87,7 @@ class QuantizedWeight:
 
 
 def quant_scheme(config: dict) -> QuantScheme | None:
-    """The scheme `config` declares, or None; an unread field or value is an UnsupportedModelError."""
+    """The scheme `config` declares, or None; an unread field or value: UnsupportedModelError."""
     q = config.get("quantization_config")
     if q is None:
         return None

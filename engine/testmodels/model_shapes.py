@@ -17,9 +17,9 @@ geometry (hidden 7168, 128 heads, q LoRA 1536, kv LoRA 512, 256 experts top-8 in
 4, sigmoid routing with a correction bias, scaling 2.5, 3 dense layers first, one MTP layer) with
 4 of its 61 layers unless `--layers` says otherwise, written as published (one tensor per expert;
 `--quantization fp8` as its FP8 release, testmodels/quantize.py). SmolLM2-135M's is written as a
-Llama, and DeepSeek-R1-Distill-Qwen-1.5B's as a Qwen2 (q/k/v biases, untied head) with R1's special tokens and
-chat template. Weights are drawn on `device` (a GPU draws 15.7B values in seconds) from N(0, 0.02)
-like transformers' own init, norms are ones; the tokenizer is a word-level one over the
+Llama, and DeepSeek-R1-Distill-Qwen-1.5B's as a Qwen2 (q/k/v biases, untied head) with R1's special
+tokens and chat template. Weights are drawn on `device` (a GPU draws 15.7B values in seconds) from
+N(0, 0.02) like transformers' own init, norms are ones; the tokenizer is a word-level one over the
 vocabulary, split on whitespace (`t5 t7` is ids 5, 7; other words are id 0). Timing does not
 depend on the values, so these serve the benchmarks; they are not for text.
 """
