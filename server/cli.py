@@ -527,6 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
             "tiny-deepseek-v4",
             "deepseek-v2-lite",
             "deepseek-v2-lite-v3arch",
+            "deepseek-v3-slice",
             "deepseek-v4-flash",
             "smollm2-135m",
             "r1-distill-qwen-1.5b",
@@ -534,6 +535,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="tiny-deepseek(-v4) (real tokenizer, small dims) or a real model's shape, random bf16",
     )
     p.add_argument("--layers", type=int, default=None, help="a real shape's layer count")
+    p.add_argument(
+        "--quantization",
+        choices=["fp8", "mxfp4"],
+        default=None,
+        help="as published: fp8 (DeepSeek-V3/V4 e4m3, 128x128 block scales); mxfp4 (V4: FP8 "
+        "dense weights, MXFP4 routed experts)",
+    )
     p.add_argument("--device", default="cpu", help="where to draw a real shape's weights")
 
     add_worker_parser(sub)
@@ -553,30 +561,50 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from deepserve.engine.errors import ModelNotFoundError, UnsupportedModelError
+
+    try:
+        return _run(args)
+    except (ModelNotFoundError, UnsupportedModelError) as e:  # a model we cannot load: say why
+        print(f"deepserve {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+def _make_test_model(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    if args.shape == "tiny-deepseek-v4":
+        from deepserve.engine.testmodels.tiny_deepseek_v4 import write_tiny_deepseek_v4
+
+        print(write_tiny_deepseek_v4(Path(args.out), args.seed, args.quantization))
+        return 0
+    if args.shape != "tiny-deepseek":
+        from deepserve.engine.testmodels.model_shapes import write_shaped_model
+
+        layers = {} if args.layers is None else {"num_hidden_layers": args.layers}
+        out = write_shaped_model(
+            args.shape, Path(args.out), args.device, args.seed, layers, args.quantization
+        )
+        print(out)
+        return 0
+    from deepserve.engine.testmodels.tiny_deepseek import write_tiny_deepseek
+
+    print(write_tiny_deepseek(Path(args.out), args.seed, args.quantization))
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "fetch-model":
         from deepserve.engine.loading.builtin_models import fetch_model
 
         print(fetch_model(args.name))
         return 0
     if args.command == "make-test-model":
-        from pathlib import Path
-
-        if args.shape == "tiny-deepseek-v4":
-            from deepserve.engine.testmodels.tiny_deepseek_v4 import write_tiny_deepseek_v4
-
-            print(write_tiny_deepseek_v4(Path(args.out), seed=args.seed))
-            return 0
-        if args.shape != "tiny-deepseek":
-            from deepserve.engine.testmodels.model_shapes import write_shaped_model
-
-            layers = {} if args.layers is None else {"num_hidden_layers": args.layers}
-            out = write_shaped_model(args.shape, Path(args.out), args.device, args.seed, layers)
-            print(out)
-            return 0
-        from deepserve.engine.testmodels.tiny_deepseek import write_tiny_deepseek
-
-        print(write_tiny_deepseek(Path(args.out), seed=args.seed))
-        return 0
+        try:
+            return _make_test_model(args)
+        except ValueError as e:  # a shape and quantization the real model is not published in
+            print(f"deepserve make-test-model: {e}", file=sys.stderr)
+            return 2
     if args.command == "frontend":
         from deepserve.server.frontend import run_frontend
 

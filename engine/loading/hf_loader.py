@@ -1,6 +1,7 @@
 """Reads an HF checkpoint folder into the engine's common form: config.json, safetensors weights
-(single file or sharded with model.safetensors.index.json), tokenizer.json, and the chat template,
-BOS and EOS ids from tokenizer_config.json / generation_config.json."""
+(single file or sharded with model.safetensors.index.json; a quantized checkpoint's weights
+dequantized as they are read, by quantized.py), tokenizer.json, and the chat template, BOS and EOS
+ids from tokenizer_config.json / generation_config.json."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from deepserve.engine.errors import ModelNotFoundError, UnsupportedModelError
 from deepserve.engine.loading.checkpoint import Checkpoint
+from deepserve.engine.loading.quantized import quant_scheme, read_dequantized
 from deepserve.engine.loading.tokenizer import load_tokenizer_json
 
 
@@ -38,14 +39,14 @@ def weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def read_hf_folder(folder: Path) -> Checkpoint:
+def read_hf_folder(folder: Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """`dtype`: what quantized weights are dequantized to (the engine's); others keep theirs."""
     if not (folder / "config.json").exists():
         raise ModelNotFoundError(f"{folder} has no config.json")
     config = _read_json(folder / "config.json")
+    scheme = quant_scheme(config)  # before reading gigabytes: refuse a format we do not read
     files = weight_files(folder)
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        weights.update(load_file(str(f)))
+    weights = read_dequantized(files, scheme, dtype)
     tokenizer = load_tokenizer_json(folder / "tokenizer.json")
     tok_config = _optional_json(folder / "tokenizer_config.json")
     gen_config = _optional_json(folder / "generation_config.json")

@@ -53,7 +53,7 @@ def load_model(config: EngineConfig, shard: ModelShard | None = None) -> LoadedM
         return load_parallel_model(config, load_model)
     path = resolve_model(config.model)
     dtype = torch_dtype(config.dtype)
-    checkpoint = _read_checkpoint(path)
+    checkpoint = _read_checkpoint(path, dtype)
     arch = architecture_of(checkpoint.config)
     cls = model_class(arch)
     fingerprint = model_fingerprint(checkpoint.config, checkpoint.files)
@@ -98,14 +98,14 @@ def load_model(config: EngineConfig, shard: ModelShard | None = None) -> LoadedM
     return LoadedModel(model=model, tokenizer=checkpoint.tokenizer, info=info)
 
 
-def _read_checkpoint(path: Path) -> Checkpoint:
+def _read_checkpoint(path: Path, dtype: torch.dtype) -> Checkpoint:
     if path.suffix == ".gguf":
         from deepserve.engine.loading.gguf_loader import read_gguf
 
         return read_gguf(path)
     from deepserve.engine.loading.hf_loader import read_hf_folder
 
-    return read_hf_folder(path)
+    return read_hf_folder(path, dtype)
 
 
 def model_fingerprint(config: dict, files: list[Path]) -> str:

@@ -12,10 +12,14 @@ under softmax routing + 2 shared, 27 layers, YaRN to 160K) is written as publish
 (`DeepseekV2ForCausalLM`, one tensor per expert); `deepseek-v2-lite-v3arch` is the same geometry
 in the DeepseekV3 architecture with a 4K context and transformers 5's fused expert layout
 (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]), which the GPU
-benchmarks run beside transformers' DeepseekV3 model. SmolLM2-135M's is written as a Llama, and
-DeepSeek-R1-Distill-Qwen-1.5B's as a Qwen2 (q/k/v biases, untied head) with R1's special tokens and
-chat template. Weights are drawn on `device` (a GPU draws 15.7B values in seconds) from N(0, 0.02)
-like transformers' own init, norms are ones; the tokenizer is a word-level one over the
+benchmarks run beside transformers' DeepseekV3 model. `deepseek-v3-slice` is DeepSeek-V3 / R1's
+geometry (hidden 7168, 128 heads, q LoRA 1536, kv LoRA 512, 256 experts top-8 in 8 groups of which
+4, sigmoid routing with a correction bias, scaling 2.5, 3 dense layers first, one MTP layer) with
+4 of its 61 layers unless `--layers` says otherwise, written as published (one tensor per expert;
+`--quantization fp8` as its FP8 release, testmodels/quantize.py). SmolLM2-135M's is written as a
+Llama, and DeepSeek-R1-Distill-Qwen-1.5B's as a Qwen2 (q/k/v biases, untied head) with R1's special
+tokens and chat template. Weights are drawn on `device` (a GPU draws 15.7B values in seconds) from
+N(0, 0.02) like transformers' own init, norms are ones; the tokenizer is a word-level one over the
 vocabulary, split on whitespace (`t5 t7` is ids 5, 7; other words are id 0). Timing does not
 depend on the values, so these serve the benchmarks; they are not for text.
 """
@@ -23,6 +27,7 @@ depend on the values, so these serve the benchmarks; they are not for text.
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -31,6 +36,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from deepserve.engine.models.deepseek_v4_config import CSA, HCA, SLIDING
 from deepserve.engine.testmodels.deepseek_v4_layout import tensor_specs
+from deepserve.engine.testmodels.quantize import quantize_checkpoint
 
 DEEPSEEK_V2_LITE = {
     "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
@@ -61,6 +67,23 @@ DEEPSEEK_V2_LITE_AS_V3 = {
     "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 4096,
     "tie_word_embeddings": False, "attention_bias": False, "bos_token_id": 0,
     "eos_token_id": 1, "torch_dtype": "bfloat16",
+}  # fmt: skip
+# DeepSeek-V3 / R1 / V3.1 as published (V3.1's config), 4 of its 61 layers by default (`--layers`):
+# the 3 dense layers and one MoE layer, and the MTP layer with its own embedding and head.
+DEEPSEEK_V3_SLICE = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 4, "num_nextn_predict_layers": 1,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536,
+    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8,
+    "topk_group": 4, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+    "norm_topk_prob": True, "routed_scaling_factor": 2.5, "first_k_dense_replace": 3,
+    "moe_layer_freq": 1, "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                     "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "max_position_embeddings": 163840, "tie_word_embeddings": False, "attention_bias": False,
+    "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16",
 }  # fmt: skip
 SMOLLM2_135M = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
@@ -119,15 +142,21 @@ DEEPSEEK_V4_FLASH = {
 SHAPES = {
     "deepseek-v2-lite": DEEPSEEK_V2_LITE,
     "deepseek-v2-lite-v3arch": DEEPSEEK_V2_LITE_AS_V3,
+    "deepseek-v3-slice": DEEPSEEK_V3_SLICE,
     "deepseek-v4-flash": DEEPSEEK_V4_FLASH,
     "smollm2-135m": SMOLLM2_135M,
     "r1-distill-qwen-1.5b": R1_DISTILL_QWEN_1_5B,
 }
+# shapes written in transformers 5's fused expert layout; the others one tensor per expert
+FUSED_EXPERTS = ("deepseek-v2-lite-v3arch",)
 STD = 0.02
 
 
-def random_weights(config: dict, device: str, seed: int) -> dict[str, torch.Tensor]:
-    """HF-named bf16 tensors of `config`'s shapes (llama, qwen2, deepseek_v2/v3 or v4)."""
+def random_weights(
+    config: dict, device: str, seed: int, fused_experts: bool = False
+) -> dict[str, torch.Tensor]:
+    """HF-named bf16 tensors of `config`'s shapes (llama, qwen2, deepseek_v2/v3 or v4); a
+    deepseek_v3 MoE's experts fused into [E, 2I, H] / [E, H, I] tensors with `fused_experts`."""
     gen = torch.Generator(device=device).manual_seed(seed)
     if config["model_type"] == "deepseek_v4":
         return _deepseek_v4_weights(config, device, gen)
@@ -144,10 +173,25 @@ def random_weights(config: dict, device: str, seed: int) -> dict[str, torch.Tens
     if not config.get("tie_word_embeddings"):
         w["lm_head.weight"] = mat(vocab, hidden)
     deepseek = config["model_type"] in ("deepseek_v2", "deepseek_v3")
-    layer = _deepseek_layer if deepseek else _llama_layer
-    for i in range(config["num_hidden_layers"]):
+    layer = partial(_deepseek_layer, fused=fused_experts) if deepseek else _llama_layer
+    layers = config["num_hidden_layers"]
+    mtp = (config.get("num_nextn_predict_layers") or 0) if deepseek else 0
+    for i in range(layers + mtp):
         w |= {f"model.layers.{i}.{k}": v for k, v in layer(config, i, mat, ones).items()}
+        if i >= layers:  # an MTP layer, as published with its own embedding and head
+            w |= {f"model.layers.{i}.{k}": v for k, v in _mtp(hidden, vocab, mat, ones).items()}
     return w
+
+
+def _mtp(hidden: int, vocab: int, mat, ones) -> dict[str, torch.Tensor]:
+    return {
+        "enorm.weight": ones(hidden),
+        "hnorm.weight": ones(hidden),
+        "eh_proj.weight": mat(hidden, 2 * hidden),
+        "embed_tokens.weight": mat(vocab, hidden),
+        "shared_head.norm.weight": ones(hidden),
+        "shared_head.head.weight": mat(vocab, hidden),
+    }
 
 
 def _mlp(prefix: str, hidden: int, inter: int, mat) -> dict[str, torch.Tensor]:
@@ -176,7 +220,7 @@ def _llama_layer(c: dict, i: int, mat, ones) -> dict[str, torch.Tensor]:
     return t
 
 
-def _deepseek_layer(c: dict, i: int, mat, ones) -> dict[str, torch.Tensor]:
+def _deepseek_layer(c: dict, i: int, mat, ones, fused: bool) -> dict[str, torch.Tensor]:
     h, heads, lora = c["hidden_size"], c["num_attention_heads"], c["kv_lora_rank"]
     nope, rope, v = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
     t = {
@@ -200,15 +244,14 @@ def _deepseek_layer(c: dict, i: int, mat, ones) -> dict[str, torch.Tensor]:
         return t | _mlp("mlp.", h, c["intermediate_size"], mat)
     experts, inter = c["n_routed_experts"], c["moe_intermediate_size"]
     t["mlp.gate.weight"] = mat(experts, h).float()
-    if c["model_type"] == "deepseek_v2":  # as published: one tensor per expert, no bias
+    if c["model_type"] == "deepseek_v3":  # V2 routes without a correction bias
+        t["mlp.gate.e_score_correction_bias"] = torch.zeros(experts, device=ones(1).device)
+    if fused:
+        t["mlp.experts.gate_up_proj"] = mat(experts, 2 * inter, h)
+        t["mlp.experts.down_proj"] = mat(experts, h, inter)
+    else:  # as published: one tensor per expert
         for e in range(experts):
             t |= _mlp(f"mlp.experts.{e}.", h, inter, mat)
-    else:
-        t |= {
-            "mlp.gate.e_score_correction_bias": torch.zeros(experts, device=ones(1).device),
-            "mlp.experts.gate_up_proj": mat(experts, 2 * inter, h),
-            "mlp.experts.down_proj": mat(experts, h, inter),
-        }
     return t | _mlp("mlp.shared_experts.", h, inter * c["n_shared_experts"], mat)
 
 
@@ -283,9 +326,15 @@ def _write_tokenizer(config: dict, out_dir: Path) -> None:
 
 
 def write_shaped_model(
-    name: str, out_dir: Path, device: str = "cpu", seed: int = 0, overrides: dict | None = None
+    name: str,
+    out_dir: Path,
+    device: str = "cpu",
+    seed: int = 0,
+    overrides: dict | None = None,
+    quantization: str | None = None,
 ) -> Path:
-    """Write shape `name` (a key of SHAPES; `overrides` replace config values) as an HF folder."""
+    """Write shape `name` (a key of SHAPES; `overrides` replace config values) as an HF folder,
+    quantized as the real model is published with `quantization` (testmodels/quantize.py)."""
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r} ({', '.join(SHAPES)})")
     config = dict(SHAPES[name], **(overrides or {}))
@@ -293,7 +342,9 @@ def write_shaped_model(
         config |= v4_layer_schedule(config["num_hidden_layers"])
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    weights = random_weights(config, device, seed)
+    weights = random_weights(config, device, seed, fused_experts=name in FUSED_EXPERTS)
+    if quantization is not None:
+        config, weights = quantize_checkpoint(config, weights, quantization)
     save_file(
         {k: v.contiguous().cpu() for k, v in weights.items()}, str(out_dir / "model.safetensors")
     )

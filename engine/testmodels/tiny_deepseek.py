@@ -20,6 +20,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer
 
+from deepserve.engine.testmodels.quantize import quantize_checkpoint
+
 TINY_CONFIG = {
     "architectures": ["DeepseekV3ForCausalLM"],
     "model_type": "deepseek_v3",
@@ -142,19 +144,27 @@ def _mlp(p: str, hidden: int, inter: int, linear) -> dict[str, torch.Tensor]:
     }
 
 
-def write_tiny_deepseek(out_dir: Path, seed: int = 0) -> Path:
-    """Write the checkpoint into `out_dir` (created if needed) and return it. Same seed, same bytes."""
+def write_tiny_deepseek(out_dir: Path, seed: int = 0, quantization: str | None = None) -> Path:
+    """Write the checkpoint into `out_dir` (created if needed) and return it. Same seed, same bytes.
+    `quantization="fp8"`: as DeepSeek-V3 is published (testmodels/quantize.py)."""
     tokenizer = deepseek_tokenizer_with_specials()
     config = dict(TINY_CONFIG, vocab_size=tokenizer.get_vocab_size())
     tensors = _tensors(config, torch.Generator().manual_seed(seed))
-    return write_deepseek_folder(out_dir, config, tensors, tokenizer)
+    return write_deepseek_folder(out_dir, config, tensors, tokenizer, quantization)
 
 
 def write_deepseek_folder(
-    out_dir: Path, config: dict, tensors: dict[str, torch.Tensor], tokenizer: Tokenizer
+    out_dir: Path,
+    config: dict,
+    tensors: dict[str, torch.Tensor],
+    tokenizer: Tokenizer,
+    quantization: str | None = None,
 ) -> Path:
-    """An HF folder with the DeepSeek V4 tokenizer: weights, tokenizer, its config and the
-    generation config, then config.json (builtin_models treats its presence as "complete")."""
+    """An HF folder with the DeepSeek V4 tokenizer: weights (quantized as published with
+    `quantization`), tokenizer, its config and the generation config, then config.json
+    (builtin_models treats its presence as "complete")."""
+    if quantization is not None:
+        config, tensors = quantize_checkpoint(config, tensors, quantization)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"))

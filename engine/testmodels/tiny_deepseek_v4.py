@@ -98,10 +98,11 @@ def _value(name: str, shape: tuple[int, ...], kind: str, gen: torch.Generator) -
     return torch.rand(vocab, experts, generator=gen).argsort(dim=-1)[:, :top_k].contiguous()
 
 
-def write_tiny_deepseek_v4(out_dir: Path, seed: int = 0) -> Path:
-    """Write the checkpoint into `out_dir` (created if needed) and return it. Same seed, same bytes."""
+def write_tiny_deepseek_v4(out_dir: Path, seed: int = 0, quantization: str | None = None) -> Path:
+    """Write the checkpoint into `out_dir` (created if needed) and return it. Same seed, same bytes.
+    `quantization`: "mxfp4" as V4 is published (FP8 dense, MXFP4 experts), "fp8" all FP8."""
     tokenizer = deepseek_tokenizer_with_specials()
     config = dict(TINY_V4_CONFIG, vocab_size=tokenizer.get_vocab_size())
     gen = torch.Generator().manual_seed(seed)
     tensors = {n: _value(n, s.shape, s.kind, gen) for n, s in tensor_specs(config).items()}
-    return write_deepseek_folder(out_dir, config, tensors, tokenizer)
+    return write_deepseek_folder(out_dir, config, tensors, tokenizer, quantization)
