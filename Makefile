@@ -3,9 +3,10 @@
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-# The native CPU kernels build into this checkout's venv, not the shared ~/.cache: two checkouts
-# on one machine (a CI clone beside a working tree) would otherwise rebuild and relink the same
-# .so over each other, under processes that have it loaded.
+# Set-up installs the native CPU kernels prebuilt (kernels/cpu/prebuilt/), so any later start maps
+# them and compiles nothing. A rebuild after the sources change goes into this checkout's venv,
+# not the shared ~/.cache: two checkouts on one machine (a CI clone beside a working tree) would
+# otherwise rebuild and relink the same .so over each other, under processes that have it loaded.
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 
 .PHONY: serve test lint setup services
@@ -32,7 +33,7 @@ $(VENV)/.ready: pyproject.toml setup.py $(wildcard kernels/cpu/csrc/*.cpp kernel
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/deepserve fetch-model smollm2-135m
-	$(BIN)/python -m deepserve.kernels.cpu.native
+	$(BIN)/python -m deepserve.kernels.cpu.native --prebuild
 	touch $@
 
 # Services the tests start themselves on free loopback ports; installed here when missing.

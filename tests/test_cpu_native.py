@@ -36,11 +36,23 @@ def test_process_keeps_one_openmp_runtime():
     assert len(gomps) <= 1, gomps
 
 
-def _compiled_library() -> Path:
+def _built_library() -> Path:
+    """The library this process loaded: the set-up's prebuilt one, else torch's build."""
     from torch.utils import cpp_extension
 
     assert cpu_native.load()
+    if cpu_native.prebuilt_path().is_file():
+        return cpu_native.prebuilt_path()
     return Path(cpp_extension._get_build_directory(cpu_native.NAME, False)) / "deepserve_cpu.so"
+
+
+def _without_a_compiler(tmp_path: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "PATH": str(tmp_path / "no-bin"),  # no c++, no ninja
+        "CXX": str(tmp_path / "no-bin" / "c++"),
+        "TORCH_EXTENSIONS_DIR": str(tmp_path / "missing" / "extensions"),
+    }
 
 
 def test_prebuilt_library_loads_without_compiler_or_writable_build_folder(tmp_path):
@@ -48,23 +60,34 @@ def test_prebuilt_library_loads_without_compiler_or_writable_build_folder(tmp_pa
     prebuilt = tmp_path / "prebuilt"
     prebuilt.mkdir()
     name = cpu_native.prebuilt_path().name
-    shutil.copyfile(_compiled_library(), prebuilt / name)
+    shutil.copyfile(_built_library(), prebuilt / name)
     prebuilt.chmod(0o555)
     script = (
         "import sys; from pathlib import Path; from deepserve.kernels.cpu import native as c;"
         "c.PREBUILT = Path(sys.argv[1]); ok = c.load();"
         "print(ok, c.ops().abi_version() if ok else None)"
     )
-    env = {
-        **os.environ,
-        "PATH": str(tmp_path / "no-bin"),  # no c++, no ninja
-        "CXX": str(tmp_path / "no-bin" / "c++"),
-        "TORCH_EXTENSIONS_DIR": str(tmp_path / "missing" / "extensions"),
-    }
     result = subprocess.run(
-        [sys.executable, "-c", script, str(prebuilt)], env=env, capture_output=True, text=True
+        [sys.executable, "-c", script, str(prebuilt)],
+        env=_without_a_compiler(tmp_path),
+        capture_output=True,
+        text=True,
     )
     assert result.stdout.split() == ["True", "1"], result.stderr
+    assert not (tmp_path / "missing").exists()
+
+
+def test_a_start_after_set_up_maps_the_prebuilt_library_and_compiles_nothing(tmp_path):
+    """`make setup` installs the library prebuilt, so `.venv/bin/deepserve serve` (or any start
+    outside make, without its TORCH_EXTENSIONS_DIR) only maps it: no compiler is needed."""
+    script = "from deepserve.kernels.registry import kernels_in_use; print(kernels_in_use('cpu'))"
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        env=_without_a_compiler(tmp_path),
+        capture_output=True,
+        text=True,
+    )
+    assert result.stdout.split() == ["native"], result.stderr
     assert not (tmp_path / "missing").exists()
 
 
