@@ -589,4 +589,5 @@ def _graphs_wanted(config: EngineConfig, model, spec) -> bool:
         and spec is None
         and kernels is not None
         and kernels.graph_safe
+        and getattr(model, "graph_safe", True)
     )

@@ -6,13 +6,19 @@ be plain greedy decoding's, token for token."""
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from deepserve.engine.config import EngineConfig, SpeculativeConfig
 from deepserve.engine.llm import LLM
+from deepserve.engine.llm_engine import _graphs_wanted
+from deepserve.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from deepserve.engine.sampling_params import SamplingParams
 from deepserve.engine.testmodels.tiny_deepseek_v4 import write_tiny_deepseek_v4
+from deepserve.kernels import reference
 
 GREEDY = SamplingParams(temperature=0, max_tokens=64)
 PROMPT_LEN = 230  # past the window (64), 57 CSA and 14 HCA groups, more CSA entries than top-k
@@ -117,3 +123,12 @@ def test_mtp_drafter_gives_the_plain_greedy_tokens(tiny_dir, prompt):
     assert alone == want
     assert batched == want
     assert stats.num_draft_tokens > 0
+
+
+def test_v4_decode_steps_run_eager_on_a_gpu_even_with_graph_safe_kernels():
+    # Its step plan is built on the host from each step's lengths: a graph would replay one plan.
+    kernels = dataclasses.replace(reference.KERNELS, graph_safe=True)
+    cuda = EngineConfig(model="tiny-deepseek-v4", device="cuda")
+    plain = SimpleNamespace(k=kernels)
+    v4 = SimpleNamespace(k=kernels, graph_safe=DeepseekV4ForCausalLM.graph_safe)
+    assert _graphs_wanted(cuda, plain, None) and not _graphs_wanted(cuda, v4, None)

@@ -264,6 +264,9 @@ class _MTP:
 
 class DeepseekV4ForCausalLM:
     family = "deepseek_v4"
+    # Each step's read plan (windows, groups, indexer candidates) is built on the host from the
+    # step's lengths: a captured CUDA graph would replay one step's plan for every later step.
+    graph_safe = False
 
     def __init__(
         self,
