@@ -19,7 +19,7 @@ import contextlib
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -71,6 +71,7 @@ class AsyncEngine:
         self._adds: list[_PendingAdd] = []
         self._arriving = 0  # requests being read and prepared for `generate` (`arriving`)
         self._aborts: list[str] = []
+        self._calls: list[tuple[Callable, tuple, Future]] = []  # run between steps (`_call`)
         self._streams: dict[str, _Stream] = {}
         self._stopping = False
         self._error: BaseException | None = None
@@ -157,8 +158,8 @@ class AsyncEngine:
         self, prompt_token_ids: list[int], timeout: float, cache_salt: str | None = None
     ) -> KVHandOff | None:
         """Wait (up to `timeout`) until the background write-through has put the prompt's full
-        blocks in the shared tier; the keys a decode worker will find them under (none when the
-        wait timed out). None when there is no shared tier."""
+        blocks in the shared tier, and write again those the store lost; the keys a decode worker
+        will find them under (none when the wait timed out). None when there is no shared tier."""
         tiering = self.engine.kv_tiering
         if tiering is None or tiering.tiers.store is None:
             return None
@@ -166,11 +167,36 @@ class AsyncEngine:
         blocks = len(prompt_token_ids) // size
         start = time.perf_counter()
         flushed = await asyncio.to_thread(tiering.tiers.drain, timeout)
-        seconds = time.perf_counter() - start
         if not flushed:
-            return KVHandOff(False, [], blocks, seconds)
+            return KVHandOff(False, [], blocks, time.perf_counter() - start)
         keys = prompt_block_keys(self.card.info.fingerprint, prompt_token_ids, size, cache_salt)
-        return KVHandOff(True, keys, blocks, seconds)
+        await self._rewrite_lost_blocks(keys)
+        return KVHandOff(True, keys, blocks, time.perf_counter() - start)
+
+    async def _rewrite_lost_blocks(self, keys: list[str]) -> None:
+        """Write again those of the prompt's blocks the store lost (a FLUSHALL, a restart, its
+        eviction) from the device pool. A repeated prompt is a device prefix hit here, so its
+        blocks are never computed, hence never written through, again: without this every later
+        hand-off of it would name blocks the decode worker cannot find. Costs one EXISTS round
+        trip when nothing is missing; the copies are taken between steps, on the engine thread,
+        where no block is reused meanwhile (one evicted since is simply not written)."""
+        tiering = self.engine.kv_tiering
+        lost = await asyncio.to_thread(tiering.tiers.absent_from_store, keys)
+        if not lost:
+            return
+        cached = self.engine.block_manager.cached_block
+        items = await self._call(tiering.snapshot_cached, lost, cached)
+        await asyncio.to_thread(tiering.tiers.rewrite_to_store, items)
+
+    async def _call(self, fn: Callable, *args):
+        """`fn(*args)` run on the engine thread between two steps; its result or its error."""
+        done: Future = Future()
+        with self._cond:
+            if self._stopping or self._error is not None:
+                raise EngineDeadError(f"the engine is not running ({self._error or 'shut down'})")
+            self._calls.append((fn, args, done))
+            self._cond.notify()
+        return await asyncio.wrap_future(done)
 
     def take_block_events(self) -> list:
         """The block manager's `BlockStored` / `BlockRemoved` events since the last call."""
@@ -237,7 +263,11 @@ class AsyncEngine:
         """Apply queued adds and aborts; sleep while idle. False when shutting down."""
         with self._cond:
             while not (
-                self._stopping or self._adds or self._aborts or self.engine.has_unfinished()
+                self._stopping
+                or self._adds
+                or self._aborts
+                or self._calls
+                or self.engine.has_unfinished()
             ):
                 self._cond.wait()
             if self._stopping:
@@ -246,6 +276,12 @@ class AsyncEngine:
                 self._gather_burst()
             adds, self._adds = self._adds, []
             aborts, self._aborts = self._aborts, []
+            calls, self._calls = self._calls, []
+        for fn, args, done in calls:
+            try:
+                done.set_result(fn(*args))
+            except Exception as e:  # the caller's failure, not the engine's
+                done.set_exception(e)
         for add in adds:
             self._admit(add)
         if aborts:
@@ -338,9 +374,12 @@ class AsyncEngine:
     def _fail_all(self, error: BaseException) -> None:
         with self._cond:
             streams, self._streams = self._streams, {}
+            calls, self._calls = self._calls, []
         dead = error if isinstance(error, EngineDeadError) else EngineDeadError(repr(error))
         for stream in streams.values():
             _post(stream, dead)
+        for _, _, done in calls:
+            done.set_exception(dead)
 
 
 def _post(stream: _Stream, item: object) -> None:

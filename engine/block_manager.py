@@ -217,6 +217,11 @@ class BlockManager:
             match.tier_keys = seq.block_hashes[start : start + n]
         return match
 
+    def cached_block(self, key: bytes) -> int | None:
+        """The device block holding `key`'s content, held by a sequence or free but cached; None
+        once evicted. Valid until the next allocation (call it on the engine thread)."""
+        return self._index.get(key)
+
     # ---- allocation -----------------------------------------------------------------------
 
     def allocate(

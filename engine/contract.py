@@ -134,6 +134,7 @@ class WorkerEngine(EngineClient, Protocol):
     async def hand_off_prompt(
         self, prompt_token_ids: list[int], timeout: float, cache_salt: str | None = None
     ) -> KVHandOff | None:
-        """Wait until the prompt's full blocks are in the shared tier; None without one."""
+        """Wait until the prompt's full blocks are in the shared tier, writing again any the store
+        lost (flushed or restarted) from the device pool; None without a shared tier."""
 
     def stats(self) -> EngineStats: ...

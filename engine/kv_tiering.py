@@ -10,6 +10,8 @@ manager's `KVTierHooks` and moves block bytes between the device KV cache and th
   hands it to the background L1 offload queue.
 - `on_store(key, block_id)`: copies a newly computed full block and hands it to the background L2
   write-through queue (the store writes each key once).
+- `snapshot_cached(keys, block_of)`: copies of device blocks a prefill hand-off found missing
+  from the store (it was flushed or restarted), to write them again.
 
 Keys are the block manager's chained prefix hashes (salted with the model fingerprint), as hex.
 What does not live here: which blocks to evict or reuse (block manager) and byte formats (codec).
@@ -18,7 +20,7 @@ What does not live here: which blocks to evict or reuse (block manager) and byte
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from urllib.parse import urlparse
 
 import numpy as np
@@ -160,6 +162,19 @@ class KVTiering:
         if self.tiers.store is None or key in self._from_store:
             return
         self.tiers.write_through([(key.hex(), self._snapshot(block_id))])
+
+    def snapshot_cached(
+        self, keys: list[str], block_of: Callable[[bytes], int | None]
+    ) -> list[tuple[str, np.ndarray]]:
+        """Host copies of those of `keys` (hex) the device pool still holds (`block_of`: the block
+        manager's `cached_block`), to write them to the store again. On the engine thread, so no
+        block is reused while it is copied."""
+        items = []
+        for key in keys:
+            block_id = block_of(bytes.fromhex(key))
+            if block_id is not None:
+                items.append((key, self._snapshot(block_id)))
+        return items
 
     # ---- engine step ----------------------------------------------------------------------
 

@@ -38,6 +38,11 @@ class KVCacheMetrics:
             "Failed store operations (timeouts, connection errors)",
             ("tier", "op"),
         )
+        self.rewritten = counter(
+            "kv_store_rewritten_blocks",
+            "Blocks a prefill hand-off wrote to the store again because it had lost them "
+            "(flushed, restarted, evicted)",
+        )
         self.dropped = counter(
             "kv_tier_dropped_writes", "Blocks not written because the background queue was full"
         )
@@ -76,6 +81,8 @@ class KVCacheMetrics:
             self.used_bytes.labels(tier)  # L1 starts empty
         if tier == "store":
             self.mac_rejections.labels(tier)
+            self.rewritten.labels(tier)
+            self.breaker_open.labels(tier)  # reads closed until a fault opens it
             for op in ("get", "put"):  # the data-path operations of a store
                 self.store_errors.labels(tier, op)
 

@@ -11,11 +11,14 @@ block is written once per key and then left to Redis's own eviction (run the ser
 Faults never reach the caller: every redis/socket error is counted and turned into a miss (or a
 skipped write). Socket and connect timeouts are bounded, redis-py's own retries are off (a retry
 would multiply the time a dead store costs), and a circuit breaker skips the store entirely while
-it is down. The connection pool reconnects on the first call after the server is back.
+it is down; while it is open a background thread sends its probe after each cool-down, so it
+closes once the server is back even when no request comes. The connection pool reconnects on the
+first call after the server is back.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -63,6 +66,9 @@ class RedisStore(BlockStore):
         )
         self._cluster = is_cluster_url(config.url)
         self._client: redis.Redis | redis.RedisCluster | None = None
+        self._prober: threading.Thread | None = None
+        self._prober_lock = threading.Lock()
+        self._closed = threading.Event()
 
     def _connect(self) -> redis.Redis | redis.RedisCluster:
         """The client, built on first use: a cluster client connects as it is built."""
@@ -138,7 +144,11 @@ class RedisStore(BlockStore):
             # One DEL per key: on a cluster a DEL of several keys must stay within one slot.
             self._pipeline("delete", lambda pipe: [pipe.delete(name) for name in names])
 
+    def available(self) -> bool:
+        return not self._breaker.is_open
+
     def close(self) -> None:
+        self._closed.set()
         if self._client is not None:
             self._client.close()
 
@@ -165,6 +175,28 @@ class RedisStore(BlockStore):
         if self._metrics is not None:
             self._metrics.store_errors.labels(self._tier, op).inc()
             self._metrics.breaker_open.labels(self._tier).set(int(self._breaker.is_open))
+        if self._breaker.is_open:
+            self._start_prober()
+
+    def _start_prober(self) -> None:
+        with self._prober_lock:
+            if self._prober is None:
+                self._prober = threading.Thread(
+                    target=self._probe_until_closed, name="kv-store-probe", daemon=True
+                )
+                self._prober.start()
+
+    def _probe_until_closed(self) -> None:
+        """While the breaker is open, send its probe as soon as each cool-down ends. Without this
+        only a request would probe, so a worker that gets none (a decode worker the router no
+        longer picks) would skip the store, and report it down, long after it is back."""
+        probe_key = self._config.key_prefix + "probe"  # a key, so a cluster routes it
+        while not self._closed.wait(self._config.breaker_cooldown_s / 4):
+            with self._prober_lock:  # a fault after this check starts the next prober
+                if not self._breaker.is_open:
+                    self._prober = None
+                    return
+            self._pipeline("probe", lambda pipe: pipe.exists(probe_key))
 
     def _count_bytes(self, direction: str, n: int) -> None:
         if self._metrics is not None and n:

@@ -38,6 +38,11 @@ class BlockStore(ABC):
     def delete(self, keys: Sequence[str]) -> None:
         """Remove keys (used to drop entries that failed validation)."""
 
+    def available(self) -> bool:
+        """False while the store is known to be unreachable (a circuit breaker open): work that
+        only a reachable store could use may be skipped. The default store is always reachable."""
+        return True
+
     def close(self) -> None:
         """Release connections or handles; the default has none."""
         return None

@@ -7,6 +7,8 @@
 - `offload(items)`: evicted device blocks go to L1 in the background (bounded queue).
 - `write_through(items)`: full prompt blocks go to L2 in the background (bounded queue); the store
   writes each key once.
+- `absent_from_store(keys)` / `rewrite_to_store(items)`: which blocks L2 lost (one EXISTS round
+  trip), and writing them again at once; a prefill hand-off uses them (engine/async_engine.py).
 
 Payloads are raw block bytes (any buffer); framing and checks are codec.py's. L2 blocks carry an
 HMAC under `store_mac_key` (other processes can write there); L1 blocks, in this process's memory
@@ -157,6 +159,24 @@ class TieredKVCache:
     def write_through(self, items: Sequence[Item]) -> int:
         """Queue full prompt blocks for L2; returns how many were accepted."""
         return self._store_q.submit(items) if self._store_q is not None else 0
+
+    def absent_from_store(self, keys: Sequence[str]) -> list[str]:
+        """Those of `keys` the store lacks, in one EXISTS round trip; none when there is no store
+        or it is known to be down (nothing could be written there anyway)."""
+        if self.store is None or not keys or not self.store.available():
+            return []
+        present = self.store.exists_many(keys)
+        return [key for key, p in zip(keys, present, strict=True) if not p]
+
+    def rewrite_to_store(self, items: Sequence[Item]) -> int:
+        """Write blocks the store lost (flushed, restarted, evicted) again, now, in the caller's
+        thread: a prefill hand-off waits for them. Returns how many were written."""
+        if self.store is None or not items:
+            return 0
+        mac = self.store_mac_key
+        written = self.store.put_many([(k, encode_block(self.spec, k, p, mac)) for k, p in items])
+        self.metrics.rewritten.labels(STORE).inc(written)
+        return written
 
     def _write_host(self, items: list[Item]) -> None:
         assert self.host is not None

@@ -9,8 +9,9 @@ kernels it runs).
 
 A worker also publishes its device cache's block events (stored/removed keys with their token ids)
 on Redis pub/sub, which is how a cache-aware router learns who holds which prefix. In prefill mode
-it waits until the prompt's full blocks are in the shared tier before it answers, so the decode
-worker finds them; if that wait times out the decode worker simply recomputes.
+it waits until the prompt's full blocks are in the shared tier before it answers (writing again
+any the store lost since, e.g. to a Redis restart), so the decode worker finds them; if that wait
+times out the decode worker simply recomputes.
 
 Not here: routing (router/) and the prefill/decode sequence (disagg/flow.py); protocol conversion
 for clients (server/app.py).

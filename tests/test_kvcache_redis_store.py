@@ -82,6 +82,23 @@ def test_server_stop_gives_misses_and_restart_reconnects_without_a_new_client(ma
     assert metrics.value("deepserve:kv_store_circuit_open", tier="store") == 0
 
 
+def test_an_idle_stores_breaker_closes_on_its_own_once_the_server_is_back(make_redis_server):
+    server = make_redis_server()
+    store, metrics = _store(server.url, breaker_cooldown_s=0.1, breaker_max_cooldown_s=0.2)
+    server.stop()
+    for _ in range(2):
+        assert store.get_many(["a"]) == [None]
+    assert not store.available()
+    assert metrics.value("deepserve:kv_store_circuit_open", tier="store") == 1
+    server.start()  # and no call from here on: only the store's own probe can close it
+    deadline = time.monotonic() + 3
+    while not store.available() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert store.available()
+    assert metrics.value("deepserve:kv_store_circuit_open", tier="store") == 0
+    store.close()
+
+
 def test_slow_server_times_out_as_a_miss_within_the_bound(redis_url, redis_server):
     store, metrics = _store(redis_url, timeout_s=0.1)
     store.put_many([("a", b"alpha")])
