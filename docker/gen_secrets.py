@@ -36,7 +36,9 @@ def ensure(folder: Path) -> list[str]:
     for name in SECRETS:
         path = folder / name
         if not path.is_file() or not path.read_text().strip():
-            write_file(path, secrets.token_urlsafe(32))
+            # A trailing newline, so `cat` of a key ends its line; readers drop it
+            # (server/cli.py env_secret, Grafana's __FILE, redis.conf below strips it).
+            write_file(path, secrets.token_urlsafe(32) + "\n")
             created.append(name)
     password = (folder / "redis_password").read_text().strip()
     write_file(folder / "redis.conf", f"requirepass {password}\n")

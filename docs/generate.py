@@ -81,7 +81,8 @@ docker compose exec frontend cat /run/deepserve-secrets/api_key
 ```
 
 They survive restarts; `docker compose down -v` deletes them and the next start makes new ones. To
-choose one yourself (`api_key`, `internal_token`, `redis_password`, `grafana_admin_password`),
+choose one yourself (`api_key`, `internal_token`, `redis_password`, `kv_secret`,
+`grafana_admin_password`),
 write it before the first start:
 
 ```bash

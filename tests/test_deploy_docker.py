@@ -74,7 +74,9 @@ class Stack:
         return compose(self.env, *args, timeout=timeout, check=check)
 
     def secret(self, name: str) -> str:
-        return self.compose("exec", "-T", "frontend", "cat", f"{SECRETS_MOUNT}/{name}").stdout
+        return self.compose(
+            "exec", "-T", "frontend", "cat", f"{SECRETS_MOUNT}/{name}"
+        ).stdout.strip()
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(
