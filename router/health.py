@@ -49,7 +49,7 @@ class HealthChecker:
         was_healthy = w.healthy
         self.pool.record_probe_success(w)
         if not was_healthy and w.healthy:
-            log.warning("re-admitted worker %s", w.url)
+            log.info("re-admitted worker %s", w.url)  # routine: the ejection was the warning
 
     def _reload(self) -> None:
         try:
