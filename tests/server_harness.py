@@ -62,6 +62,11 @@ def running_server(
         thread.join(10)
 
 
+def sdk_client(base_url: str, timeout: float = 300) -> OpenAI:
+    """The official openai SDK on a test server: no retries, so a failure shows on first try."""
+    return OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=timeout)
+
+
 @contextlib.contextmanager
 def engine_for(model: str, **overrides) -> Iterator[AsyncEngine]:
     engine = AsyncEngine(EngineConfig(**{"model": model, "num_threads": 1, **overrides}))

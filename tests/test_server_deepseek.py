@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel
-from server_harness import engine_for, running_frontend, running_server, running_worker
+from server_harness import engine_for, running_frontend, running_server, running_worker, sdk_client
 
 MODEL = "tiny-deepseek"
 PARAMS = {
@@ -33,10 +33,6 @@ ASK = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
 NO_THINKING = {"thinking": {"type": "disabled"}}
 
 
-def _sdk(base_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=300)
-
-
 @pytest.fixture(scope="module")
 def engine():
     with engine_for(MODEL) as engine:
@@ -46,7 +42,7 @@ def engine():
 @pytest.fixture(scope="module")
 def client(engine):
     with running_server(engine, MODEL) as srv:
-        yield _sdk(srv.base_url)
+        yield sdk_client(srv.base_url)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +55,7 @@ def pd_client(engine):
         running_worker(engine, "decode", token) as decode,
         running_frontend({"prefill": (prefill,), "decode": (decode,)}, MODEL, token) as front,
     ):
-        yield _sdk(front.base_url)
+        yield sdk_client(front.base_url)
 
 
 @pytest.mark.parametrize(("temperature", "seed"), [(0.0, None), (1.0, 7)])

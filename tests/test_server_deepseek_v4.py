@@ -8,9 +8,8 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import openai
 import pytest
-from server_harness import engine_for, running_server
+from server_harness import engine_for, running_server, sdk_client
 
 MODEL = "tiny-deepseek-v4"
 ASK = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
@@ -39,10 +38,6 @@ FIRST = [
 ]
 
 
-def _sdk(base_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=300)
-
-
 @pytest.fixture(scope="module")
 def engine():
     with engine_for(MODEL) as engine:
@@ -52,7 +47,7 @@ def engine():
 @pytest.fixture(scope="module")
 def client(engine):
     with running_server(engine, MODEL) as srv:
-        yield _sdk(srv.base_url)
+        yield sdk_client(srv.base_url)
 
 
 def test_thinking_mode_answers_with_reasoning_content(client):
@@ -136,6 +131,6 @@ def test_second_turn_prefix_hit_gives_the_cold_tokens(client):
         engine_for(MODEL, enable_prefix_caching=False) as cold_engine,
         running_server(cold_engine, MODEL) as srv,
     ):
-        cold, cold_cached = _second_turn(_sdk(srv.base_url))
+        cold, cold_cached = _second_turn(sdk_client(srv.base_url))
     assert cold_cached == 0
     assert warm == cold

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-from server_harness import engine_for, running_server, smollm_engine
+from server_harness import engine_for, running_server, sdk_client, smollm_engine
 
 __all__ = ["smollm_engine"]  # shared fixture (server_harness)
 
@@ -20,14 +20,10 @@ def served(request, smollm_engine):
     name = request.param
     if name == "smollm2-135m":
         with running_server(smollm_engine, name) as srv:
-            yield _sdk(srv.base_url), name
+            yield sdk_client(srv.base_url), name
         return
     with engine_for(name) as engine, running_server(engine, name) as srv:
-        yield _sdk(srv.base_url), name
-
-
-def _sdk(base_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=300)
+        yield sdk_client(srv.base_url), name
 
 
 def _chat(client: openai.OpenAI, model: str, role: str):
