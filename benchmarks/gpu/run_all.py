@@ -464,6 +464,8 @@ def main() -> int:
         default=[0, 1],
         help="section long: --batch-invariant off (0) and/or on (1)",
     )
+    parser.add_argument("--v4-batches", nargs="*", type=int, default=[1, 32, 64])
+    parser.add_argument("--v4-no-hf", action="store_true", help="section v4: deepserve only")
     args = parser.parse_args()
     sc = QUICK if args.quick_cpu else Scale()
     start = time.time()
@@ -491,6 +493,7 @@ def main() -> int:
     import long_prompts
     import serve_bench
     import speed
+    import v4_speed
 
     batches = {"v2-lite": list(args.v2_batches), "smollm2": list(args.smollm2_batches)}
     sections = [
@@ -517,6 +520,13 @@ def main() -> int:
             ),
         ),
         ("serve_long", lambda: long_prompts.section_serve_long(out, work, args.out)),
+        ("v4_parity", lambda: v4_speed.section_v4_parity(out, work)),
+        (
+            "v4",
+            lambda: v4_speed.section_v4_speed(
+                out, deadline - 20, args.v4_batches, with_hf=not args.v4_no_hf
+            ),
+        ),
     ]
     default_off = {
         "throughput",
@@ -525,6 +535,8 @@ def main() -> int:
         "invariant",
         "long",
         "serve_long",
+        "v4_parity",
+        "v4",
     }  # superseded by speed / checks
     for name, fn in sections:
         if name == "models":

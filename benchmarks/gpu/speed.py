@@ -41,6 +41,12 @@ def build_hf(config: dict):
 
 def build_llm(config: dict, hf, batch_invariant: bool, **kw):
     """deepserve's engine over transformers' tensors (same weights, one copy of the experts)."""
+    return build_llm_over(config, dict(hf.state_dict()), batch_invariant, **kw)
+
+
+def build_llm_over(config: dict, weights, batch_invariant: bool, dtype: str = "bfloat16", **kw):
+    """deepserve's engine over `weights` (HF-named tensors, or a mapping that makes each one on
+    request, so a checkpoint larger than half the card is never held twice)."""
     from deepserve.engine.config import EngineConfig
     from deepserve.engine.contract import ModelInfo
     from deepserve.engine.llm import LLM
@@ -49,8 +55,7 @@ def build_llm(config: dict, hf, batch_invariant: bool, **kw):
     from deepserve.engine.models.common import WeightStore
     from deepserve.kernels.registry import get_kernels
 
-    weights = dict(hf.state_dict())
-    store = WeightStore(weights, torch.device("cuda"), torch.bfloat16)
+    store = WeightStore(weights, torch.device("cuda"), getattr(torch, dtype))
     arch = config["architectures"][0]
     kernels = get_kernels("cuda", batch_invariant)
     model = model_class(arch)(config, store, kernels, f"bench-{arch}-{batch_invariant}")
@@ -60,7 +65,7 @@ def build_llm(config: dict, hf, batch_invariant: bool, **kw):
     )  # fmt: skip
     kw.setdefault("kv_cache_bytes", 8 * 2**30)
     engine_config = EngineConfig(
-        model=arch, device="cuda", dtype="bfloat16", batch_invariant=batch_invariant, **kw
+        model=arch, device="cuda", dtype=dtype, batch_invariant=batch_invariant, **kw
     )
     return LLM(engine_config, LoadedModel(model, None, info))
 

@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from deepserve.engine.models.deepseek_v4_config import CSA, HCA, SLIDING
-from deepserve.engine.testmodels.deepseek_v4_layout import tensor_specs
+from deepserve.engine.testmodels.deepseek_v4_layout import TensorSpec, tensor_specs
 from deepserve.engine.testmodels.quantize import quantize_checkpoint
 
 DEEPSEEK_V2_LITE = {
@@ -273,20 +273,22 @@ def v4_layer_schedule(layers: int) -> dict:
 def _deepseek_v4_weights(config: dict, device: str, gen: torch.Generator) -> dict:
     """The published V4 layout: matrices N(0, 0.02) in bf16; norms and mixing scales ones; sinks,
     position and mixing biases zeros in float32 (as V4 keeps them); distinct hash experts."""
-    out = {}
-    for name, spec in tensor_specs(config).items():
-        if spec.kind in ("matrix", "embed"):
-            t = torch.empty(spec.shape, device=device, dtype=torch.bfloat16)
-            out[name] = t.normal_(0.0, STD, generator=gen)
-        elif spec.kind == "tid2eid":
-            scores = torch.rand(
-                spec.shape[0], config["n_routed_experts"], device=device, generator=gen
-            )
-            out[name] = scores.argsort(dim=-1)[:, : spec.shape[1]].contiguous()
-        else:
-            fill = 1.0 if spec.kind in ("norm", "hc_scale") else 0.0
-            out[name] = torch.full(spec.shape, fill, device=device, dtype=torch.float32)
-    return out
+    return {
+        name: v4_tensor(config, spec, device, gen) for name, spec in tensor_specs(config).items()
+    }
+
+
+def v4_tensor(config: dict, spec: TensorSpec, device: str, gen: torch.Generator) -> torch.Tensor:
+    """One tensor of the V4 layout, made as `_deepseek_v4_weights` makes it (the GPU benchmark
+    makes a full-width slice's tensors one at a time: the whole slice is 81 GB)."""
+    if spec.kind in ("matrix", "embed"):
+        t = torch.empty(spec.shape, device=device, dtype=torch.bfloat16)
+        return t.normal_(0.0, STD, generator=gen)
+    if spec.kind == "tid2eid":
+        scores = torch.rand(spec.shape[0], config["n_routed_experts"], device=device, generator=gen)
+        return scores.argsort(dim=-1)[:, : spec.shape[1]].contiguous()
+    fill = 1.0 if spec.kind in ("norm", "hc_scale") else 0.0
+    return torch.full(spec.shape, fill, device=device, dtype=torch.float32)
 
 
 def _word_tokenizer(vocab_size: int, special: dict[str, int] | None = None) -> Tokenizer:
