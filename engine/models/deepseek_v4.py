@@ -186,7 +186,9 @@ class _Rope:
 class _HyperConnection:
     fn: torch.Tensor  # [(2 + n) * n, n * hidden] float32
     base: torch.Tensor  # [(2 + n) * n] float32
-    scale: torch.Tensor  # [3] float32: pre, post, comb
+    # [(2 + n) * n] float32: the checkpoint's pre, post and comb scales ([3]; the hyper head's
+    # [1], pre only) spread over the mixes' columns, so all are scaled and shifted in two ops
+    scale: torch.Tensor
 
 
 @dataclass
@@ -299,7 +301,7 @@ class DeepseekV4ForCausalLM:
         self._ones = {}  # unweighted RMSNorm weights by (size, dtype)
         self.embed = weights.get("embed.weight")
         self.layers = [self._load_layer(weights, i) for i in range(a.num_layers)]
-        self.hc_head = self._load_hc(weights, "hc_head_")
+        self.hc_head = self._load_hc(weights, "hc_head_", a.hc_mult)
         self.norm = weights.get("norm.weight", F32)
         self.lm_head = weights.get("head.weight")
         self.mtp = [self._load_mtp(weights, j) for j in range(self.num_mtp_layers)]
@@ -316,10 +318,10 @@ class DeepseekV4ForCausalLM:
 
     def _load_block(self, w: WeightStore, p: str, kind: str, hashed: bool) -> _Layer:
         return _Layer(
-            attn_hc=self._load_hc(w, p + "hc_attn_"),
+            attn_hc=self._load_hc(w, p + "hc_attn_", self.args.hc_mult),
             attn_norm=w.get(p + "attn_norm.weight", F32),
             attn=self._load_attention(w, p + "attn.", kind),
-            ffn_hc=self._load_hc(w, p + "hc_ffn_"),
+            ffn_hc=self._load_hc(w, p + "hc_ffn_", self.args.hc_mult),
             ffn_norm=w.get(p + "ffn_norm.weight", F32),
             moe=self._load_moe(w, p + "ffn.", hashed),
         )
@@ -335,15 +337,17 @@ class DeepseekV4ForCausalLM:
             e_proj=w.get(p + "e_proj.weight"),
             h_proj=w.get(p + "h_proj.weight"),
             layer=self._load_block(w, p, self.args.mtp_layer_types[j], hashed=False),
-            hc_head=self._load_hc(w, p + "hc_head_"),
+            hc_head=self._load_hc(w, p + "hc_head_", self.args.hc_mult),
             norm=w.get(p + "norm.weight", F32),
             head=w.get(own_head) if w.has(own_head) else self.lm_head,
         )
 
     @staticmethod
-    def _load_hc(w: WeightStore, p: str) -> _HyperConnection:
+    def _load_hc(w: WeightStore, p: str, n: int) -> _HyperConnection:
+        scale = w.get(p + "scale", F32)
+        widths = torch.tensor([n, n, n * n] if scale.numel() == 3 else [n], device=scale.device)
         return _HyperConnection(
-            w.get(p + "fn", F32), w.get(p + "base", F32), w.get(p + "scale", F32)
+            w.get(p + "fn", F32), w.get(p + "base", F32), scale.repeat_interleave(widths)
         )
 
     def _load_attention(self, w: WeightStore, p: str, kind: str) -> _Attention:
@@ -499,11 +503,10 @@ class DeepseekV4ForCausalLM:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Streams `h [T, n, hidden]` -> (post [T, n], comb [T, n, n], the block's input [T, hidden])."""
         n, eps = self.args.hc_mult, self.args.hc_eps
-        pre, post, comb = self._hc_mixes(w, h).split([n, n, n * n], dim=-1)
-        b_pre, b_post, b_comb = w.base.split([n, n, n * n])
-        pre = self.k.sigmoid(pre * w.scale[0] + b_pre) + eps
-        post = 2 * self.k.sigmoid(post * w.scale[1] + b_post)
-        comb = self.k.softmax((comb * w.scale[2] + b_comb).view(-1, n, n), -1) + eps
+        mixes = self._hc_mixes(w, h) * w.scale + w.base
+        gates = self.k.sigmoid(mixes[:, : 2 * n])
+        pre, post = gates[:, :n] + eps, 2 * gates[:, n:]
+        comb = self.k.softmax(mixes[:, 2 * n :].reshape(-1, n, n), -1) + eps
         comb = _sinkhorn(comb, self.args.hc_sinkhorn_iters, eps)
         return post, comb, (pre[..., None] * h).sum(dim=1).to(h.dtype)
 
@@ -669,10 +672,16 @@ class DeepseekV4ForCausalLM:
 
 
 def _sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Alternate column and row normalisation towards a doubly-stochastic matrix (columns first,
-    `iters` column passes in all)."""
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    """Alternate column and row normalisation of `comb [T, n, n]` towards a doubly-stochastic
+    matrix (columns first, `iters` column passes in all): `comb / (sum + eps)` each time. The sums
+    plus eps are one op each, a batched matmul with a ones vector over the n streams in order
+    (the same bits as `sum(...) + eps` on the CPU, and a third fewer launches: the 2 * iters
+    passes are most of a decode step's ops)."""
+    rows, n = comb.shape[0], comb.shape[-1]
+    ones = comb.new_ones(1, n, 1).expand(rows, n, 1)
+    eps_t = comb.new_full((1, 1, 1), eps)
+    comb = comb / torch.baddbmm(eps_t, ones.transpose(1, 2), comb)
     for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        comb = comb / torch.baddbmm(eps_t, comb, ones)
+        comb = comb / torch.baddbmm(eps_t, ones.transpose(1, 2), comb)
     return comb
