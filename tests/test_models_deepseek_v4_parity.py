@@ -105,13 +105,14 @@ def test_mixed_batch_step_matches_each_sequence_alone(ours, prompt_ids):
         assert (batched[i] - alone).abs().max().item() < 1e-4
 
 
-def _moe_by_pairs(x, gate_up, down, weights, ids, swiglu_limit=None):
+def _moe_by_pairs(x, gate_up, down, weights, ids, add=None, swiglu_limit=None):
     """KernelSet.moe's contract written per (token, slot) pair, V4's clamped SwiGLU included."""
     gate, up = torch.einsum("tkoh,th->tko", gate_up[ids], x).chunk(2, dim=-1)
     if swiglu_limit is not None:
         gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
     y = torch.einsum("tkhi,tki->tkh", down[ids], torch.nn.functional.silu(gate) * up)
-    return (y * weights[..., None]).sum(dim=1).to(x.dtype)
+    out = (y * weights[..., None]).sum(dim=1).to(x.dtype)
+    return out if add is None else out + add
 
 
 def test_a_sets_fused_moe_gives_the_expert_loops_logits(ours, prompt_ids):

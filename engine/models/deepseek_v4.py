@@ -24,8 +24,11 @@ block runs over them in the MTP's own KV slot, and its hyper head, norm and the 
 the draft's logits. So `forward` returns the streams before the hyper head (`[T, hc_mult *
 hidden]`): the MTP drafter reads them, `compute_logits` collapses them.
 
-The KV rows and what a step reads of them: deepseek_v4_cache.py. Weights: the published layout
-(engine/testmodels/deepseek_v4_layout.py names it).
+Every step, prefill, chunk, decode or a mix, runs one batched path: the keys each token reads
+are slot lists built on the device (deepseek_v4_cache.py's `StepPlan`, which also names the KV
+rows) and attended by the KernelSet's `sparse_attention` / `indexer_topk` / `compress_pool`, with
+no loop over sequences and no host sync, so decode steps may replay from CUDA graphs. Weights:
+the published layout (engine/testmodels/deepseek_v4_layout.py names it).
 """
 
 from __future__ import annotations
@@ -627,7 +630,9 @@ class DeepseekV4ForCausalLM:
         shared = self._swiglu(x, w.shared_gate_up, w.shared_down)
         if self.k.moe is not None:  # all experts in one fused op, no host sync
             limit = self.args.swiglu_limit
-            return self.k.moe(x, w.gate_up, w.down, weights, experts, swiglu_limit=limit) + shared
+            return self.k.moe(
+                x, w.gate_up, w.down, weights, experts, add=shared, swiglu_limit=limit
+            )
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
             rows, slot = torch.where(experts == e)
