@@ -263,8 +263,8 @@ class SplitSparseAttention:
         scale: float,
     ) -> Tensor:
         out = torch.empty_like(q)
-        for start in range(0, q.shape[0], QUERY_BLOCK):
-            rows = slice(start, start + QUERY_BLOCK)
+        width = sparse_attention.key_width(window_slots, entry_slots)
+        for rows in sparse_attention.row_blocks(q.shape[0], width * q.shape[-1]):
             entries = None if entry_slots is None else entry_slots[rows]
             keys, valid = sparse_attention.gather_keys(
                 window_kv, window_slots[rows], entry_kv, entries
@@ -317,8 +317,8 @@ class TiledIndexer:
         if k == 0:
             return out
         slots = F.pad(entry_slots, (0, _round_up(entries, KV_SPLIT) - entries), value=-1)
-        for start in range(0, q.shape[0], QUERY_BLOCK):
-            rows = slice(start, start + QUERY_BLOCK)
+        per_row = slots.shape[1] * max(keys.shape[1], q.shape[1])
+        for rows in sparse_attention.row_blocks(q.shape[0], per_row):
             scores = self._scores(q[rows], weights[rows], keys, slots[token_seq[rows]], scale)
             out[rows] = sparse_attention.choose(scores[:, :entries], visible[rows], k)
         return out

@@ -24,7 +24,20 @@ from __future__ import annotations
 
 import torch
 
-QUERY_BLOCK = 256  # query rows per pass: bounds the gathered [rows, keys, D] tensor of long prompts
+QUERY_BLOCK = 256  # query rows per pass at most
+GATHER_BUDGET = 1 << 22  # gathered key elements per pass (16 MiB in float32): long prompts' bound
+
+
+def row_blocks(rows: int, per_row: int) -> list[slice]:
+    """Query rows in passes that gather at most GATHER_BUDGET key elements (`per_row` each),
+    QUERY_BLOCK rows at most, one row at least (query rows are independent)."""
+    step = max(1, min(QUERY_BLOCK, GATHER_BUDGET // max(per_row, 1)))
+    return [slice(start, start + step) for start in range(0, rows, step)]
+
+
+def key_width(window_slots: torch.Tensor, entry_slots: torch.Tensor | None) -> int:
+    """Keys per query row: the window's and the entries' slots."""
+    return window_slots.shape[1] + (0 if entry_slots is None else entry_slots.shape[1])
 
 
 def gather_rows(view: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,8 +56,7 @@ def sparse_attention(
     scale: float,
 ) -> torch.Tensor:
     out = torch.empty_like(q)
-    for start in range(0, q.shape[0], QUERY_BLOCK):
-        rows = slice(start, start + QUERY_BLOCK)
+    for rows in row_blocks(q.shape[0], key_width(window_slots, entry_slots) * q.shape[-1]):
         entries = None if entry_slots is None else entry_slots[rows]
         keys, valid = gather_keys(window_kv, window_slots[rows], entry_kv, entries)
         out[rows] = _attend(q[rows].float(), keys, valid, sinks.float(), scale).to(q.dtype)
@@ -91,8 +103,7 @@ def indexer_topk(
     out = torch.empty(q.shape[0], k, dtype=torch.long, device=q.device)
     if k == 0:
         return out
-    for start in range(0, q.shape[0], QUERY_BLOCK):
-        rows = slice(start, start + QUERY_BLOCK)
+    for rows in row_blocks(q.shape[0], entries * max(keys.shape[1], q.shape[1])):
         key_rows, _ = gather_rows(keys, entry_slots[token_seq[rows]])  # [t, G, Di]
         dots = torch.relu(torch.matmul(q[rows].float(), key_rows.transpose(1, 2))) * scale
         scores = (dots * weights[rows].float()[..., None]).sum(dim=1)  # [t, G]
