@@ -68,11 +68,15 @@ class KernelSet:
     # MoE routing in one op, (logits, bias, RouteSpec) -> (weights, ids) or None when it does not
     # cover the call (`moe_route_composed` is the composition it replaces).
     moe_route: Callable[..., tuple[Tensor, Tensor] | None] | None = None
-    # DeepSeek-V4 attention on one sequence's gathered keys (kernels/reference/sparse_attention.py):
-    # (q, kv, visible, sinks, scale) -> [T, H, D], MQA over one K=V head with per-head sinks;
-    # (q, weights, keys, visible, k, scale) -> [T, k] the lightning indexer's top-k entry ids.
-    sink_attention: Callable[..., Tensor] | None = None
+    # DeepSeek-V4's ops over slot lists of the flattened cache (kernels/reference/sparse_attention.py
+    # states the contracts): (q, window_kv, window_slots, entry_kv, entry_slots, sinks, scale) ->
+    # [T, H, D] MQA over one K=V head with per-head sinks; (q, weights, keys, entry_slots,
+    # token_seq, visible, k, scale) -> [T, k'] the lightning indexer's chosen entries, ascending;
+    # (rows, tokens, previous, has_previous, ape, kv_cols, gate_cols, dim, series) -> [G, dim]
+    # the compressors' gated pooling.
+    sparse_attention: Callable[..., Tensor] | None = None
     indexer_topk: Callable[..., Tensor] | None = None
+    compress_pool: Callable[..., Tensor] | None = None
     # Every op above runs without a host sync or a host value that changes between decode
     # steps, so the model runner may capture decode steps in CUDA graphs.
     graph_safe: bool = False

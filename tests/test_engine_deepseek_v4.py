@@ -125,10 +125,10 @@ def test_mtp_drafter_gives_the_plain_greedy_tokens(tiny_dir, prompt):
     assert stats.num_draft_tokens > 0
 
 
-def test_v4_decode_steps_run_eager_on_a_gpu_even_with_graph_safe_kernels():
-    # Its step plan is built on the host from each step's lengths: a graph would replay one plan.
-    kernels = dataclasses.replace(reference.KERNELS, graph_safe=True)
+def test_v4_decode_steps_replay_cuda_graphs_on_a_gpu_with_graph_safe_kernels():
+    # its step plan is built on the device (tests/test_models_deepseek_v4_graph_safe.py)
+    safe = dataclasses.replace(reference.KERNELS, graph_safe=True)
     cuda = EngineConfig(model="tiny-deepseek-v4", device="cuda")
-    plain = SimpleNamespace(k=kernels)
-    v4 = SimpleNamespace(k=kernels, graph_safe=DeepseekV4ForCausalLM.graph_safe)
-    assert _graphs_wanted(cuda, plain, None) and not _graphs_wanted(cuda, v4, None)
+    v4 = SimpleNamespace(k=safe, graph_safe=DeepseekV4ForCausalLM.graph_safe)
+    eager_kernels = SimpleNamespace(k=reference.KERNELS, graph_safe=True)
+    assert _graphs_wanted(cuda, v4, None) and not _graphs_wanted(cuda, eager_kernels, None)

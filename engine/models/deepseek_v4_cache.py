@@ -18,9 +18,10 @@ A sliding-window layer uses `window` only; the tensor's width is the widest kind
 past the window and of closed groups stay readable (the block manager keeps whole sequences);
 the per-kind pools that drop them are the GPU step's.
 
-`StepPlan` turns one step's `AttentionMetadata` into the slots each sequence reads: its window's
-keys, its closed groups' entry rows, and the groups this step closes (each with its tokens' slots
-and, for CSA's overlap, the previous group's). Built once per forward, shared by every layer.
+`StepPlan` turns one step's `AttentionMetadata` into device tensors of slots: each token's window
+keys, each sequence's entry rows and how many of them each token sees, and the groups this step
+pools (each with its tokens' slots and, for CSA's overlap, the previous group's). Built once per
+forward, shared by every layer; no host loop over sequences in a decode step.
 """
 
 from __future__ import annotations
@@ -75,97 +76,122 @@ def kv_row(kind: str, head_dim: int, index_head_dim: int) -> KVRow:
 
 
 @dataclass(frozen=True)
-class Span:
-    """One sequence of the step: its query rows, and its length before and after the step."""
-
-    rows: slice
-    ctx: int
-    total: int
-
-
-@dataclass(frozen=True)
 class ClosingGroups:
-    """The compressed groups this step closes, over all sequences (G of them, `ratio` tokens each)."""
+    """The compressed groups a step pools (G of them, `ratio` tokens each)."""
 
     tokens: torch.Tensor  # [G, ratio] slots of the group's tokens
     previous: torch.Tensor  # [G, ratio] slots of the group before it (itself for group 0)
     has_previous: torch.Tensor  # [G] bool
-    last: torch.Tensor  # [G] slot of the group's last token: where its entry is written
+    last: torch.Tensor  # [G] slot where its entry is written
     first_position: torch.Tensor  # [G] position of its first token: where its entry is rotated
 
 
 class StepPlan:
-    def __init__(self, attn: AttentionMetadata, window: int) -> None:
+    """Where one step's tokens read, as device tensors built from the step's metadata: the
+    shapes come from host values only (exact lengths in eager steps, upper bounds inside a CUDA
+    graph's capture) and every choice from device tensors, so a decode step can be replayed."""
+
+    def __init__(self, attn: AttentionMetadata, window: int, positions: torch.Tensor) -> None:
+        self.attn = attn
         self.block_size = attn.block_size
         self.tables = attn.block_tables.long()
         self.step_slots = attn.slot_mapping
+        self.positions = positions
         self.device = self.tables.device
         self.window = window
-        starts = [0]
-        for n in attn.query_lens_cpu:
-            starts.append(starts[-1] + n)
-        self.spans = [
-            Span(slice(starts[i], starts[i + 1]), attn.context_lens_cpu[i], attn.seq_lens_cpu[i])
-            for i in range(attn.num_seqs)
-        ]
         self.max_len = max(attn.seq_lens_cpu)  # every position of the step is below it
+        # a decode step pools each token's own group (no host decision): see `closing`
+        self.decode = all(n == 1 for n in attn.query_lens_cpu)
+        rows = torch.arange(positions.shape[0], device=self.device)
+        starts = attn.query_start_loc[1:].long()
+        self.token_seq = torch.searchsorted(starts, rows, right=True)  # [T]
+        self._token_tables = self.tables[self.token_seq]  # [T, max_blocks]
         self._memo: dict = {}
 
-    def slots(self, seq: int, positions: torch.Tensor) -> torch.Tensor:
+    def _slots(self, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Slots of `positions [R, n]` in the sequences whose block tables are `tables [R, B]`."""
         bs = self.block_size
-        return self.tables[seq, positions // bs] * bs + positions % bs
+        return tables.gather(1, positions // bs) * bs + positions % bs
 
-    def query_positions(self, seq: int) -> torch.Tensor:
-        s = self.spans[seq]
-        return torch.arange(s.ctx, s.total, device=self.device)
+    def window_slots(self) -> torch.Tensor:
+        """`[T, W]`: slots of positions pos-W+1 .. pos of each token's sequence, -1 before 0."""
+        if "window" not in self._memo:
+            offsets = torch.arange(1 - self.window, 1, device=self.device)
+            pos = self.positions[:, None] + offsets
+            slots = self._slots(self._token_tables, pos.clamp(min=0))
+            self._memo["window"] = torch.where(pos >= 0, slots, -1)
+        return self._memo["window"]
 
-    def window_keys(self, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions and slots of every key some query of `seq` sees in its window."""
-        key = ("window", seq)
+    def entries(self, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[S, Gmax]` slots of each sequence's entry rows (group j's last token's; past the
+        sequence's end: its last token's, never read) and `[T]` how many entries each token sees
+        (the groups complete at its position)."""
+        key = ("entries", ratio)
         if key not in self._memo:
-            s = self.spans[seq]
-            pos = torch.arange(max(0, s.ctx - self.window + 1), s.total, device=self.device)
-            self._memo[key] = (pos, self.slots(seq, pos))
+            groups = self.max_len // ratio
+            last = (torch.arange(groups, device=self.device) + 1) * ratio - 1
+            ends = self.attn.seq_lens.long()[:, None] - 1
+            slots = self._slots(self.tables, torch.minimum(last[None, :], ends))
+            self._memo[key] = (slots, (self.positions + 1) // ratio)
         return self._memo[key]
 
-    def entry_slots(self, seq: int, ratio: int) -> torch.Tensor:
-        """Slots of the rows holding `seq`'s closed groups' entries (group g's last token's)."""
-        key = ("entries", seq, ratio)
+    def token_entries(self, ratio: int) -> torch.Tensor:
+        """`[T, Gmax]`: the slots of every entry each token sees, -1 past them."""
+        key = ("token_entries", ratio)
         if key not in self._memo:
-            closed = self.spans[seq].total // ratio
-            last = (torch.arange(closed, device=self.device) + 1) * ratio - 1
-            self._memo[key] = self.slots(seq, last)
+            slots, visible = self.entries(ratio)
+            seen = torch.arange(slots.shape[1], device=self.device)[None, :] < visible[:, None]
+            self._memo[key] = torch.where(seen, slots[self.token_seq], -1)
         return self._memo[key]
 
     def closing(self, ratio: int) -> ClosingGroups | None:
-        """The groups whose last token is in this step: g in [ctx // ratio, total // ratio)."""
+        """The groups this step pools. Decode: every token its own group (positions up to its own,
+        the entry written in its own row: only a group's last token's entry is ever read, so the
+        others are harmless). Otherwise the groups whose last token is in this step, from the
+        host's exact lengths."""
         key = ("closing", ratio)
         if key not in self._memo:
-            self._memo[key] = self._closing(ratio)
+            self._memo[key] = self._decode_groups(ratio) if self.decode else self._closing(ratio)
         return self._memo[key]
 
+    def _decode_groups(self, ratio: int) -> ClosingGroups:
+        pos = self.positions
+        first = pos // ratio * ratio
+        tokens = torch.minimum(
+            first[:, None] + torch.arange(ratio, device=self.device), pos[:, None]
+        )
+        return self._groups(self._token_tables, tokens, first, last=self.step_slots)
+
     def _closing(self, ratio: int) -> ClosingGroups | None:
+        attn = self.attn
         seqs, groups = [], []
-        for i, s in enumerate(self.spans):
-            g = torch.arange(s.ctx // ratio, s.total // ratio, device=self.device)
-            seqs.append(torch.full_like(g, i))
-            groups.append(g)
-        g, seq = torch.cat(groups), torch.cat(seqs)
-        if g.numel() == 0:
+        for i, (ctx, total) in enumerate(
+            zip(attn.context_lens_cpu, attn.seq_lens_cpu, strict=True)
+        ):
+            closed = range(ctx // ratio, total // ratio)
+            seqs += [i] * len(closed)
+            groups += closed
+        if not groups:
             return None
-        offsets = torch.arange(ratio, device=self.device)
-        tokens = g[:, None] * ratio + offsets
-        previous = torch.where(g[:, None] > 0, tokens - ratio, tokens)
-        bs = self.block_size
-        table = self.tables[seq]
+        g = torch.tensor(groups, device=self.device)
+        table = self.tables[torch.tensor(seqs, device=self.device)]
+        tokens = g[:, None] * ratio + torch.arange(ratio, device=self.device)
+        return self._groups(table, tokens, g * ratio, last=None)
 
-        def slots(pos: torch.Tensor) -> torch.Tensor:
-            return table.gather(1, pos // bs) * bs + pos % bs
-
+    def _groups(
+        self,
+        table: torch.Tensor,
+        tokens: torch.Tensor,
+        first: torch.Tensor,
+        last: torch.Tensor | None,
+    ) -> ClosingGroups:
+        has_previous = first > 0
+        previous = torch.where(has_previous[:, None], tokens - tokens.shape[1], tokens)
+        slots = self._slots(table, tokens)
         return ClosingGroups(
-            tokens=slots(tokens),
-            previous=slots(previous),
-            has_previous=g > 0,
-            last=slots(tokens[:, -1:])[:, 0],
-            first_position=g * ratio,
+            tokens=slots,
+            previous=self._slots(table, previous),
+            has_previous=has_previous,
+            last=slots[:, -1] if last is None else last,
+            first_position=first,
         )

@@ -4,7 +4,8 @@ against. Imports nothing native or Triton (tests/test_import_layers.py checks it
 - `ops.py`: linear, rms_norm, softmax, log_softmax, bmm, argmax
 - `attention.py`: paged attention over one flattened batch, and the KV-cache write
 - `moe_routing.py`: MoE routing composed from torch ops
-- `sparse_attention.py`: DeepSeek-V4's sink attention and lightning-indexer top-k
+- `sparse_attention.py`: DeepSeek-V4's sparse attention, lightning-indexer top-k and
+  compressor pooling
 - `invariant.py`: the same ops with a fixed reduction order (`--batch-invariant` in torch)
 
 `KERNELS` is the reference set: the ops of this package and nothing fused.
@@ -29,6 +30,7 @@ KERNELS = KernelSet(
     write_kv=attention.write_kv,
     moe_route_composed=moe_routing.route,
     argmax=argmax,
-    sink_attention=sparse_attention.sink_attention,
+    sparse_attention=sparse_attention.sparse_attention,
     indexer_topk=sparse_attention.indexer_topk,
+    compress_pool=sparse_attention.compress_pool,
 )

@@ -22,12 +22,13 @@ docs/batch_invariance.md):
   split's P@V and sum of P is a GEMM of one fixed shape; splits are folded in order by a scan, so
   extra all-masked splits (a longer neighbour, a prefill chunk) add exact zeros. A query row gets the
   same bits in prefill, any chunking, decode, or after a prefix-cache hit.
-- DeepSeek-V4's sink attention: the keys a step gathers for a sequence start wherever its window
-  starts in that step, so each query's visible keys are first packed to the front of its own row
-  (in the gathered order: window by position, then entries by index), then attended in KV_SPLIT
-  splits folded in order as above, the sink joining the sum last. The lightning indexer scores
-  entries with one row-tiled GEMM over entries padded to KV_SPLIT, sums heads one by one, and
-  breaks ties by the stable sort of the reference.
+- DeepSeek-V4's sparse attention: a query's slot lists may hold -1 anywhere (the window's start,
+  entries not chosen, upper-bound widths), so each query's keys are first packed to the front of
+  its own row (in list order: window by position, then entries by index), then attended in
+  KV_SPLIT splits folded in order as above, the sink joining the sum last. The lightning indexer
+  scores a token's entries in tiles of KV_SPLIT, one fixed-shape GEMM per tile, sums heads one by
+  one, and breaks ties by the stable sort of the reference. The compressors' pooling reduces each
+  group over its own few tokens: the reference op, whatever the number of groups.
 What does not live here: the reference ops, the native and GPU kernels, and anything with engine
 state.
 """
@@ -44,7 +45,7 @@ import torch.nn.functional as F
 
 from deepserve.kernels.attention_metadata import AttentionMetadata
 from deepserve.kernels.kernel_set import KernelSet
-from deepserve.kernels.reference import attention, moe_routing, ops
+from deepserve.kernels.reference import attention, moe_routing, ops, sparse_attention
 
 Tensor = torch.Tensor
 
@@ -244,31 +245,42 @@ class SplitKVAttention:
         return acc / denom.cumsum(-1)[..., -1:]
 
 
-class SplitSinkAttention:
-    """`sparse_attention.sink_attention` with a fixed reduction order (see the module docstring)."""
+class SplitSparseAttention:
+    """`sparse_attention.sparse_attention` with a fixed reduction order (see the module docstring)."""
 
     def __init__(self, mm: RowTiledMatmul) -> None:
         self.mm = mm
         self.exp = elementwise(torch.exp)
 
     def __call__(
-        self, q: Tensor, kv: Tensor, visible: Tensor, sinks: Tensor, scale: float
+        self,
+        q: Tensor,
+        window_kv: Tensor,
+        window_slots: Tensor,
+        entry_kv: Tensor | None,
+        entry_slots: Tensor | None,
+        sinks: Tensor,
+        scale: float,
     ) -> Tensor:
         out = torch.empty_like(q)
-        keys = kv.float()
-        for start in range(0, q.shape[0], QUERY_BLOCK):
-            rows = slice(start, start + QUERY_BLOCK)
-            out[rows] = self._block(q[rows].float(), keys, visible[rows], sinks.float(), scale)
+        width = sparse_attention.key_width(window_slots, entry_slots)
+        for rows in sparse_attention.row_blocks(q.shape[0], width * q.shape[-1]):
+            entries = None if entry_slots is None else entry_slots[rows]
+            keys, valid = sparse_attention.gather_keys(
+                window_kv, window_slots[rows], entry_kv, entries
+            )
+            out[rows] = self._block(q[rows].float(), keys, valid, sinks.float(), scale)
         return out
 
-    def _block(self, q: Tensor, kv: Tensor, visible: Tensor, sinks: Tensor, scale: float) -> Tensor:
-        counts = visible.sum(-1)
+    def _block(self, q: Tensor, keys: Tensor, valid: Tensor, sinks: Tensor, scale: float) -> Tensor:
+        counts = valid.sum(-1)
         width = _round_up(max(int(counts.max()), 1), KV_SPLIT)
-        # a stable sort of "not visible" puts each row's visible keys first, in gathered order
-        order = torch.sort((~visible).to(torch.uint8), dim=-1, stable=True).indices
+        # a stable sort of "not valid" puts each row's keys first, in list order
+        order = torch.sort((~valid).to(torch.uint8), dim=-1, stable=True).indices
         order = F.pad(order, (0, max(0, width - order.shape[1])))[:, :width]
         inside = torch.arange(width, device=q.device)[None, :] < counts[:, None]  # [T, W]
-        keys = kv[order].masked_fill(~inside[..., None], 0.0)  # [T, W, D]
+        keys = keys.gather(1, order[..., None].expand(-1, -1, keys.shape[-1]))
+        keys = keys.masked_fill(~inside[..., None], 0.0)  # [T, W, D]
         scores = self.mm.bmm(q, keys.transpose(1, 2)) * scale  # [T, H, W]
         scores = scores.masked_fill(~inside[:, None], float("-inf"))
         top = torch.maximum(scores.amax(-1), sinks[None])  # exact in any order
@@ -283,28 +295,45 @@ class SplitSinkAttention:
 
 @dataclass
 class TiledIndexer:
-    """`sparse_attention.indexer_topk` with scores whose bits do not depend on the step."""
+    """`sparse_attention.indexer_topk` with scores whose bits do not depend on the step: each
+    token's entries, padded to whole tiles of KV_SPLIT, are scored by GEMMs of one fixed shape."""
 
     mm: RowTiledMatmul
 
     def __call__(
-        self, q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, k: int, scale: float
+        self,
+        q: Tensor,
+        weights: Tensor,
+        keys: Tensor,
+        entry_slots: Tensor,
+        token_seq: Tensor,
+        visible: Tensor,
+        k: int,
+        scale: float,
     ) -> Tensor:
-        entries = keys.shape[0]
+        entries = entry_slots.shape[1]
         k = min(k, entries)
+        out = torch.empty(q.shape[0], k, dtype=torch.long, device=q.device)
         if k == 0:
-            return torch.empty(q.shape[0], 0, dtype=torch.long, device=q.device)
-        padded = _pad_rows(keys.float(), _round_up(entries, KV_SPLIT))
-        dots = torch.relu(self.mm.linear(q.float(), padded)) * scale  # [T, Hi, Gp]
+            return out
+        slots = F.pad(entry_slots, (0, _round_up(entries, KV_SPLIT) - entries), value=-1)
+        per_row = slots.shape[1] * max(keys.shape[1], q.shape[1])
+        for rows in sparse_attention.row_blocks(q.shape[0], per_row):
+            scores = self._scores(q[rows], weights[rows], keys, slots[token_seq[rows]], scale)
+            out[rows] = sparse_attention.choose(scores[:, :entries], visible[rows], k)
+        return out
+
+    def _scores(self, q: Tensor, weights: Tensor, keys: Tensor, slots: Tensor, scale: float):
+        key_rows, _ = sparse_attention.gather_rows(keys, slots)  # [t, Gp, Di]
+        tiles = key_rows.unflatten(1, (-1, KV_SPLIT)).transpose(2, 3)  # [t, S, Di, C]
+        queries = q.float()[:, None].expand(-1, tiles.shape[1], -1, -1)  # [t, S, Hi, Di]
+        dots = torch.relu(self.mm.bmm(queries, tiles)) * scale  # [t, S, Hi, C]
+        dots = dots.transpose(1, 2).flatten(2)  # [t, Hi, Gp]
         w = weights.float()
         scores = dots[:, 0] * w[:, 0, None]
         for h in range(1, dots.shape[1]):  # heads summed in one fixed order
             scores = scores + dots[:, h] * w[:, h, None]
-        ids = torch.arange(scores.shape[1], device=q.device)
-        scores = scores.masked_fill(ids[None, :] >= visible[:, None], float("-inf"))
-        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
-        ranks = torch.arange(k, device=q.device)
-        return order.masked_fill(ranks[None, :] >= visible[:, None], -1)
+        return scores
 
 
 def invariant_kernels() -> KernelSet:
@@ -322,6 +351,7 @@ def invariant_kernels() -> KernelSet:
         argmax=ops.argmax,
         sigmoid=elementwise(torch.sigmoid),
         softplus=elementwise(F.softplus),
-        sink_attention=SplitSinkAttention(mm),
+        sparse_attention=SplitSparseAttention(mm),
         indexer_topk=TiledIndexer(mm),
+        compress_pool=sparse_attention.compress_pool,  # per group, in a fixed order already
     )
