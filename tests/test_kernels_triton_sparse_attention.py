@@ -127,6 +127,147 @@ def test_sparse_attention_row_bits_do_not_depend_on_the_batch_path_or_padding():
         assert torch.equal(alone, full[rows]), t
 
 
+# ---- indexer_topk --------------------------------------------------------------------------
+
+
+def indexer_scores_oracle(q, weights, keys, entry_slots, token_seq, visible, scale):
+    """score[t, j] = sum_h weights[t, h] * relu(q[t, h] . keys[slot]) * scale for j < visible[t]
+    (slot = entry_slots[token_seq[t], j]), -inf elsewhere; float32."""
+    tokens, entries = q.shape[0], entry_slots.shape[1]
+    scores = torch.full((tokens, entries), float("-inf"), device=q.device)
+    for t in range(tokens):
+        n = int(visible[t])
+        rows = keys[entry_slots[token_seq[t], :n]].float()
+        dots = torch.relu(q[t].float() @ rows.T) * scale  # [Hi, n]
+        scores[t, :n] = (dots * weights[t].float()[:, None]).sum(0)
+    return scores
+
+
+def topk_oracle(scores, visible, k):
+    """The k best visible entries (a stable descending sort: ties to the lower index), then
+    ascending, -1 padded at the end."""
+    k = min(k, scores.shape[1])
+    out = torch.full((scores.shape[0], k), -1, dtype=torch.long, device=scores.device)
+    for t in range(scores.shape[0]):
+        n = min(k, int(visible[t]))
+        order = torch.sort(scores[t], descending=True, stable=True).indices[:n]
+        out[t, :n] = order.sort().values
+    return out
+
+
+def _indexer_case(dtype=torch.float32):
+    """Five tokens of two sequences over 150 entries (three blocks, the last one partial) of
+    keys in a strided column of wider rows; entries past a sequence's count hold slots no key
+    has (the kernel must not read them)."""
+    heads, dim, entries = 4, 32, 150
+    rows = _rand(400, 3 * dim, seed=11, dtype=dtype)
+    keys = rows[:, dim : 2 * dim]
+    q = _rand(5, heads, dim, seed=12, dtype=dtype)
+    weights = _rand(5, heads, seed=13)
+    entry_slots = torch.randint(0, 400, (2, entries), generator=_gen(14)).to(DEVICE)
+    entry_slots[0, 100:] = 10**9  # sequence 0 has 100 entries
+    token_seq = torch.tensor([0, 0, 1, 1, 0], device=DEVICE)
+    visible = torch.tensor([0, 1, 37, 150, 100], device=DEVICE)
+    return q, weights, keys, entry_slots, token_seq, visible
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_indexer_scores_match_the_oracle_and_mask_what_a_token_cannot_see(dtype):
+    case = _indexer_case(dtype)
+    got = sa.indexer_scores(*case, 0.3)
+    want = indexer_scores_oracle(*case, 0.3)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("k", [8, 150, 400])
+def test_indexer_topk_matches_the_oracle(k):
+    case = _indexer_case()
+    got = sa.indexer_topk(*case, k, 0.3)
+    want = topk_oracle(indexer_scores_oracle(*case, 0.3), case[-1], k)
+    assert got.shape == (5, min(k, 150)) and torch.equal(got, want)
+
+
+def test_topk_breaks_ties_to_the_lower_index_and_pads_at_the_end():
+    scores = torch.randint(0, 3, (6, 70), generator=_gen(15)).float().to(DEVICE)
+    scores[0, :5] = -0.0  # -0.0 and 0.0 are one score
+    scores[1] = float("-inf")
+    visible = torch.tensor([70, 70, 3, 0, 69, 20], device=DEVICE)
+    scores[visible[:, None] <= torch.arange(70, device=DEVICE)] = float("-inf")
+    got = sa.topk_ascending(scores, visible, 10)
+    assert torch.equal(got, topk_oracle(scores, visible, 10))
+    assert torch.equal(got[2], torch.tensor([0, 1, 2] + [-1] * 7, device=DEVICE))
+
+
+def test_indexer_topk_picks_the_lower_of_equal_entries():
+    q, weights, keys, entry_slots, token_seq, visible = _indexer_case()
+    entry_slots[1] = entry_slots[1, :10].repeat(15)  # every key ten times over: exact ties
+    got = sa.indexer_topk(q, weights, keys, entry_slots, token_seq, visible, 4, 0.3)
+    scores = sa.indexer_scores(q, weights, keys, entry_slots, token_seq, visible, 0.3)
+    best = int(scores[3, :10].argmax())  # the best key's first copy, then its next three
+    assert torch.equal(got[3], best + torch.arange(0, 40, 10, device=DEVICE))
+
+
+def test_indexer_scores_of_a_token_do_not_depend_on_the_batch():
+    case = _indexer_case()
+    full = sa.indexer_scores(*case, 0.3)
+    q, weights, keys, entry_slots, token_seq, visible = case
+    for t in range(5):
+        r = slice(t, t + 1)
+        alone = sa.indexer_scores(
+            q[r], weights[r], keys, entry_slots, token_seq[r], visible[r], 0.3
+        )
+        assert torch.equal(alone, full[r]), t
+
+
+# ---- compress_pool -------------------------------------------------------------------------
+
+
+def pool_oracle(rows, tokens, previous, has_previous, ape, kv_cols, gate_cols, dim, series):
+    """DeepseekV4ForCausalLM._close_groups' pooling (before the norm and rope), in float32."""
+    cur = rows[tokens]
+    kv, gate = cur[..., kv_cols].float(), cur[..., gate_cols].float() + ape
+    if series == 2:
+        prev = rows[previous]
+        prev_gate = prev[..., gate_cols][..., :dim].float() + ape[:, :dim]
+        prev_gate = prev_gate.masked_fill(~has_previous[:, None, None], float("-inf"))
+        kv = torch.cat([prev[..., kv_cols][..., :dim].float(), kv[..., dim:]], dim=1)
+        gate = torch.cat([prev_gate, gate[..., dim:]], dim=1)
+    return (kv * torch.softmax(gate, dim=1)).sum(dim=1)
+
+
+def _pool_case(series: int, ratio: int, dim=40, groups=5, dtype=torch.float32):
+    """Groups of shuffled rows of a cache whose kv and gate columns sit inside wider
+    rows; group 0 has no previous group."""
+    width = series * dim
+    rows = _rand(2 * groups * ratio + 50, 2 * width + 12, seed=21, dtype=dtype)
+    perm = torch.randperm(rows.shape[0], generator=_gen(22))[: 2 * groups * ratio].to(DEVICE)
+    tokens, previous = perm[: groups * ratio].view(groups, ratio), perm[groups * ratio :].view(groups, ratio)  # fmt: skip
+    has_previous = torch.arange(groups, device=DEVICE) > 0
+    ape = _rand(ratio, width, seed=23)
+    kv_cols, gate_cols = slice(5, 5 + width), slice(width + 9, 2 * width + 9)
+    return rows, tokens, previous, has_previous, ape, kv_cols, gate_cols, dim, series
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("series,ratio", [(1, 8), (1, 128), (2, 4), (2, 3)])
+def test_compress_pool_matches_the_models_pooling(series, ratio, dtype):
+    case = _pool_case(series, ratio, dtype=dtype)
+    got = sa.compress_pool(*case)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, pool_oracle(*case), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("series,ratio", [(1, 8), (2, 4)])
+def test_compress_pool_of_a_group_does_not_depend_on_the_batch(series, ratio):
+    rows, tokens, previous, has_previous, ape, *cols = _pool_case(series, ratio)
+    full = sa.compress_pool(rows, tokens, previous, has_previous, ape, *cols)
+    for g in range(tokens.shape[0]):
+        r = slice(g, g + 1)
+        alone = sa.compress_pool(rows, tokens[r], previous[r], has_previous[r], ape, *cols)
+        assert torch.equal(alone, full[r]), g
+
+
 # ---- registration --------------------------------------------------------------------------
 
 
@@ -146,4 +287,5 @@ def test_kernel_sets_take_the_batched_ops_only_where_the_set_has_their_fields():
         compress_pool: object = None
 
     assert kernelset._with_v4_ops(PerSequenceSet()) == PerSequenceSet()
-    assert kernelset._with_v4_ops(BatchedSet()).sparse_attention is sa.sparse_attention
+    batched = kernelset._with_v4_ops(BatchedSet())
+    assert batched == BatchedSet(sa.sparse_attention, sa.indexer_topk, sa.compress_pool)

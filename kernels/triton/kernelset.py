@@ -47,7 +47,12 @@ def _with_v4_ops(kernels: KernelSet) -> KernelSet:
     signature, which these ops must not replace."""
     if not hasattr(kernels, "sparse_attention"):
         return kernels
-    return replace(kernels, sparse_attention=sparse_attention.sparse_attention)
+    ops = {
+        "sparse_attention": sparse_attention.sparse_attention,
+        "indexer_topk": sparse_attention.indexer_topk,
+        "compress_pool": sparse_attention.compress_pool,
+    }
+    return replace(kernels, **{name: op for name, op in ops.items() if hasattr(kernels, name)})
 
 
 def fast_kernels(base: KernelSet) -> KernelSet | None:

@@ -284,3 +284,206 @@ def sparse_attention(
         BLOCK_D=consts["BLOCK_D"], num_warps=4,
     )  # fmt: skip
     return out
+
+
+# ---- indexer_topk ----------------------------------------------------------------------------
+
+
+@jit
+def _indexer_scores_kernel(
+    q_ptr, w_ptr, keys_ptr, slots_ptr, seq_ptr, visible_ptr, out_ptr,
+    s_qt, s_qh, s_qd, s_wt, s_wh, s_kn, s_kd, s_ss, s_sg, s_ot,
+    scale, HI, DI, G,
+    BLOCK_HI: constexpr, BLOCK_DI: constexpr, BLOCK_G: constexpr, PRECISION: constexpr,
+):  # fmt: skip
+    """Scores of one token over one block of its sequence's entries: relu(q . key) * scale,
+    times the head's weight, summed over the heads; -inf at and past `visible[t]` (a block that
+    starts there stores -inf without reading a key, so a short sequence costs little)."""
+    t, gb = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    j = gb * BLOCK_G + tl.arange(0, BLOCK_G)
+    visible = tl.load(visible_ptr + t)
+    out = out_ptr + t * s_ot + j
+    if gb * BLOCK_G >= visible:
+        tl.store(out, tl.full((BLOCK_G,), float("-inf"), tl.float32), mask=j < G)
+        return
+    seen = (j < visible) & (j < G)
+    seq = tl.load(seq_ptr + t).to(tl.int64)
+    slot = tl.load(slots_ptr + seq * s_ss + j * s_sg, mask=seen, other=-1)
+    key_ok = seen & (slot >= 0)
+    h = tl.arange(0, BLOCK_HI)
+    d = tl.arange(0, BLOCK_DI)
+    q = tl.load(
+        q_ptr + t * s_qt + h[:, None] * s_qh + d[None, :] * s_qd,
+        mask=(h[:, None] < HI) & (d[None, :] < DI),
+        other=0.0,
+    )
+    rows = tl.where(key_ok, slot, 0).to(tl.int64) * s_kn
+    keys = tl.load(
+        keys_ptr + rows[:, None] + d[None, :] * s_kd,
+        mask=key_ok[:, None] & (d[None, :] < DI),
+        other=0.0,
+    )
+    dots = tl.dot(q, tl.trans(keys), input_precision=PRECISION)  # [BLOCK_HI, BLOCK_G]
+    weights = tl.load(w_ptr + t * s_wt + h * s_wh, mask=h < HI, other=0.0)
+    scores = tl.sum(tl.maximum(dots, 0.0) * scale * weights[:, None], axis=0)
+    tl.store(out, tl.where(seen, scores, float("-inf")), mask=j < G)
+
+
+def indexer_scores(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    entry_slots: torch.Tensor,
+    token_seq: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+    block_g: int = 64,
+) -> torch.Tensor:
+    """`[T, G]` float32: score[t, j] = sum_h weights[t, h] * relu(q[t, h] . keys[slot]) * scale
+    over entry j of token t's sequence (slot = entry_slots[token_seq[t], j]), -inf where
+    j >= visible[t]. The head sum is one reduction tree of the kernel's, whatever the batch."""
+    tokens, heads, dim = q.shape
+    entries = entry_slots.shape[1]
+    out = torch.empty(tokens, entries, device=q.device, dtype=torch.float32)
+    if tokens == 0 or entries == 0:
+        return out
+    _indexer_scores_kernel[(tokens, cdiv(entries, block_g))](
+        q, weights, keys, entry_slots, token_seq, visible, out,
+        *q.stride(), *weights.stride(), *keys.stride(), *entry_slots.stride(), out.stride(0),
+        scale, heads, dim, entries,
+        BLOCK_HI=max(16, next_power_of_2(heads)), BLOCK_DI=max(16, next_power_of_2(dim)),
+        BLOCK_G=block_g, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    return out
+
+
+LOW_32 = (1 << 32) - 1
+
+
+def topk_ascending(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
+    """`[T, min(k, G)]` int64: the entries of the k highest scores (ties to the lower index),
+    sorted ascending, -1 at the end of a row past its `visible` count. Each score's float32
+    bits are made monotone as an int32 and packed above the reversed index into one int64, so
+    every key is unique and any topk or sort returns the same set in the same order."""
+    tokens, entries = scores.shape
+    k = min(k, entries)
+    if k == 0:
+        return torch.empty(tokens, 0, dtype=torch.long, device=scores.device)
+    bits = (scores + 0.0).view(torch.int32)  # + 0.0: -0.0 and 0.0 are one score
+    monotone = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)
+    index = torch.arange(entries, device=scores.device, dtype=torch.int64)
+    packed = (monotone << 32) | (LOW_32 - index)
+    top = LOW_32 - (packed.topk(k, dim=1).values & LOW_32)
+    ranks = torch.arange(k, device=scores.device)
+    chosen = torch.where(ranks[None, :] < visible[:, None], top, entries)  # entries: past the end
+    chosen = chosen.sort(dim=1).values
+    return chosen.masked_fill(chosen == entries, -1)
+
+
+def indexer_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    entry_slots: torch.Tensor,
+    token_seq: torch.Tensor,
+    visible: torch.Tensor,
+    k: int,
+    scale: float,
+) -> torch.Tensor:
+    """The lightning indexer's choice for every token of a step (V4SPEC.md, op 2): the top-k
+    entries of `indexer_scores`, ascending, -1 padded at the end."""
+    scores = indexer_scores(q, weights, keys, entry_slots, token_seq, visible, scale)
+    return topk_ascending(scores, visible, k)
+
+
+# ---- compress_pool ---------------------------------------------------------------------------
+
+
+@jit
+def _pool_candidates(
+    rows_ptr, slots, row_ok, ape_ptr, kv_col, gate_col, ape_col, c, c_ok, s_rn, s_ad,
+    BLOCK_R: constexpr,
+):  # fmt: skip
+    """kv and gate (+ ape) of `[R]` candidate rows at columns `c`, float32; gate -inf where a
+    candidate row does not take part."""
+    r = tl.arange(0, BLOCK_R)
+    base = tl.where(row_ok, slots, 0).to(tl.int64) * s_rn
+    ok = row_ok[:, None] & c_ok[None, :]
+    kv = tl.load(rows_ptr + base[:, None] + kv_col + c[None, :], mask=ok, other=0.0)
+    gate = tl.load(rows_ptr + base[:, None] + gate_col + c[None, :], mask=ok, other=0.0)
+    ape = tl.load(ape_ptr + r[:, None] * s_ad + ape_col + c[None, :], mask=ok, other=0.0)
+    gate = tl.where(row_ok[:, None], gate.to(tl.float32) + ape, float("-inf"))
+    return kv.to(tl.float32), gate
+
+
+@jit
+def _compress_pool_kernel(
+    rows_ptr, tokens_ptr, prev_ptr, has_prev_ptr, ape_ptr, out_ptr,
+    s_rn, s_tg, s_tr, s_pg, s_pr, s_ar, s_og,
+    kv_col, gate_col, RATIO, DIM,
+    SERIES: constexpr, BLOCK_R: constexpr, BLOCK_C: constexpr,
+):  # fmt: skip
+    """One group, one block of columns: the softmax over the candidates' gates (+ ape) per
+    column and the weighted sum of their kv, in float32 (two passes over one register tile)."""
+    g, cb = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < DIM
+    r = tl.arange(0, BLOCK_R)
+    own = tl.load(tokens_ptr + g * s_tg + r * s_tr, mask=r < RATIO, other=0)
+    if SERIES == 1:
+        kv, gate = _pool_candidates(
+            rows_ptr, own, r < RATIO, ape_ptr, kv_col, gate_col, 0, c, c_ok, s_rn, s_ar, BLOCK_R,
+        )  # fmt: skip
+        top = tl.max(gate, axis=0)
+        p = tl.exp(gate - top[None, :])
+        pooled = tl.sum(p * kv, axis=0) / tl.sum(p, axis=0)
+    else:  # CSA: the previous group's first `DIM` columns, then the group's own second ones
+        prev_ok = r < RATIO * tl.load(has_prev_ptr + g).to(tl.int32)  # none without a previous
+        prev = tl.load(prev_ptr + g * s_pg + r * s_pr, mask=prev_ok, other=0)
+        kv_a, gate_a = _pool_candidates(
+            rows_ptr, prev, prev_ok, ape_ptr, kv_col, gate_col, 0, c, c_ok,
+            s_rn, s_ar, BLOCK_R,
+        )  # fmt: skip
+        kv_b, gate_b = _pool_candidates(
+            rows_ptr, own, r < RATIO, ape_ptr, kv_col + DIM, gate_col + DIM, DIM, c, c_ok,
+            s_rn, s_ar, BLOCK_R,
+        )  # fmt: skip
+        top = tl.maximum(tl.max(gate_a, axis=0), tl.max(gate_b, axis=0))
+        p_a = tl.exp(gate_a - top[None, :])
+        p_b = tl.exp(gate_b - top[None, :])
+        total = tl.sum(p_a, axis=0) + tl.sum(p_b, axis=0)
+        pooled = (tl.sum(p_a * kv_a, axis=0) + tl.sum(p_b * kv_b, axis=0)) / total
+    tl.store(out_ptr + g * s_og + c, pooled, mask=c_ok)
+
+
+def compress_pool(
+    rows: torch.Tensor,
+    tokens: torch.Tensor,
+    previous: torch.Tensor,
+    has_previous: torch.Tensor,
+    ape: torch.Tensor,
+    kv_cols: slice,
+    gate_cols: slice,
+    dim: int,
+    series: int,
+) -> torch.Tensor:
+    """`[G, dim]` float32: each group's gated pool of its tokens' kv columns (V4SPEC.md, op 3;
+    series 2 also pools the previous group's first `dim` columns, before its own)."""
+    groups, ratio = tokens.shape
+    out = torch.empty(groups, dim, device=rows.device, dtype=torch.float32)
+    if groups == 0:
+        return out
+    assert rows.stride(1) == 1 and ape.stride(1) == 1, "column-contiguous rows and ape"
+    kv_col, _, kv_step = kv_cols.indices(rows.shape[1])
+    gate_col, _, gate_step = gate_cols.indices(rows.shape[1])
+    assert kv_step == gate_step == 1, "contiguous column slices"
+    block_r = max(2, next_power_of_2(ratio))
+    block_c = max(16, min(128, 4096 // block_r, next_power_of_2(dim)))
+    _compress_pool_kernel[(groups, cdiv(dim, block_c))](
+        rows, tokens, previous, has_previous.view(torch.uint8), ape, out,
+        rows.stride(0), *tokens.stride(), *previous.stride(), ape.stride(0), out.stride(0),
+        kv_col, gate_col, ratio, dim,
+        SERIES=series, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
+    )  # fmt: skip
+    return out
