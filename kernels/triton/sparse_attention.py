@@ -12,6 +12,18 @@ long ones fold them in registers; the bits are the same either way, and -1 paddi
 end only adds splits that are skipped, so a row's result depends on its own lists alone
 (batch invariant by construction). The sink logit joins the denominator at the end (`_finish`).
 
+`indexer_topk`: one program per (token, block of entries) scores the block against all index
+heads in one tensor-core product (heads summed by one fixed reduction tree); blocks at or past
+the token's visible count store -inf without reading. The top-k runs in torch on int64 keys
+packing the score's monotone bits above the reversed entry index: unique, so the chosen set and
+its order do not depend on topk's tie handling.
+
+`compress_pool`: one program per (group, column block) softmaxes the group's candidates per
+column in float32 and pools their kv columns; a group's result never depends on the others.
+
+Every launch takes its shapes from tensor shapes and reads lengths on the device: no host sync,
+so all three can be captured in a CUDA graph.
+
 What does not live here: the model's choice of slots (engine/models/deepseek_v4.py).
 """
 
@@ -225,6 +237,19 @@ def _combine_kernel(
     tl.store(out, val.to(o_ptr.dtype.element_ty), mask=d_ok)
 
 
+def attention_launch(dim: int, dtype: torch.dtype, block_h: int, skip_empty: bool) -> dict:
+    """The tile constants and launch options of the attention kernels for head size `dim`:
+    the 512-wide latent takes 32-key tiles and 8 warps (its [16, 512] float32 accumulator and
+    the key tile fit the registers and shared memory; 64-key tiles spill)."""
+    wide = dim > 256
+    return dict(
+        SPLIT=SPLIT, BLOCK_H=block_h, BLOCK_N=32 if wide else 64,
+        BLOCK_D=max(16, next_power_of_2(dim)),
+        PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        SKIP_EMPTY=skip_empty, num_warps=8 if wide else 4, num_stages=2,
+    )  # fmt: skip
+
+
 def sparse_attention(
     q: torch.Tensor,
     window_kv: torch.Tensor,
@@ -253,13 +278,7 @@ def sparse_attention(
     window_splits = cdiv(window, SPLIT)
     splits = window_splits + cdiv(entries, SPLIT)
     head_blocks = cdiv(heads, block_h)
-    wide = dim > 256
-    consts = dict(
-        SPLIT=SPLIT, BLOCK_H=block_h, BLOCK_N=32 if wide else 64,
-        BLOCK_D=max(16, next_power_of_2(dim)),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        SKIP_EMPTY=skip_empty, num_warps=8 if wide else 4, num_stages=2,
-    )  # fmt: skip
+    consts = attention_launch(dim, q.dtype, block_h, skip_empty)
     common = (
         *q.stride(), window_slots.stride(0), entry_slots.stride(0), *window_kv.stride(),
         *entry_kv.stride(),
@@ -457,6 +476,12 @@ def _compress_pool_kernel(
     tl.store(out_ptr + g * s_og + c, pooled, mask=c_ok)
 
 
+def pool_tiles(ratio: int, dim: int) -> tuple[int, int]:
+    """(candidate rows, columns) of a pool program's tile: at most 4,096 float32 per tensor."""
+    block_r = max(2, next_power_of_2(ratio))
+    return block_r, max(16, min(128, 4096 // block_r, next_power_of_2(dim)))
+
+
 def compress_pool(
     rows: torch.Tensor,
     tokens: torch.Tensor,
@@ -478,8 +503,7 @@ def compress_pool(
     kv_col, _, kv_step = kv_cols.indices(rows.shape[1])
     gate_col, _, gate_step = gate_cols.indices(rows.shape[1])
     assert kv_step == gate_step == 1, "contiguous column slices"
-    block_r = max(2, next_power_of_2(ratio))
-    block_c = max(16, min(128, 4096 // block_r, next_power_of_2(dim)))
+    block_r, block_c = pool_tiles(ratio, dim)
     _compress_pool_kernel[(groups, cdiv(dim, block_c))](
         rows, tokens, previous, has_previous.view(torch.uint8), ape, out,
         rows.stride(0), *tokens.stride(), *previous.stride(), ape.stride(0), out.stride(0),
