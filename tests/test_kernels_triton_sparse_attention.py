@@ -107,6 +107,20 @@ def test_sparse_attention_without_entries_is_window_attention():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_sparse_attention_reads_slot_lists_of_any_strides():
+    q, window_kv, window_slots, entry_kv, entry_slots, sinks = _attention_case(tokens=3, window=20)
+    want = sa.sparse_attention(q, window_kv, window_slots, entry_kv, entry_slots, sinks, 0.2)
+    column_major = window_slots.T.contiguous().T, entry_slots.T.contiguous().T
+    got = sa.sparse_attention(q, window_kv, column_major[0], entry_kv, column_major[1], sinks, 0.2)
+    assert torch.equal(got, want)
+
+
+def test_sparse_attention_without_any_key_slot_gives_zeros():
+    q, window_kv, window_slots, *_, sinks = _attention_case(tokens=2)
+    got = sa.sparse_attention(q, window_kv, window_slots[:, :0], None, None, sinks, 0.2)
+    assert torch.equal(got, torch.zeros_like(q))
+
+
 def test_sparse_attention_takes_d512_heads_64_bf16():
     case = _attention_case(tokens=1, heads=64, dim=512, window=16, entries=40, dtype=torch.bfloat16)
     got = sa.sparse_attention(*case, 512**-0.5)

@@ -409,8 +409,8 @@ def markdown(out: dict) -> str:
     lines = [f"GPU: {out.get('gpu')}, torch {out.get('torch')}, triton {out.get('triton')}, "
              f"transformers {out.get('transformers')}", ""]  # fmt: skip
     keys = ("kernel_checks", "v4_checks", "invariant", "kernel_tests", "linear", "parity",
-            "throughput", "determinism", "speed", "profile", "prefill_profile", "serve", "serve_log_tail",
-            "build_s", "errors")  # fmt: skip
+            "throughput", "determinism", "speed", "profile", "prefill_profile", "serve",
+            "serve_log_tail", "build_s", "errors")  # fmt: skip
     for key in keys:
         if key not in out:
             continue

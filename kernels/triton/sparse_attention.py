@@ -101,7 +101,8 @@ def _merge_split(m_i, l_i, acc, ms, ls, a_s):
     (max -inf) leaves them untouched. The one fold of both paths."""
     take = ms > float("-inf")
     m_new = tl.maximum(m_i, ms)
-    old, new = tl.exp(m_i - m_new), tl.exp(ms - m_new)
+    m_use = tl.where(take, m_new, 0.0)  # no -inf - -inf where the result is not taken
+    old, new = tl.exp(m_i - m_use), tl.exp(ms - m_use)
     return (
         tl.where(take, m_new, m_i),
         tl.where(take, l_i * old + ls * new, l_i),
@@ -233,8 +234,13 @@ def _combine_kernel(
         m_i, l_i, acc = _merge_split(m_i, l_i, acc, ms, ls, a_s)
     sink = tl.load(sinks_ptr + h + one)
     val = _finish(m_i, l_i, acc, sink)
-    out = o_ptr + t * s_ot + h * s_oh + one[:, None] * 0 + d[None, :] * s_od
+    out = o_ptr + (t * s_ot + h * s_oh + one)[:, None] + d[None, :] * s_od  # one is 0
     tl.store(out, val.to(o_ptr.dtype.element_ty), mask=d_ok)
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """`x` with unit stride along its last dim (the kernels step through a row by 1)."""
+    return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
 
 
 def attention_launch(dim: int, dtype: torch.dtype, block_h: int, skip_empty: bool) -> dict:
@@ -274,6 +280,7 @@ def sparse_attention(
         return out
     if entry_kv is None or entry_slots is None:
         entry_kv, entry_slots = window_kv, window_slots[:, :0]
+    window_slots, entry_slots = _rows_contiguous(window_slots), _rows_contiguous(entry_slots)
     window, entries = window_slots.shape[1], entry_slots.shape[1]
     window_splits = cdiv(window, SPLIT)
     splits = window_splits + cdiv(entries, SPLIT)
