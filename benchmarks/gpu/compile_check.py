@@ -1,6 +1,7 @@
 """Compile `--batch-invariant`'s matmul and fixed-split attention for the H200 (sm_90) on any
-machine, no GPU needed: the matmul each engine weight shape launches (config_for) and the
-attention kernels at the two models' head shapes, specialised as Triton specialises them at run
+machine, no GPU needed: the matmul each engine weight shape launches (config_for), the
+attention kernels at the two models' head shapes, and DeepSeek-V4's sparse attention, indexer
+and pooling kernels at V4-Flash's shapes, specialised as Triton specialises them at run
 time, through ptxas; prints registers, spill stores, shared memory, and the SASS counts that say
 whether the tensor-core (HGMMA) and pipelined-copy (LDGSTS) paths were taken. Run it before a
 device call: a kernel that does not compile here does not compile there.
@@ -20,7 +21,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from deepserve.kernels.triton import attention, decode_attention, matmul
+from deepserve.kernels.triton import attention, decode_attention, matmul, sparse_attention
 
 SHAPES = [  # (K, N, bmm heads or 0, dtype): the V2-Lite and SmolLM2 weights
     (2048, 3072, 0, "bf16"),
@@ -78,17 +79,69 @@ def compile_attention(fn, dk: int, dv: int) -> dict:
     names = fn.arg_names
     sig = {name: "i32" for name in names}
     sig.update({n: "*i32" for n in names if n.endswith("_ptr")})  # tables, lengths, offsets
-    sig.update(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", scale="fp32")
-    sig.update(pm_ptr="*fp32", pl_ptr="*fp32", pacc_ptr="*fp32")
+    typed = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16", scale="fp32")
+    typed.update(pm_ptr="*fp32", pl_ptr="*fp32", pacc_ptr="*fp32")
+    sig.update({n: t for n, t in typed.items() if n in names})
     const = dict(
         SPLIT=attention.SPLIT, BLOCK_M=attention.BLOCK_M, BLOCK_N=attention.BLOCK_N,
         BLOCK_D=attention.BLOCK_D, BLOCK_DV=triton.next_power_of_2(dv), PRECISION="tf32",
         s_qd=1, s_kd=1, s_vd=1,
     )  # fmt: skip
+    const = {n: v for n, v in const.items() if n in names}
     sig.update({name: "constexpr" for name in const})
     kernel = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=4, num_stages=2))  # fmt: skip
     return _resources(kernel, f"{fn.__name__} DK={dk} DV={dv}")
+
+
+SPARSE_POINTERS = {  # DeepSeek-V4's kernels (sparse_attention.py): bf16 cache, int64 slots
+    "*bf16": ("q_ptr", "wkv_ptr", "ekv_ptr", "o_ptr", "keys_ptr", "rows_ptr"),
+    "*i64": ("ws_ptr", "es_ptr", "slots_ptr", "seq_ptr", "visible_ptr", "tokens_ptr", "prev_ptr"),
+    "*fp32": ("pm_ptr", "pl_ptr", "pacc_ptr", "sinks_ptr", "w_ptr", "out_ptr", "ape_ptr"),
+    "*u8": ("has_prev_ptr",),
+}
+
+
+def compile_sparse(fn, const: dict, ones: tuple[str, ...], what: str) -> dict:
+    """One of sparse_attention.py's kernels with the constants its wrapper launches it with
+    (`const`, launch options included); `ones`: the strides Triton sees as 1 at run time."""
+    const = dict(const)
+    opts = dict(num_warps=const.pop("num_warps"), num_stages=const.pop("num_stages", 2))
+    names = fn.arg_names
+    sig = {name: "i32" for name in names}
+    for ty, ptrs in SPARSE_POINTERS.items():
+        sig.update({n: ty for n in ptrs if n in names})
+    if "scale" in names:
+        sig["scale"] = "fp32"
+    const.update({n: 1 for n in ones if n in names})
+    sig.update({name: "constexpr" for name in const})
+    kernel = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=opts)  # fmt: skip
+    return _resources(kernel, what)
+
+
+def sparse_cases() -> list[tuple]:
+    """V4-Flash: 64 heads over the 512-wide latent (head blocks of 16, and of 32 to compare),
+    the indexer's 64 heads of 128 over 64-entry blocks, CSA (4 x 2 candidates) and HCA (128)
+    pooling of 512 columns."""
+    import torch
+
+    sa = sparse_attention
+    cases = []
+    for block_h in (16, 32):
+        for skip in (True, False):
+            const = sa.attention_launch(512, torch.bfloat16, block_h, skip)
+            for fn in (sa._split_kernel, sa._fold_kernel):
+                what = f"{fn.__name__} H=64 D=512 block_h={block_h} skip_empty={skip}"
+                cases.append((fn, const, ("s_qd", "s_wkd", "s_ekd", "s_od"), what))
+    combine = dict(BLOCK_D=512, num_warps=4)
+    cases.append((sa._combine_kernel, combine, ("s_od",), "_combine_kernel D=512"))
+    index = dict(BLOCK_HI=64, BLOCK_DI=128, BLOCK_G=64, PRECISION="tf32", num_warps=4)
+    cases.append((sa._indexer_scores_kernel, index, ("s_qd", "s_kd", "s_sg"), "indexer Hi=64 Di=128"))  # fmt: skip
+    for ratio, series in ((4, 2), (128, 1)):
+        block_r, block_c = sa.pool_tiles(ratio, 512)
+        pool = dict(SERIES=series, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+        cases.append((sa._compress_pool_kernel, pool, ("s_tr", "s_pr"), f"pool ratio={ratio}"))
+    return cases
 
 
 def _resources(kernel, what: str) -> dict:
@@ -117,7 +170,13 @@ def main() -> int:
         except Exception as e:
             failed += 1
             print(k, n, heads, dtype, "FAILED:", str(e)[-600:], flush=True)
-    for fn in (attention._split_kernel, decode_attention._invariant_split_kernel):
+    for fn, const, ones, what in sparse_cases():
+        try:
+            print(compile_sparse(fn, const, ones, what), flush=True)
+        except Exception as e:
+            failed += 1
+            print(what, "FAILED:", str(e)[-600:], flush=True)
+    for fn in (attention._varlen_kernel, decode_attention._invariant_split_kernel):
         for name, dk, dv in ATTENTION:
             try:
                 print(name, compile_attention(fn, dk, dv), flush=True)

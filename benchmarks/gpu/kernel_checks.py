@@ -3,7 +3,9 @@ the fused rope + KV write (GQA) and absorbed query (MLA) against the torch ops (
 (decode and prefill tiles) against a float32 loop, the decode attention kernel (MLA and
 GQA layouts, shuffled block tables) against kernels/reference/attention.py, the fixed-split kernel's
 device-side decode layout against its host layout (bitwise), and graph-replayed decode steps
-against eager ones; and V2-Lite prefill's fused-MoE tiles and attention row tiles, timed. Imported
+against eager ones; and V2-Lite prefill's fused-MoE tiles and attention row tiles, timed. `run_v4`
+(section v4_checks): DeepSeek-V4's sparse attention, indexer top-k and compressor pooling at
+V4-Flash sizes against float32 torch, bitwise batch invariance, graph replay, ms and GB/s. Imported
 by run_all.py; returns rows of max relative errors."""
 
 from __future__ import annotations
@@ -505,4 +507,265 @@ def run_invariant(out: dict, deadline: float) -> None:
             fn()
         except Exception as e:
             rows.append(dict(op=name, error=traceback.format_exc()[-1500:]))
+            print(e, flush=True)
+
+
+# ---- DeepSeek-V4's sparse attention, indexer and pooling (kernels/triton/sparse_attention.py) ---
+
+V4_HEADS, V4_DIM, V4_WINDOW = 64, 512, 128  # V4-Flash: 64 heads over one 512-wide latent
+V4_INDEX_HEADS, V4_INDEX_DIM, V4_TOPK = 64, 128, 512
+
+
+def _v4_attention_oracle(q, window_kv, window_slots, entry_kv, entry_slots, sinks, scale):
+    """V4SPEC.md op 1 in float32 torch, 128 tokens at a time: gather, mask -1, softmax with the
+    sink column, drop it, weight the keys."""
+    out = torch.empty_like(q)
+    slots = torch.cat([window_slots, entry_slots], dim=1)
+    for lo in range(0, q.shape[0], 128):
+        s = slots[lo : lo + 128]
+        w = s[:, : window_slots.shape[1]]
+        e = s[:, window_slots.shape[1] :]
+        kv = torch.cat([window_kv[w.clamp_min(0)], entry_kv[e.clamp_min(0)]], dim=1).float()
+        scores = torch.einsum("thd,tld->thl", q[lo : lo + 128].float(), kv) * scale
+        scores = scores.masked_fill((s < 0)[:, None, :], float("-inf"))
+        sink = sinks.float()[None, :, None].expand(scores.shape[0], -1, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        out[lo : lo + 128] = torch.einsum("thl,tld->thd", probs, kv).to(q.dtype)
+    return out
+
+
+def _v4_attention_case(tokens: int, entries: int, dtype, g):
+    """q, and the window / entry columns of a 1,536-wide flattened cache of 400K rows: window
+    slots of consecutive rows (-1 before a sequence's start for some tokens), entry slots
+    scattered with a per-token count of visible entries and -1 after it."""
+    rows = 400_000
+    cache = torch.randn(rows, 3 * V4_DIM, device="cuda", generator=g, dtype=dtype)
+    window_kv, entry_kv = cache[:, :V4_DIM], cache[:, 2 * V4_DIM :]
+    q = torch.randn(tokens, V4_HEADS, V4_DIM, device="cuda", generator=g, dtype=dtype)
+    start = torch.randint(0, rows - V4_WINDOW, (tokens, 1), device="cuda", generator=g)
+    window_slots = start + torch.arange(V4_WINDOW, device="cuda")
+    window_slots[: tokens // 4, : V4_WINDOW // 2] = -1  # early tokens: half a window
+    entry_slots = torch.randint(0, rows, (tokens, entries), device="cuda", generator=g)
+    count = torch.randint(0, entries + 1, (tokens, 1), device="cuda", generator=g)
+    count[-1] = entries  # the last token sees every entry
+    entry_slots[torch.arange(entries, device="cuda")[None, :] >= count] = -1
+    sinks = torch.randn(V4_HEADS, device="cuda", generator=g)
+    return q, window_kv, window_slots, entry_kv, entry_slots, sinks
+
+
+def _graph_replays_like_eager(fn, inputs: list[torch.Tensor], fresh: list[torch.Tensor]) -> bool:
+    """`fn()` captured in a CUDA graph, its inputs overwritten in place with `fresh`, replayed:
+    equal to an eager call on the new values (no host value baked into the capture)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = fn()
+    for x, y in zip(inputs, fresh, strict=True):
+        x.copy_(y)
+    graph.replay()
+    torch.cuda.synchronize()
+    equal = torch.equal(static, fn())
+    del graph
+    return equal
+
+
+def check_v4_sparse_attention(rows: list) -> None:
+    """Against the float32 oracle at V4-Flash's shapes; a token alone vs in its batch and the
+    two launch paths (bitwise); graph replay; median ms and GB/s over the keys' bytes (each
+    token's visible keys read once)."""
+    g = torch.Generator(device="cuda").manual_seed(28)
+    for dtype in (torch.bfloat16, torch.float32):
+        for tokens in (1, 64, 2048):
+            for entries in (512, 1024):
+                if dtype == torch.float32 and tokens == 2048:
+                    continue
+                row = _v4_attention_row(_v4_attention_case(tokens, entries, dtype, g), g)
+                rows.append(row)
+                print(row, flush=True)
+                torch.cuda.empty_cache()
+
+
+def _v4_attention_row(case: tuple, g) -> dict:
+    import triton.testing
+
+    from deepserve.kernels.triton import sparse_attention as sa
+
+    q, window_kv, window_slots, entry_kv, entry_slots, sinks = case
+    tokens, entries, scale = q.shape[0], entry_slots.shape[1], V4_DIM**-0.5
+    got = sa.sparse_attention(*case, scale)
+    row = dict(op="v4_sparse_attention", dtype=str(q.dtype), tokens=tokens, window=V4_WINDOW,
+               entries=entries, rel_err=rel(got, _v4_attention_oracle(*case, scale)),
+               nan=bool(got.isnan().any()))  # fmt: skip
+    last = slice(tokens - 1, tokens)
+    alone = sa.sparse_attention(q[last], window_kv, window_slots[last], entry_kv,
+                                entry_slots[last], sinks, scale)  # fmt: skip
+    row["equal_alone"] = bool(torch.equal(alone, got[last]))
+    folded = sa.sparse_attention(*case, scale, split_programs_max=0)
+    split = sa.sparse_attention(*case, scale, split_programs_max=10**9)
+    row["equal_paths"] = bool(torch.equal(folded, got) and torch.equal(split, got))
+    no_skip = sa.sparse_attention(*case, scale, skip_empty=False)
+    row["equal_no_skip"] = bool(torch.equal(no_skip, got))
+    keys = int((window_slots >= 0).sum() + (entry_slots >= 0).sum())
+    gbytes = keys * V4_DIM * q.element_size() / 1e9
+    variants = {"": {}, "_no_skip": dict(skip_empty=False)}
+    if tokens > 1:
+        variants["_fold"] = dict(split_programs_max=0)
+    for name, kw in variants.items():
+        fn = lambda kw=kw: sa.sparse_attention(*case, scale, **kw)  # noqa: E731
+        ms = triton.testing.do_bench(fn, return_mode="median")
+        row[f"ms{name}"] = round(ms, 4)
+        row[f"GBps{name}"] = round(gbytes / (ms / 1e3), 1)
+    if tokens <= 64:
+        fresh = _v4_attention_case(tokens, entries, q.dtype, g)
+        row["graph_ok"] = _graph_replays_like_eager(
+            lambda: sa.sparse_attention(*case, scale),
+            [q, window_slots, entry_slots], [fresh[0], fresh[2], fresh[4]],
+        )  # fmt: skip
+    return row
+
+
+def _v4_indexer_oracle(q, weights, keys, entry_slots, token_seq, visible, scale):
+    """V4SPEC.md op 2's scores in float32 torch, 16 tokens at a time."""
+    out = torch.empty(q.shape[0], entry_slots.shape[1], device="cuda")
+    j = torch.arange(entry_slots.shape[1], device="cuda")
+    for lo in range(0, q.shape[0], 16):
+        seq = token_seq[lo : lo + 16]
+        k = keys[entry_slots[seq].clamp(0, keys.shape[0] - 1)].float()  # [t, G, Di]
+        dots = torch.relu(torch.einsum("thd,tgd->thg", q[lo : lo + 16].float(), k)) * scale
+        s = (dots * weights[lo : lo + 16, :, None]).sum(1)
+        out[lo : lo + 16] = s.masked_fill(j[None, :] >= visible[lo : lo + 16, None], float("-inf"))  # fmt: skip
+    return out
+
+
+def check_v4_indexer(rows: list) -> None:
+    """Scores against the float32 oracle (V4-Flash: 64 heads of 128, up to 40,960 entries), the
+    chosen sets against the oracle scores' top-k (share of equal ids: bf16 products may reorder
+    near-ties), a token alone vs in its batch (bitwise), graph replay, median ms and GB/s over
+    the visible keys' bytes."""
+    g = torch.Generator(device="cuda").manual_seed(29)
+    for tokens, entries in ((1, 4096), (1, 40960), (64, 40960), (2048, 4096), (2048, 40960)):
+        row = _v4_indexer_row(tokens, entries, g)
+        rows.append(row)
+        print(row, flush=True)
+        torch.cuda.empty_cache()
+
+
+def _v4_indexer_row(tokens: int, entries: int, g) -> dict:
+    import triton.testing
+
+    from deepserve.kernels.triton import sparse_attention as sa
+
+    dtype, scale, n, seqs = torch.bfloat16, V4_INDEX_DIM**-0.5, 2 * entries, 4
+    cache = torch.randn(n, 3 * V4_INDEX_DIM, device="cuda", generator=g, dtype=dtype)
+    keys = cache[:, V4_INDEX_DIM : 2 * V4_INDEX_DIM]
+    q = torch.randn(tokens, V4_INDEX_HEADS, V4_INDEX_DIM, device="cuda", generator=g, dtype=dtype)  # fmt: skip
+    weights = torch.randn(tokens, V4_INDEX_HEADS, device="cuda", generator=g)
+    entry_slots = torch.randint(0, n, (seqs, entries), device="cuda", generator=g)
+    token_seq = torch.randint(0, seqs, (tokens,), device="cuda", generator=g)
+    visible = torch.randint(entries // 2, entries + 1, (tokens,), device="cuda", generator=g)
+    visible[0] = 100  # a short sequence
+    case = (q, weights, keys, entry_slots, token_seq, visible)
+    scores = sa.indexer_scores(*case, scale)
+    want = _v4_indexer_oracle(*case, scale)
+    finite = want.isfinite()
+    row = dict(op="v4_indexer", tokens=tokens, entries=entries,
+               rel_err=rel(scores[finite], want[finite]),
+               mask_ok=bool(torch.equal(scores.isfinite(), finite)))  # fmt: skip
+    got = sa.indexer_topk(*case, V4_TOPK, scale)
+    ref = sa.topk_ascending(want, visible, V4_TOPK)
+    row["ids_equal_share"] = float((got == ref).float().mean())
+    row["repeat_equal"] = bool(torch.equal(got, sa.indexer_topk(*case, V4_TOPK, scale)))
+    last = slice(tokens - 1, tokens)
+    alone = sa.indexer_scores(q[last], weights[last], keys, entry_slots, token_seq[last],
+                              visible[last], scale)  # fmt: skip
+    row["equal_alone"] = bool(torch.equal(alone, scores[last]))
+    gbytes = int(visible.sum()) * V4_INDEX_DIM * keys.element_size() / 1e9
+    ms = triton.testing.do_bench(lambda: sa.indexer_scores(*case, scale), return_mode="median")
+    row.update(ms_scores=round(ms, 4), GBps_scores=round(gbytes / (ms / 1e3), 1))
+    fn = lambda: sa.indexer_topk(*case, V4_TOPK, scale)  # noqa: E731
+    row["ms_topk"] = round(triton.testing.do_bench(fn, return_mode="median"), 4)
+    if tokens <= 64:
+        fresh = [torch.randn_like(q), torch.randint_like(visible, 1, entries + 1)]
+        row["graph_ok"] = _graph_replays_like_eager(fn, [q, visible], fresh)
+    return row
+
+
+def _v4_pool_oracle(rows, tokens, previous, has_previous, ape, kv_cols, gate_cols, dim, series):
+    """DeepseekV4ForCausalLM._close_groups' pooling in float32 torch."""
+    cur = rows[tokens]
+    kv, gate = cur[..., kv_cols].float(), cur[..., gate_cols].float() + ape
+    if series == 2:
+        prev = rows[previous]
+        prev_gate = prev[..., gate_cols][..., :dim].float() + ape[:, :dim]
+        prev_gate = prev_gate.masked_fill(~has_previous[:, None, None], float("-inf"))
+        kv = torch.cat([prev[..., kv_cols][..., :dim].float(), kv[..., dim:]], dim=1)
+        gate = torch.cat([prev_gate, gate[..., dim:]], dim=1)
+    return (kv * torch.softmax(gate, dim=1)).sum(dim=1)
+
+
+def check_v4_compress_pool(rows: list) -> None:
+    """CSA (ratio 4, two series) and HCA (ratio 128) pooling of 512 columns against the float32
+    oracle; a group alone vs in its batch (bitwise); median ms and GB/s over the kv and gate
+    bytes read."""
+    g = torch.Generator(device="cuda").manual_seed(30)
+    for ratio, series, groups in ((4, 2, 1), (4, 2, 64), (4, 2, 32768), (128, 1, 1), (128, 1, 1024)):  # fmt: skip
+        row = _v4_pool_row(ratio, series, groups, g)
+        rows.append(row)
+        print(row, flush=True)
+        torch.cuda.empty_cache()
+
+
+def _v4_pool_row(ratio: int, series: int, groups: int, g) -> dict:
+    import triton.testing
+
+    from deepserve.kernels.triton import sparse_attention as sa
+
+    dim = V4_DIM
+    width = series * dim
+    n = max(2 * groups * ratio, 4096)
+    cache = torch.randn(n, 2 * width + 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    perm = torch.randperm(n, device="cuda", generator=g)
+    tokens = perm[: groups * ratio].view(groups, ratio)
+    previous = perm[groups * ratio : 2 * groups * ratio].view(groups, ratio)
+    has_previous = torch.arange(groups, device="cuda") % 7 != 6
+    ape = torch.randn(ratio, width, device="cuda", generator=g)
+    case = (cache, tokens, previous, has_previous, ape, slice(0, width),
+            slice(width + 64, 2 * width + 64), dim, series)  # fmt: skip
+    got = sa.compress_pool(*case)
+    row = dict(op="v4_compress_pool", ratio=ratio, series=series, groups=groups,
+               rel_err=rel(got, _v4_pool_oracle(*case)))  # fmt: skip
+    alone = sa.compress_pool(cache, tokens[-1:], previous[-1:], has_previous[-1:], *case[4:])
+    row["equal_alone"] = bool(torch.equal(alone, got[-1:]))
+    gbytes = groups * series * ratio * dim * 2 * cache.element_size() / 1e9
+    ms = triton.testing.do_bench(lambda: sa.compress_pool(*case), return_mode="median")
+    row.update(ms=round(ms, 4), GBps=round(gbytes / (ms / 1e3), 1))
+    return row
+
+
+def check_v4_tests(rows: list) -> None:
+    """tests/test_kernels_triton_sparse_attention.py on CUDA (its bitwise invariance asserts
+    against real tensor-core products); without conftest.py, whose server fixtures import
+    packages the device image may lack."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest"]
+    cmd += [str(repo / "tests/test_kernels_triton_sparse_attention.py")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=repo, timeout=300)
+    rows.append(dict(op="v4_pytest", rc=proc.returncode, tail=proc.stdout[-1500:] + proc.stderr[-500:]))  # fmt: skip
+
+
+def run_v4(out: dict) -> None:
+    """`--only v4_checks`: DeepSeek-V4's three kernels at V4-Flash sizes."""
+    import traceback
+
+    rows = out.setdefault("v4_checks", [])
+    for fn in (check_v4_tests, check_v4_sparse_attention, check_v4_indexer, check_v4_compress_pool):  # fmt: skip
+        try:
+            fn(rows)
+        except Exception as e:  # recorded; the job goes on
+            rows.append(dict(op=fn.__name__, error=traceback.format_exc()[-1500:]))
             print(e, flush=True)

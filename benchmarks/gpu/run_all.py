@@ -408,9 +408,9 @@ def section_determinism(out: dict, models: dict[str, Path], sc: Scale, deadline:
 def markdown(out: dict) -> str:
     lines = [f"GPU: {out.get('gpu')}, torch {out.get('torch')}, triton {out.get('triton')}, "
              f"transformers {out.get('transformers')}", ""]  # fmt: skip
-    keys = ("kernel_checks", "invariant", "kernel_tests", "linear", "parity", "throughput",
-            "determinism", "speed", "profile", "prefill_profile", "serve", "serve_log_tail",
-            "build_s", "errors")  # fmt: skip
+    keys = ("kernel_checks", "v4_checks", "invariant", "kernel_tests", "linear", "parity",
+            "throughput", "determinism", "speed", "profile", "prefill_profile", "serve",
+            "serve_log_tail", "build_s", "errors")  # fmt: skip
     for key in keys:
         if key not in out:
             continue
@@ -498,6 +498,7 @@ def main() -> int:
     batches = {"v2-lite": list(args.v2_batches), "smollm2": list(args.smollm2_batches)}
     sections = [
         ("checks", lambda: kernel_checks.run(out)),
+        ("v4_checks", lambda: kernel_checks.run_v4(out)),
         ("long_checks", lambda: long_prompts.run_checks(out)),
         ("kernels", lambda: section_kernels(out)),
         ("linear", lambda: section_kernel_invariance_and_speed(out)),

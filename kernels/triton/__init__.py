@@ -7,6 +7,8 @@ configuration per op, so a row's result never depends on how many rows share the
 - `attention.py`: fixed-split paged attention over the block-table KV cache (prefill and decode alike)
 - `decode_attention.py`: graph-safe paged attention for pure decode steps (MLA and GQA), and the
   invariant set's head-grouped decode path
+- `sparse_attention.py`: DeepSeek-V4's batched sink attention over slot lists, lightning-indexer
+  top-k and compressor pooling
 - `fused_moe.py`: every routed expert in two grouped GEMMs, pairs sorted by expert on the device
 - `kernelset.py`: `fast_kernels(base)` (the CUDA default) and `triton_kernels(base)`
   (`--batch-invariant`), over the base set kernels/registry.py passes in

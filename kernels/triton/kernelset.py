@@ -13,7 +13,16 @@ import torch.nn.functional as F
 
 from deepserve.kernels.errors import KernelUnavailableError
 from deepserve.kernels.kernel_set import KernelSet
-from deepserve.kernels.triton import attention, fused_moe, matmul, mla, rope, routing, rows
+from deepserve.kernels.triton import (
+    attention,
+    fused_moe,
+    matmul,
+    mla,
+    rope,
+    routing,
+    rows,
+    sparse_attention,
+)
 from deepserve.kernels.triton.decode_attention import (
     DecodeOrVarlen,
     InvariantPagedAttention,
@@ -32,12 +41,26 @@ class FastPagedAttention(DecodeOrVarlen):
         super().__init__(decode_attention, attention.TritonPagedAttention(block_m=32))
 
 
+def _with_v4_ops(kernels: KernelSet) -> KernelSet:
+    """`kernels` with DeepSeek-V4's batched ops (V4SPEC.md) where the set has their fields: a
+    set without `sparse_attention` still has the per-sequence `indexer_topk` of another
+    signature, which these ops must not replace."""
+    if not hasattr(kernels, "sparse_attention"):
+        return kernels
+    ops = {
+        "sparse_attention": sparse_attention.sparse_attention,
+        "indexer_topk": sparse_attention.indexer_topk,
+        "compress_pool": sparse_attention.compress_pool,
+    }
+    return replace(kernels, **{name: op for name, op in ops.items() if hasattr(kernels, name)})
+
+
 def fast_kernels(base: KernelSet) -> KernelSet | None:
     """cuBLAS matmuls, Triton norms, attention and fused MoE, `base`'s softmaxes; None without
     Triton."""
     if not HAVE_TRITON:
         return None
-    return replace(
+    fast = replace(
         base,
         name="cuda_fast",
         linear=F.linear,
@@ -54,13 +77,14 @@ def fast_kernels(base: KernelSet) -> KernelSet | None:
         moe_route=routing.route,
         graph_safe=True,
     )
+    return _with_v4_ops(fast)
 
 
 def triton_kernels(base: KernelSet) -> KernelSet:
     """Every reduction in a Triton kernel of one fixed tile configuration per op."""
     if not HAVE_TRITON:
         raise KernelUnavailableError("--batch-invariant on a CUDA device needs the triton package")
-    return replace(
+    invariant = replace(
         base,
         name="batch_invariant_triton",
         linear=matmul.linear,
@@ -80,3 +104,4 @@ def triton_kernels(base: KernelSet) -> KernelSet:
         moe_route=routing.route,
         graph_safe=True,
     )
+    return _with_v4_ops(invariant)  # fixed splits and tiles: invariant by construction
