@@ -203,18 +203,20 @@ def fused_moe(
     ids: torch.Tensor,
     cfg: MoeConfig | None = None,
     add: torch.Tensor | None = None,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """sum_j weights[t, j] * down[e](silu(gate[e] x_t) * up[e] x_t) over e = ids[t, j].
     x `[T, H]`, gate_up `[E, 2I, H]` (gate rows first), down `[E, H, I]`, weights/ids `[T, k]`.
     `cfg` None: `default_config`'s, narrow for decode-sized calls, wider for prefill. `add` `[T, H]`
     (the shared experts' output) is added to the result in the same launch as the slot sum,
-    with the values of a separate `out + add`."""
+    with the values of a separate `out + add`. `swiglu_limit` (DeepSeek-V4): gate clamped above
+    and up on both sides at it before silu(gate) * up."""
     tokens, topk = ids.shape
     pairs = tokens * topk
     if cfg is None:
         cfg = default_config(pairs, gate_up.shape[0])
     if add is not None and (add.shape != x.shape or add.dtype != x.dtype or add.stride(-1) != 1):
-        return fused_moe(x, gate_up, down, weights, ids, cfg) + add
+        return fused_moe(x, gate_up, down, weights, ids, cfg, swiglu_limit=swiglu_limit) + add
     if pairs == 0:
         return torch.zeros_like(x) if add is None else add.clone()
     x = x.contiguous()
@@ -223,7 +225,7 @@ def fused_moe(
     _grouped_gemm(x, gate_up, inter, table, block_expert, topk, None, cfg)
     # silu(gate) * up in its own launch: fused into the down GEMM's loads it is recomputed for
     # every column tile, which measured slower at every batch size
-    act = silu_mul(inter)
+    act = silu_mul(inter, swiglu_limit)
     y = torch.empty(pairs, down.shape[1], device=x.device, dtype=x.dtype)
     scale = weights.reshape(-1).to(torch.float32).contiguous()
     _grouped_gemm(act, down, y, table, block_expert, 1, scale, cfg)
@@ -242,6 +244,7 @@ def fused_moe_reference(
     down: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """The same function as a loop over (token, slot) in float32: the tests' oracle."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -250,5 +253,7 @@ def fused_moe_reference(
             e = int(ids[t, j])
             gu = gate_up[e].float() @ x[t].float()
             gate, up = gu.chunk(2)
+            if swiglu_limit:
+                gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
             out[t] += float(weights[t, j]) * (down[e].float() @ (F.silu(gate) * up))
     return out
