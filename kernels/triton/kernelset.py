@@ -13,7 +13,16 @@ import torch.nn.functional as F
 
 from deepserve.kernels.errors import KernelUnavailableError
 from deepserve.kernels.kernel_set import KernelSet
-from deepserve.kernels.triton import attention, fused_moe, matmul, mla, rope, routing, rows
+from deepserve.kernels.triton import (
+    attention,
+    fp8_matmul,
+    fused_moe,
+    matmul,
+    mla,
+    rope,
+    routing,
+    rows,
+)
 from deepserve.kernels.triton.decode_attention import (
     DecodeOrVarlen,
     InvariantPagedAttention,
@@ -40,7 +49,7 @@ def fast_kernels(base: KernelSet) -> KernelSet | None:
     return replace(
         base,
         name="cuda_fast",
-        linear=F.linear,
+        linear=fp8_matmul.linear_or(F.linear),  # FP8 weights: tiles by M
         rms_norm=rows.rms_norm,
         bmm=torch.matmul,
         paged_attention=FastPagedAttention(),
@@ -53,6 +62,7 @@ def fast_kernels(base: KernelSet) -> KernelSet | None:
         silu_mul=rows.silu_mul,
         moe_route=routing.route,
         graph_safe=True,
+        fp8_weights=True,
     )
 
 
@@ -63,7 +73,7 @@ def triton_kernels(base: KernelSet) -> KernelSet:
     return replace(
         base,
         name="batch_invariant_triton",
-        linear=matmul.linear,
+        linear=fp8_matmul.linear_or(matmul.linear, fp8_matmul.DECODE),  # one FP8 tile at every M
         rms_norm=rows.rms_norm,
         softmax=rows.softmax,
         log_softmax=rows.log_softmax,
@@ -79,4 +89,5 @@ def triton_kernels(base: KernelSet) -> KernelSet:
         silu_mul=rows.silu_mul,
         moe_route=routing.route,
         graph_safe=True,
+        fp8_weights=True,
     )

@@ -1,0 +1,78 @@
+"""Block-quantized weights as the GPU kernels take them, and their dequantization in plain torch
+(the oracle, and the fallback of a KernelSet that cannot run them).
+
+- `Fp8Weight`: float8_e4m3fn values `[..., N, K]` and float32 scales `[..., ceil(N/bn),
+  ceil(K/bk)]` (DeepSeek-V3's `weight_scale_inv`; V4's UE8M0 bytes read as float32 powers of two),
+  `W = values * scale` over each (bn, bk) block, the edge blocks cut to the matrix.
+- `Mxfp4Weight`: e2m1 codes packed two per byte along K (low nibble first), uint8 `[..., N, K/2]`,
+  and float32 scales `[..., N, K/32]` (E8M0 read as powers of two), one per 32 inputs.
+
+A leading expert dim `[E, ...]` makes one MoE layer's stacked experts. What does not live here:
+reading checkpoints (engine/loading/quantized.py) and the kernels (kernels/triton/fp8_matmul.py,
+kernels/triton/fused_moe.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+MX_BLOCK = 32  # MXFP4: values per scale, along K
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # code & 7 -> magnitude; bit 3 the sign
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    data: torch.Tensor  # float8_e4m3fn [..., N, K]
+    scale: torch.Tensor  # float32 [..., ceil(N/block[0]), ceil(K/block[1])]
+    block: tuple[int, int] = (128, 128)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        rows, cols = self.data.shape[-2:]
+        s = self.scale.float().repeat_interleave(self.block[0], dim=-2)[..., :rows, :]
+        s = s.repeat_interleave(self.block[1], dim=-1)[..., :cols]
+        return (self.data.float() * s).to(dtype)
+
+
+@dataclass(frozen=True)
+class Mxfp4Weight:
+    data: torch.Tensor  # uint8 [..., N, K/2], two e2m1 codes a byte, the low nibble first
+    scale: torch.Tensor  # float32 [..., N, K/32]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.data.shape[:-1], self.data.shape[-1] * 2))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        u8 = self.data.view(torch.uint8)
+        codes = torch.stack([u8 & 0xF, u8 >> 4], dim=-1).flatten(-2).long()
+        table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=u8.device)
+        values = table[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+        scale = self.scale.float().repeat_interleave(MX_BLOCK, dim=-1)
+        return (values * scale).to(dtype)
+
+
+def quantize_fp8(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> Fp8Weight:
+    """`w` [..., N, K] as e4m3 with one float32 scale per block (amax / 448): the tests' and the
+    GPU checks' way to make FP8 weights, the layout DeepSeek publishes."""
+    rows, cols = w.shape[-2:]
+    nb, kb = -(-rows // block[0]), -(-cols // block[1])
+    padded = torch.zeros(*w.shape[:-2], nb * block[0], kb * block[1], device=w.device)
+    padded[..., :rows, :cols] = w.float()
+    blocks = padded.unflatten(-1, (kb, block[1])).unflatten(-3, (nb, block[0]))
+    amax = blocks.abs().amax(dim=(-3, -1)).clamp(min=1e-12)  # [..., nb, kb]
+    scale = amax / FP8_MAX
+    q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
+    data = q.flatten(-2).flatten(-3, -2)[..., :rows, :cols].to(torch.float8_e4m3fn)
+    return Fp8Weight(data.contiguous(), scale.contiguous(), block)
+
+
+def linear(x: torch.Tensor, w: Fp8Weight | Mxfp4Weight) -> torch.Tensor:
+    """x @ dequant(w).T in x's dtype: the fallback for a set whose kernels take plain weights."""
+    return torch.nn.functional.linear(x, w.dequantize(x.dtype))
