@@ -408,7 +408,7 @@ def section_determinism(out: dict, models: dict[str, Path], sc: Scale, deadline:
 def markdown(out: dict) -> str:
     lines = [f"GPU: {out.get('gpu')}, torch {out.get('torch')}, triton {out.get('triton')}, "
              f"transformers {out.get('transformers')}", ""]  # fmt: skip
-    keys = ("kernel_checks", "invariant", "kernel_tests", "linear", "parity", "throughput",
+    keys = ("kernel_checks", "invariant", "fp8", "kernel_tests", "linear", "parity", "throughput",
             "determinism", "speed", "profile", "prefill_profile", "serve", "serve_log_tail",
             "build_s", "errors")  # fmt: skip
     for key in keys:
@@ -500,6 +500,7 @@ def main() -> int:
         ("linear", lambda: section_kernel_invariance_and_speed(out)),
         ("models", write_models),
         ("invariant", lambda: kernel_checks.run_invariant(out, deadline - 240)),  # speed: ~130 s
+        ("fp8", lambda: kernel_checks.run_fp8(out)),
         ("speed", lambda: speed.section_speed(out, args.shapes, batches, 128, deadline - 200)),
         ("async", lambda: async_ab.section_async(out, args.shapes, batches, 128, deadline - 150)),
         ("parity", lambda: section_parity(out, models, sc)),
@@ -525,6 +526,7 @@ def main() -> int:
         "invariant",
         "long",
         "serve_long",
+        "fp8",  # its own job: --only fp8
     }  # superseded by speed / checks
     for name, fn in sections:
         if name == "models":
