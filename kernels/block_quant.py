@@ -5,7 +5,7 @@
   ceil(K/bk)]` (DeepSeek-V3's `weight_scale_inv`; V4's UE8M0 bytes read as float32 powers of two),
   `W = values * scale` over each (bn, bk) block, the edge blocks cut to the matrix.
 - `Mxfp4Weight`: e2m1 codes packed two per byte along K (low nibble first), uint8 `[..., N, K/2]`,
-  and float32 scales `[..., N, K/32]` (E8M0 read as powers of two), one per 32 inputs.
+  and one scale per 32 inputs `[..., N, K/32]`: E8M0 bytes as stored (2^(byte - 127)), or float32.
 
 A leading expert dim `[E, ...]` makes one MoE layer's stacked experts. What does not live here:
 reading checkpoints (engine/loading/quantized.py) and the kernels (kernels/triton/fp8_matmul.py,
@@ -43,7 +43,7 @@ class Fp8Weight:
 @dataclass(frozen=True)
 class Mxfp4Weight:
     data: torch.Tensor  # uint8 [..., N, K/2], two e2m1 codes a byte, the low nibble first
-    scale: torch.Tensor  # float32 [..., N, K/32]
+    scale: torch.Tensor  # uint8 E8M0 or float32 [..., N, K/32]
 
     @property
     def shape(self) -> torch.Size:
@@ -54,8 +54,9 @@ class Mxfp4Weight:
         codes = torch.stack([u8 & 0xF, u8 >> 4], dim=-1).flatten(-2).long()
         table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=u8.device)
         values = table[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
-        scale = self.scale.float().repeat_interleave(MX_BLOCK, dim=-1)
-        return (values * scale).to(dtype)
+        scale = self.scale
+        scale = torch.exp2(scale.float() - 127.0) if scale.dtype == torch.uint8 else scale.float()
+        return (values * scale.repeat_interleave(MX_BLOCK, dim=-1)).to(dtype)
 
 
 def quantize_fp8(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> Fp8Weight:
@@ -71,6 +72,20 @@ def quantize_fp8(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> Fp8Wei
     q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
     data = q.flatten(-2).flatten(-3, -2)[..., :rows, :cols].to(torch.float8_e4m3fn)
     return Fp8Weight(data.contiguous(), scale.contiguous(), block)
+
+
+def quantize_mxfp4(w: torch.Tensor) -> Mxfp4Weight:
+    """`w` [..., N, K] (K a multiple of 32) as MXFP4 with E8M0 bytes: each group of 32 scaled by
+    the power of two that brings its amax to at most 6, then rounded to the nearest e2m1 value."""
+    groups = w.float().unflatten(-1, (-1, MX_BLOCK))
+    amax = groups.abs().amax(-1, keepdim=True).clamp(min=2.0**-126)
+    exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = (groups / torch.exp2(exponent)).flatten(-2)
+    table = torch.tensor(E2M1_VALUES, device=w.device)
+    mag = (scaled.abs()[..., None] - table).abs().argmin(-1)
+    codes = (mag | torch.where(scaled < 0, 8, 0)).to(torch.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return Mxfp4Weight(packed.contiguous(), (exponent[..., 0] + 127).to(torch.uint8))
 
 
 def linear(x: torch.Tensor, w: Fp8Weight | Mxfp4Weight) -> torch.Tensor:

@@ -21,19 +21,24 @@ import test_kernels_invariant_triton  # noqa: E402,F401  (patches the interprete
 
 
 def _patch_fp8() -> None:
-    """Two more fixes to Triton's CPU interpreter, for this harness only: it rounds float32 ->
-    fp8 half-up and drops the carry into the exponent (7.95 becomes 4.0) where the GPU's cvt
-    rounds to nearest even, so torch casts here; and the row-by-row dot patched in by
-    test_kernels_invariant_triton multiplies raw bytes, so fp8 operands are widened first
-    (exactly: every e4m3 value is a float32)."""
+    """More fixes to Triton's CPU interpreter, for this harness only: it rounds float32 -> fp8
+    half-up and drops the carry into the exponent (7.95 becomes 4.0), and truncates float32 ->
+    bf16, where the GPU's cvt rounds both to nearest even, so torch casts here; and the
+    row-by-row dot patched in by
+    test_kernels_invariant_triton multiplies the raw bits of fp8 and bf16 operands, so they are
+    widened first (exactly: every e4m3 and bf16 value is a float32)."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
 
     original = interpreter.InterpreterBuilder.create_fp_to_fp
+    truncating = interpreter.InterpreterBuilder.create_fp_trunc
     row_dot = interpreter.InterpreterBuilder.create_dot
 
     def widened(h):
+        if h.dtype.scalar == tl.bfloat16:  # stored as the uint16 top half of a float32
+            bits = h.data.astype(np.uint32) << 16
+            return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
         if h.dtype.scalar != tl.float8e4nv:
             return h
         codes = torch.from_numpy(np.ascontiguousarray(h.data)).view(torch.float8_e4m3fn)
@@ -48,7 +53,14 @@ def _patch_fp8() -> None:
         codes = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.float8_e4m3fn)
         return interpreter.TensorHandle(codes.view(torch.uint8).numpy(), dst_type.scalar)
 
+    def fp_trunc(self, src, dst_type):
+        if dst_type.scalar != tl.bfloat16 or src.dtype.scalar != tl.float32:
+            return truncating(self, src, dst_type)
+        rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
+        return interpreter.TensorHandle(rounded.view(torch.uint16).numpy(), tl.bfloat16)
+
     interpreter.InterpreterBuilder.create_fp_to_fp = fp_to_fp
+    interpreter.InterpreterBuilder.create_fp_trunc = fp_trunc
     interpreter.InterpreterBuilder.create_dot = dot
 
 
@@ -169,3 +181,67 @@ def test_a_weight_the_kernel_does_not_read_goes_through_its_dequantization():
     x = _rand(2, 128, seed=16)
     linear = fp8_matmul.linear_or(torch.nn.functional.linear)
     torch.testing.assert_close(linear(x, w), x @ w.dequantize().T, rtol=1e-5, atol=1e-5)
+
+
+# ---- fused MoE with FP8 and MXFP4 experts ---------------------------------------------------
+
+
+def _moe_case(tokens: int, e: int = 4, h: int = 256, i: int = 128, k: int = 2):
+    from deepserve.kernels.triton import fused_moe
+
+    gate_up, down = _rand(e, 2 * i, h, seed=21) / h**0.5, _rand(e, h, i, seed=22) / i**0.5
+    x = _rand(tokens, h, seed=23)
+    ids = _rand(tokens, e, seed=24).topk(k, dim=-1)[1]
+    w = _rand(tokens, k, seed=25).abs()
+    return fused_moe, gate_up, down, x, ids, w
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_fused_moe_with_fp8_experts_matches_the_loop_on_quantized_inputs(tokens):
+    """Both GEMMs quantize their inputs per 1 x 128 group; the wide tiles' 64-step K is raised
+    to the scales' 128."""
+    fused_moe, gate_up, down, x, ids, w = _moe_case(tokens)
+    gu8, d8 = block_quant.quantize_fp8(gate_up), block_quant.quantize_fp8(down)
+    want = fused_moe.fused_moe_reference(x, gu8, d8, w, ids)
+    for cfg in (fused_moe.DECODE, fused_moe.PREFILL):
+        got = fused_moe.fused_moe(x, gu8, d8, w, ids, cfg)
+        assert _rel(got, want) < 2e-2, cfg
+
+
+def test_fused_moe_with_fp8_experts_keeps_rows_batch_invariant_under_a_fixed_tile():
+    fused_moe, gate_up, down, x, ids, w = _moe_case(5)
+    gu8, d8 = block_quant.quantize_fp8(gate_up), block_quant.quantize_fp8(down)
+    full = fused_moe.fused_moe(x, gu8, d8, w, ids, fused_moe.DECODE)
+    alone = fused_moe.fused_moe(x[-1:], gu8, d8, w[-1:], ids[-1:], fused_moe.DECODE)
+    assert torch.equal(alone, full[-1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_with_mxfp4_experts_matches_the_loop_on_their_dequantization(dtype):
+    """e2m1 times a power of two is exact in bf16: the kernel computes with the very weights the
+    loader's dequantization gives."""
+    fused_moe, gate_up, down, x, ids, w = _moe_case(5)
+    gu4, d4 = block_quant.quantize_mxfp4(gate_up), block_quant.quantize_mxfp4(down)
+    x = x.to(dtype)
+    want = fused_moe.fused_moe_reference(x, gu4, d4, w, ids)
+    for cfg in (fused_moe.DECODE, fused_moe.PREFILL):
+        got = fused_moe.fused_moe(x, gu4, d4, w, ids, cfg)
+        tol = 1e-4 if dtype == torch.float32 else 1e-2  # bf16: the intermediates rounded
+        assert _rel(got, want) < tol, cfg
+
+
+def test_fused_moe_with_mxfp4_experts_clamps_at_the_swiglu_limit():
+    fused_moe, gate_up, down, x, ids, w = _moe_case(3)
+    gu4, d4 = block_quant.quantize_mxfp4(gate_up * 8), block_quant.quantize_mxfp4(down)
+    want = fused_moe.fused_moe_reference(x, gu4, d4, w, ids, swiglu_limit=0.5)
+    assert _rel(fused_moe.fused_moe_reference(x, gu4, d4, w, ids), want) > 0.05  # it bites
+    assert _rel(fused_moe.fused_moe(x, gu4, d4, w, ids, swiglu_limit=0.5), want) < 1e-4
+
+
+def test_mxfp4_weights_read_as_the_loader_reads_the_checkpoints_bytes():
+    from deepserve.engine.loading.quantized import dequantize_mxfp4
+
+    w = block_quant.quantize_mxfp4(_rand(6, 64, seed=26))
+    want = dequantize_mxfp4(w.data.cpu().view(torch.int8), w.scale.cpu(), torch.float32)
+    assert torch.equal(w.dequantize().cpu(), want)
+    assert _rel(w.dequantize(), _rand(6, 64, seed=26)) < 0.2  # e2m1: 1 mantissa bit

@@ -622,9 +622,66 @@ def run_fp8(out: dict) -> None:
     import traceback
 
     rows = out.setdefault("fp8", [])
-    for fn in (check_fp8_linear, time_fp8_decode_tiles):
+    for fn in (check_fp8_linear, check_quantized_moe, time_fp8_decode_tiles):
         try:
             fn(rows)
         except Exception as e:  # recorded; the job goes on
             rows.append(dict(op=fn.__name__, error=traceback.format_exc()[-1500:]))
             print(e, flush=True)
+
+
+FP8_MOE_SHAPES = {  # experts, hidden, intermediate, top-k
+    "v2-lite": (64, 2048, 1408, 6),
+    "v3": (256, 7168, 2048, 8),
+}
+FP8_MOE_TOKENS = (1, 64, 1024)
+
+
+def check_quantized_moe(rows: list) -> None:
+    """The fused MoE with FP8 and with MXFP4 experts against the float32 loop on their
+    dequantization (FP8: on e4m3 inputs too, as the kernel quantizes them), a row alone equal to
+    it in a batch under DECODE, and median ms beside the bf16 experts of the same values."""
+    import triton.testing
+
+    from deepserve.kernels import block_quant
+    from deepserve.kernels.triton import fused_moe
+
+    g = torch.Generator(device="cuda").manual_seed(9)
+    for shape, (e, h, i, k) in FP8_MOE_SHAPES.items():
+        gate_up = (torch.randn(e, 2 * i, h, device="cuda", generator=g) / h**0.5).bfloat16()
+        down = (torch.randn(e, h, i, device="cuda", generator=g) / i**0.5).bfloat16()
+        formats = {
+            "fp8": (block_quant.quantize_fp8(gate_up), block_quant.quantize_fp8(down)),
+            "mxfp4": (block_quant.quantize_mxfp4(gate_up), block_quant.quantize_mxfp4(down)),
+        }
+        for t in FP8_MOE_TOKENS:
+            x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
+            ids = torch.rand(t, e, device="cuda", generator=g).topk(k, dim=-1)[1]
+            w = torch.rand(t, k, device="cuda", generator=g)
+            ms_bf16 = triton.testing.do_bench(
+                lambda x=x, ids=ids, w=w, gu=gate_up, dn=down: fused_moe.fused_moe(
+                    x, gu, dn, w, ids
+                ),
+                return_mode="median",
+            )
+            for fmt, (gu, dn) in formats.items():
+                checked = min(t, 8)  # the float32 loop is slow: the first rows
+                want = fused_moe.fused_moe_reference(
+                    x[:checked], gu, dn, w[:checked], ids[:checked]
+                )
+                got = fused_moe.fused_moe(x, gu, dn, w, ids)
+                full = fused_moe.fused_moe(x, gu, dn, w, ids, fused_moe.DECODE)
+                one = fused_moe.fused_moe(x[:1], gu, dn, w[:1], ids[:1], fused_moe.DECODE)
+                ms = triton.testing.do_bench(
+                    lambda x=x, ids=ids, w=w, gu=gu, dn=dn: fused_moe.fused_moe(x, gu, dn, w, ids),
+                    return_mode="median",
+                )
+                row = dict(op=f"fused_moe_{fmt}", shape=shape, tokens=t,
+                           rel_err=rel(got[:checked], want), nan=bool(got.isnan().any()),
+                           row_invariant=bool(torch.equal(full[:1], one)),
+                           ms=ms, ms_bf16=ms_bf16, speedup=ms_bf16 / ms)  # fmt: skip
+                row["ok"] = row["rel_err"] < 2e-2 and not row["nan"]
+                rows.append(row)
+                print(row, flush=True)
+        formats.clear()
+        torch.cuda.empty_cache()
