@@ -14,7 +14,7 @@ kernels/triton/fused_moe.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -33,6 +33,13 @@ class Fp8Weight:
     def shape(self) -> torch.Size:
         return self.data.shape
 
+    def __getitem__(self, expert: int) -> Fp8Weight:
+        return Fp8Weight(self.data[expert], self.scale[expert], self.block)
+
+    def to(self, device: torch.device) -> Fp8Weight:
+        data, scale = self.data.to(device).contiguous(), self.scale.to(device, torch.float32)
+        return Fp8Weight(data, scale.contiguous(), self.block)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         rows, cols = self.data.shape[-2:]
         s = self.scale.float().repeat_interleave(self.block[0], dim=-2)[..., :rows, :]
@@ -48,6 +55,12 @@ class Mxfp4Weight:
     @property
     def shape(self) -> torch.Size:
         return torch.Size((*self.data.shape[:-1], self.data.shape[-1] * 2))
+
+    def __getitem__(self, expert: int) -> Mxfp4Weight:
+        return Mxfp4Weight(self.data[expert], self.scale[expert])
+
+    def to(self, device: torch.device) -> Mxfp4Weight:
+        return Mxfp4Weight(self.data.to(device).contiguous(), self.scale.to(device).contiguous())
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         u8 = self.data.view(torch.uint8)
@@ -86,6 +99,44 @@ def quantize_mxfp4(w: torch.Tensor) -> Mxfp4Weight:
     codes = (mag | torch.where(scaled < 0, 8, 0)).to(torch.uint8)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return Mxfp4Weight(packed.contiguous(), (exponent[..., 0] + 127).to(torch.uint8))
+
+
+Matrix = torch.Tensor | Fp8Weight | Mxfp4Weight
+
+
+def reorder_rows(w: Matrix, order: torch.Tensor, dtype: torch.dtype) -> Matrix:
+    """`w[order]` along N; an `Fp8Weight` stays FP8 when every row stays inside its scale
+    block (the rope rows' reordering of MLA's projections), else it is dequantized to `dtype`."""
+    if isinstance(w, torch.Tensor):
+        return w[order.to(w.device)]
+    rows = torch.arange(len(order))
+    if isinstance(w, Fp8Weight) and torch.equal(order // w.block[0], rows // w.block[0]):
+        return replace(w, data=w.data[order.to(w.data.device)])
+    return w.dequantize(dtype)[order.to(w.data.device)]
+
+
+def cat_rows(parts: list[Matrix], dtype: torch.dtype) -> Matrix:
+    """Matrices stacked along N (fused projections): FP8 when all are FP8 of one block and each
+    but the last fills whole scale blocks, else plain `dtype`."""
+    fp8 = all(isinstance(p, Fp8Weight) and p.block == parts[0].block for p in parts)
+    if fp8 and all(p.shape[-2] % p.block[0] == 0 for p in parts[:-1]):
+        data = torch.cat([p.data for p in parts], dim=-2)
+        return Fp8Weight(data, torch.cat([p.scale for p in parts], dim=-2), parts[0].block)
+    return torch.cat([_plain(p, dtype) for p in parts], dim=-2)
+
+
+def stack(parts: list[Matrix], dtype: torch.dtype) -> Matrix:
+    """One expert dim in front: a quantized stack when all parts share one format and block."""
+    first = parts[0]
+    same = all(type(p) is type(first) for p in parts) and not isinstance(first, torch.Tensor)
+    if same and all(getattr(p, "block", None) == getattr(first, "block", None) for p in parts):
+        data = torch.stack([p.data for p in parts])
+        return replace(first, data=data, scale=torch.stack([p.scale for p in parts]))
+    return torch.stack([_plain(p, dtype) for p in parts])
+
+
+def _plain(w: Matrix, dtype: torch.dtype) -> torch.Tensor:
+    return w if isinstance(w, torch.Tensor) else w.dequantize(dtype)
 
 
 def linear(x: torch.Tensor, w: Fp8Weight | Mxfp4Weight) -> torch.Tensor:

@@ -451,6 +451,13 @@ def main() -> int:
     parser.add_argument("--v2-batches", nargs="*", type=int, default=[1, 32, 64])
     parser.add_argument("--smollm2-batches", nargs="*", type=int, default=[1, 32])
     parser.add_argument(
+        "--quantization",
+        nargs="*",
+        default=["bf16"],
+        choices=["bf16", "fp8"],
+        help="section speed: deepserve's weights as bf16 and/or block-scaled FP8 (V3's format)",
+    )
+    parser.add_argument(
         "--long-lengths",
         nargs="*",
         type=int,
@@ -501,7 +508,12 @@ def main() -> int:
         ("models", write_models),
         ("invariant", lambda: kernel_checks.run_invariant(out, deadline - 240)),  # speed: ~130 s
         ("fp8", lambda: kernel_checks.run_fp8(out)),
-        ("speed", lambda: speed.section_speed(out, args.shapes, batches, 128, deadline - 200)),
+        (
+            "speed",
+            lambda: speed.section_speed(
+                out, args.shapes, batches, 128, deadline - 200, tuple(args.quantization)
+            ),
+        ),
         ("async", lambda: async_ab.section_async(out, args.shapes, batches, 128, deadline - 150)),
         ("parity", lambda: section_parity(out, models, sc)),
         ("determinism", lambda: section_determinism(out, models, sc, deadline - 100)),

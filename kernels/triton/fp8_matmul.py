@@ -150,6 +150,8 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, cfg: Fp8TileConfig | None = None) 
     lead, k = x.shape[:-1], x.shape[-1]
     n = w.data.shape[0]
     flat = x.reshape(-1, k)
+    if flat.stride(-1) != 1:  # the kernels read rows of unit stride
+        flat = flat.contiguous()
     m = flat.shape[0]
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0 or n == 0:
