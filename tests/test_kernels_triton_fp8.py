@@ -155,6 +155,14 @@ def test_fp8_linear_rows_equal_for_any_row_count_under_a_fixed_tile():
     assert torch.equal(fp8_matmul.fp8_linear(x[20:21], w, cfg)[0], full[20])
 
 
+def test_the_decode_tile_narrows_until_a_weights_n_tiles_fill_the_gpu():
+    """No split-K: at M = 1 the N tiles are the launch's only parallelism."""
+    widths = {n: fp8_matmul.decode_config(n).block_n for n in (576, 2048, 7168, 24576)}
+    assert widths == {576: 16, 2048: 16, 7168: 32, 24576: 64}
+    for n, block_n in widths.items():
+        assert -(-n // block_n) >= fp8_matmul.FILL_PROGRAMS or block_n == 16
+
+
 def test_ue8m0_scales_are_read_as_the_same_float32_powers_of_two():
     """DeepSeek-V4's block scales are exponent bytes; loaded they are float32 2^e: same kernel."""
     base = block_quant.quantize_fp8(_rand(64, 128, seed=11))
@@ -169,7 +177,8 @@ def test_the_invariant_set_runs_fp8_weights_and_plain_ones_alike():
     assert k.fp8_weights
     w = block_quant.quantize_fp8(_rand(64, 128, seed=13))
     x = _rand(3, 128, seed=14)
-    assert torch.equal(k.linear(x, w), fp8_matmul.fp8_linear(x, w, fp8_matmul.DECODE))
+    want = fp8_matmul.fp8_linear(x, w, fp8_matmul.decode_config(64))
+    assert torch.equal(k.linear(x, w), want)
     plain = w.dequantize()
     torch.testing.assert_close(k.linear(x, plain), x @ plain.T, rtol=1e-5, atol=1e-5)
 

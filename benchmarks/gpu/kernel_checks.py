@@ -533,6 +533,8 @@ FP8_SHAPES = {  # [N, K] of a projection -> its layer
 }
 FP8_ROWS = (1, 16, 64, 256, 1024, 4096)
 FP8_DECODE_CANDIDATES = {  # block_n, num_warps, num_stages of BLOCK_M 16 tiles, timed at M = 1
+    "n16w4s4": (16, 4, 4),
+    "n16w2s6": (16, 2, 6),
     "n32w4s4": (32, 4, 4),
     "n64w4s4": (64, 4, 4),
     "n64w4s6": (64, 4, 6),
@@ -554,7 +556,7 @@ def _fp8_reference(x: torch.Tensor, w) -> torch.Tensor:
 def check_fp8_linear(rows: list) -> None:
     """fp8_linear on every projection shape and row count: error against the float32 product of
     the dequantized operands (gate 2e-2) and against unquantized x (e4m3's rounding, for the
-    record), a row alone equal to it in a batch under DECODE, and median ms by do_bench beside
+    record), a row alone equal to it in a batch under decode_config, and median ms by do_bench beside
     torch's bf16 matmul of the same shape, with the weight bytes per second at M = 1."""
     import triton.testing
 
@@ -576,8 +578,9 @@ def check_fp8_linear(rows: list) -> None:
                        nan=bool(got.isnan().any()))  # fmt: skip
             row["ok"] = row["rel_err"] < 2e-2 and not row["nan"]
             if m == 64:
-                full = fp8_matmul.fp8_linear(x, w, fp8_matmul.DECODE)
-                one = fp8_matmul.fp8_linear(x[5:6], w, fp8_matmul.DECODE)
+                fixed = fp8_matmul.decode_config(n)  # the invariant set's tile at every M
+                full = fp8_matmul.fp8_linear(x, w, fixed)
+                one = fp8_matmul.fp8_linear(x[5:6], w, fixed)
                 row["row_invariant"] = bool(torch.equal(full[5:6], one))
             row["ms_fp8"] = triton.testing.do_bench(
                 lambda x=x, w=w: fp8_matmul.fp8_linear(x, w), return_mode="median"
@@ -598,7 +601,8 @@ def check_fp8_linear(rows: list) -> None:
 
 def time_fp8_decode_tiles(rows: list) -> None:
     """BLOCK_M 16 tiles of other widths, warps and stages at M = 1 on the V2-Lite and V3 shapes:
-    the data to pick fp8_matmul.DECODE from (the error of each is checked too)."""
+    the data to pick fp8_matmul.decode_config's tiles from (the error of each is checked too;
+    `policy` is decode_config's own choice)."""
     from deepserve.kernels import block_quant
     from deepserve.kernels.triton import fp8_matmul
 
@@ -607,8 +611,12 @@ def time_fp8_decode_tiles(rows: list) -> None:
         w = block_quant.quantize_fp8(torch.randn(n, k, device="cuda", generator=g) / k**0.5)
         x = torch.randn(1, k, device="cuda", generator=g).to(torch.bfloat16)
         want = _fp8_reference(x.float(), w)
-        for name, (bn, warps, stages) in FP8_DECODE_CANDIDATES.items():
-            cfg = fp8_matmul.Fp8TileConfig(16, bn, 8, warps, stages)
+        policy = fp8_matmul.decode_config(n)
+        cands = {f"policy n{policy.block_n}": policy} | {
+            name: fp8_matmul.Fp8TileConfig(16, bn, 8, warps, stages)
+            for name, (bn, warps, stages) in FP8_DECODE_CANDIDATES.items()
+        }
+        for name, cfg in cands.items():
             row = dict(op="fp8_decode_tile", layer=layer, n=n, k=k, cfg=name)
             fn = lambda x=x, w=w, cfg=cfg: fp8_matmul.fp8_linear(x, w, cfg)  # noqa: E731
             _timed(row, fn, want, lambda y: y)

@@ -7,8 +7,9 @@ DeepGEMM / vLLM `w8a8_block_fp8_matmul` scheme.
 - `fp8_linear(x, w)`: K walked in 128-steps, each step one tensor-core dot of the fp8 tiles into
   float32 (wgmma on Hopper), times a_scale[m, kb] * b_scale[nb, kb], added in K order; output in
   x's dtype. UE8M0 weight scales (DeepSeek-V4) are float32 powers of two after load: the same
-  kernel. No split-K: a row's sum is the same chain of K steps for any M, so with one fixed
-  `Fp8TileConfig` (`--batch-invariant` passes DECODE) rows are batch invariant.
+  kernel. No split-K: a row's sum is the same chain of K steps for any M, so with a tile fixed
+  by the weight alone (`--batch-invariant` takes `decode_config(N)` at every M) rows are batch
+  invariant.
 
 Weights whose K block is not 128 are not this kernel's: `linear_or` sends them to their
 dequantized fallback. What does not live here: the weight type and its torch reference
@@ -18,7 +19,7 @@ dequantized fallback. What does not live here: the weight type and its torch ref
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -29,6 +30,7 @@ from deepserve.kernels.triton.lang import cdiv, constexpr, jit, tl
 GROUP = 128  # activation group and weight K block: one scale pair per K step
 QUANT_GROUPS = 8  # groups per program of the quantize kernel
 AMAX_FLOOR = 1e-10  # an all-zero group gets this amax: scale > 0, codes 0
+FILL_PROGRAMS = 132  # programs of one H200 wave: what a decode launch's N tiles should reach
 
 
 @dataclass(frozen=True)
@@ -46,10 +48,20 @@ MEDIUM = Fp8TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=4)
 LARGE = Fp8TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
 
 
-def default_config(m: int) -> Fp8TileConfig:
-    """The fast set's tile for M rows (the invariant set fixes DECODE instead)."""
+def decode_config(n: int) -> Fp8TileConfig:
+    """DECODE's rows with columns narrowed (to 16 at least) until the N tiles alone fill the GPU:
+    without split-K, a narrow weight's tiles are its only parallelism. A function of the weight
+    alone, so the invariant set uses it at every M."""
+    block_n = DECODE.block_n
+    while block_n > 16 and cdiv(n, block_n) < FILL_PROGRAMS:
+        block_n //= 2
+    return replace(DECODE, block_n=block_n)
+
+
+def default_config(m: int, n: int) -> Fp8TileConfig:
+    """The fast set's tile for M rows of an N-column weight."""
     if m <= 16:
-        return DECODE
+        return decode_config(n)
     return MEDIUM if m <= 128 else LARGE
 
 
@@ -156,7 +168,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, cfg: Fp8TileConfig | None = None) 
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0 or n == 0:
         return out.reshape(*lead, n)
-    cfg = cfg or default_config(m)
+    cfg = cfg or default_config(m, n)
     q, qs = quantize_groups(flat)
     grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n),)
     _fp8_gemm_kernel[grid](
@@ -170,13 +182,15 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, cfg: Fp8TileConfig | None = None) 
 
 
 def linear_or(
-    base: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], cfg: Fp8TileConfig | None = None
+    base: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], batch_invariant: bool = False
 ) -> Callable[..., torch.Tensor]:
-    """A set's `linear`: `Fp8Weight`s through `fp8_linear` (with `cfg`, None: by M), other
-    quantized weights dequantized, plain tensors through `base`."""
+    """A set's `linear`: `Fp8Weight`s through `fp8_linear` (tiles by M, or with
+    `batch_invariant` by the weight alone), other quantized weights dequantized, plain tensors
+    through `base`."""
 
     def linear(x: torch.Tensor, w) -> torch.Tensor:
         if isinstance(w, Fp8Weight) and supports(w):
+            cfg = decode_config(w.shape[0]) if batch_invariant else None
             return fp8_linear(x, w, cfg)
         if isinstance(w, Fp8Weight | block_quant.Mxfp4Weight):
             return block_quant.linear(x, w)

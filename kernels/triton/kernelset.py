@@ -73,7 +73,7 @@ def triton_kernels(base: KernelSet) -> KernelSet:
     return replace(
         base,
         name="batch_invariant_triton",
-        linear=fp8_matmul.linear_or(matmul.linear, fp8_matmul.DECODE),  # one FP8 tile at every M
+        linear=fp8_matmul.linear_or(matmul.linear, batch_invariant=True),
         rms_norm=rows.rms_norm,
         softmax=rows.softmax,
         log_softmax=rows.log_softmax,
