@@ -556,8 +556,8 @@ def _fp8_reference(x: torch.Tensor, w) -> torch.Tensor:
 def check_fp8_linear(rows: list) -> None:
     """fp8_linear on every projection shape and row count: error against the float32 product of
     the dequantized operands (gate 2e-2) and against unquantized x (e4m3's rounding, for the
-    record), a row alone equal to it in a batch under decode_config, and median ms by do_bench beside
-    torch's bf16 matmul of the same shape, with the weight bytes per second at M = 1."""
+    record), a row alone equal to it in a batch under decode_config, and median ms by do_bench
+    beside torch's bf16 matmul of the same shape, with the weight bytes per second at M = 1."""
     import triton.testing
 
     from deepserve.kernels import block_quant

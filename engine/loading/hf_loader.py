@@ -1,7 +1,7 @@
 """Reads an HF checkpoint folder into the engine's common form: config.json, safetensors weights
 (single file or sharded with model.safetensors.index.json; a quantized checkpoint's weights
-dequantized as they are read, or kept for the GPU kernels, by quantized.py), tokenizer.json, and the chat template, BOS and EOS
-ids from tokenizer_config.json / generation_config.json."""
+dequantized as they are read, or kept for the GPU kernels, by quantized.py), tokenizer.json, and
+the chat template, BOS and EOS ids from tokenizer_config.json / generation_config.json."""
 
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ Tensors a checkpoint keeps unquantized (norms, embeddings, the head, router gate
 scale and pass through. On the CPU the loader dequantizes each weight as it is read
 (`read_dequantized`), so a checkpoint is never in host RAM twice; on a GPU whose KernelSet runs
 them (`fp8_weights`) they are kept as stored (`keep`: kernels/block_quant.py's `Fp8Weight`,
-`Mxfp4Weight`) and the model store decides per tensor (engine/models/common.py). Which tensors a model reads is
-the model's business, not this module's.
+`Mxfp4Weight`) and the model store decides per tensor (engine/models/common.py). Which tensors
+a model reads is the model's business, not this module's.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ class WeightStore:
         return self.get(name) if isinstance(w, torch.Tensor) else w.to(self.device)
 
     def cat_linear(self, names: list[str]) -> Matrix:
-        """`cat` of matmul weights: FP8 when the parts' scale blocks allow (block_quant.cat_rows)."""
+        """`cat` of matmul weights, FP8 where the parts' scale blocks allow (`cat_rows`)."""
         return cat_rows([self.get_linear(n) for n in names], self.dtype)
 
     def _fetch(self, name: str) -> torch.Tensor | Fp8Weight | Mxfp4Weight:
