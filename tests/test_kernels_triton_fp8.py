@@ -1,10 +1,12 @@
-"""The block-scaled FP8 GEMM (kernels/triton/fp8_matmul.py) and the weight types it takes
-(kernels/block_quant.py): activation codes exactly torch's, the product close to the dequantized
-float32 one, rows batch invariant under a fixed tile, the set's `linear` dispatching on the
-weight. "Close" is against the float32 product of both dequantized operands (x's own e4m3
-codes too); against unquantized x the bound is e4m3's rounding. Runs on CUDA when there is one, else at small shapes in Triton's interpreter (fp8 dots
-included: it widens the codes exactly); skipped without triton. The production shapes and the
-timing are the GPU job's (benchmarks/gpu/kernel_checks.py `check_fp8`)."""
+"""The block-scaled FP8 GEMM (kernels/triton/fp8_matmul.py), the fused MoE with FP8 and MXFP4
+experts (kernels/triton/fused_moe.py) and the weight types they take (kernels/block_quant.py):
+activation codes exactly torch's, products close to the dequantized float32 ones, rows batch
+invariant under a fixed tile, the set's `linear` dispatching on the weight. "Close" is against
+the float32 product of both dequantized operands (x's own e4m3 codes too); against unquantized x
+the bound is e4m3's rounding. Runs on CUDA when there is one, else at small shapes in Triton's
+interpreter (fp8 dots included: the harness widens the codes exactly); skipped without triton.
+The production shapes and the timing are the GPU job's (benchmarks/gpu/kernel_checks.py
+`run_fp8`)."""
 
 from __future__ import annotations
 
