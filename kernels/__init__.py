@@ -9,7 +9,8 @@ another backend:
 
 Shared by all (plain types and pure torch helpers): attention_metadata.py (`AttentionMetadata`),
 route_spec.py (`RouteSpec`), errors.py, rope.py (rotary tables and the rotation), random.py
-(the sampler's hashed noise), quant_panels.py (GGUF blocks and their panel layout).
+(the sampler's hashed noise), quant_panels.py (GGUF blocks and their panel layout), block_quant.py
+(FP8 / MXFP4 block-scaled weights as the GPU kernels take them, and their torch dequantization).
 
 A new backend (FP8 or MXFP4 matmuls, DeepSeek-V4's attention kernels, a library such as
 DeepGEMM) goes in the same way: a sub-package with its ops and a function that builds its

@@ -80,3 +80,6 @@ class KernelSet:
     # Every op above runs without a host sync or a host value that changes between decode
     # steps, so the model runner may capture decode steps in CUDA graphs.
     graph_safe: bool = False
+    # `linear` takes kernels/block_quant.py's `Fp8Weight` as it is (block-scaled FP8 GEMM), so
+    # the loader keeps FP8 checkpoints' weights in FP8 on the device; False: it dequantizes them.
+    fp8_weights: bool = False

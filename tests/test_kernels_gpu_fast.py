@@ -55,6 +55,21 @@ def test_fused_moe_adds_the_shared_output_as_a_separate_add_would():
     assert torch.equal(fused_moe.fused_moe(x, gate_up, down, w, ids, add=shared), alone + shared)
 
 
+def test_fused_moe_clamps_gate_and_up_at_the_swiglu_limit():
+    """DeepSeek-V4's clamped SwiGLU: gate <= limit, -limit <= up <= limit, before silu(gate)*up;
+    the inputs are scaled so that both clamps bite."""
+    e, h, i, k, limit = 4, 32, 16, 2, 0.5
+    gate_up, down = _rand(e, 2 * i, h, seed=1), _rand(e, h, i, seed=2) / i**0.5
+    x = _rand(3, h, seed=3)
+    ids = _rand(3, e, seed=4).topk(k, dim=-1)[1]
+    w = _rand(3, k, seed=5).abs()
+    want = fused_moe.fused_moe_reference(x, gate_up, down, w, ids, swiglu_limit=limit)
+    unclamped = fused_moe.fused_moe_reference(x, gate_up, down, w, ids)
+    assert not torch.allclose(want, unclamped, rtol=1e-2, atol=1e-2)
+    got = fused_moe.fused_moe(x, gate_up, down, w, ids, swiglu_limit=limit)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_fused_moe_tile_widens_once_the_experts_average_a_full_wide_block():
     assert fused_moe.default_config(6, 64) is fused_moe.DECODE
     assert fused_moe.default_config(fused_moe.PREFILL_MIN_PAIRS, 64) is fused_moe.PREFILL

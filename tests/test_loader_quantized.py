@@ -309,3 +309,86 @@ def test_v4_flash_shape_in_its_published_mxfp4_layout_matches_its_dequantized_co
     reference = dequantized_copy(folder, tmp_path / "bf16")
     prompts = [[5, 6, 7, 8], [299, 17, 123]]
     assert greedy(folder, prompts=prompts) == greedy(reference, prompts=prompts)
+
+
+# -- kept quantized for a KernelSet that runs FP8 (`fp8_weights`: the CUDA sets), as the GPU loads
+
+
+def _dequantizing_kernels():
+    """The reference set, with a `linear` that takes kept weights by dequantizing them: the
+    CUDA sets' dispatch without their kernels, so logits can be compared exactly on the CPU."""
+    from dataclasses import replace
+
+    from deepserve.kernels import reference
+
+    def linear(x, w):
+        return reference.linear(x, w if isinstance(w, torch.Tensor) else w.dequantize(x.dtype))
+
+    return replace(reference.KERNELS, linear=linear, fp8_weights=True)
+
+
+def _v3_model(folder, keep: bool):
+    from deepserve.engine.loading.hf_loader import read_hf_folder
+    from deepserve.engine.models.common import WeightStore
+    from deepserve.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from deepserve.kernels import reference
+
+    ckpt = read_hf_folder(folder, torch.float32, keep_quantized=keep)
+    store = WeightStore(ckpt.weights, torch.device("cpu"), torch.float32)
+    kernels = _dequantizing_kernels() if keep else reference.KERNELS
+    with torch.inference_mode():
+        model = DeepseekV3ForCausalLM(ckpt.config, store, kernels, "fp")
+    assert store.unused() == []
+    return model
+
+
+def test_kept_fp8_weights_are_the_published_pairs_with_float32_scales(v3_fp8):
+    from deepserve.engine.loading.hf_loader import read_hf_folder
+    from deepserve.kernels.block_quant import Fp8Weight
+
+    kept = read_hf_folder(v3_fp8, torch.float32, keep_quantized=True).weights
+    plain = read_hf_folder(v3_fp8, torch.float32).weights
+    o = kept["model.layers.1.self_attn.o_proj.weight"]
+    assert isinstance(o, Fp8Weight) and o.scale.dtype == torch.float32 and o.block == (128, 128)
+    assert torch.equal(o.dequantize(), plain["model.layers.1.self_attn.o_proj.weight"])
+    assert isinstance(kept["model.norm.weight"], torch.Tensor)  # unscaled tensors pass through
+
+
+def test_a_model_on_kept_fp8_weights_gives_the_logits_of_the_dequantized_load(v3_fp8):
+    """Projections and stacked experts stay FP8; a fused gate/up whose gate ends inside a scale
+    block (the tiny model's 32 rows) is dequantized, as is kv_b for MLA's absorbed bmm's; the
+    forward is that of the dequantized checkpoint."""
+    from model_loop import SequenceLoop
+
+    from deepserve.kernels.block_quant import Fp8Weight
+
+    kept, plain = _v3_model(v3_fp8, keep=True), _v3_model(v3_fp8, keep=False)
+    attn, moe = kept.layers[1].attn, kept.layers[1].mlp
+    assert isinstance(attn.o, Fp8Weight) and isinstance(moe.down, Fp8Weight)
+    assert moe.down.data.dim() == 3 and moe.down.scale.dim() == 3  # experts stacked
+    assert isinstance(moe.gate_up, torch.Tensor) and moe.gate_up.dtype == torch.float32
+    assert isinstance(attn.w_uk, torch.Tensor) and attn.w_uk.dtype == torch.float32
+    got = SequenceLoop(kept, 16).logits(PROMPTS[0])
+    assert torch.equal(got, SequenceLoop(plain, 16).logits(PROMPTS[0]))
+
+
+def test_fp8_rows_stay_fp8_only_where_their_scale_blocks_allow():
+    from deepserve.kernels import block_quant
+
+    g = torch.Generator().manual_seed(0)
+    a = block_quant.quantize_fp8(torch.randn(256, 64, generator=g))
+    b = block_quant.quantize_fp8(torch.randn(72, 64, generator=g))
+    fused = block_quant.cat_rows([a, b], torch.float32)  # a fills two whole blocks
+    assert isinstance(fused, block_quant.Fp8Weight) and fused.scale.shape == (3, 1)
+    want = torch.cat([a.dequantize(), b.dequantize()])
+    assert torch.equal(fused.dequantize(), want)
+    unaligned = block_quant.cat_rows([b, a], torch.float32)  # b ends inside a block
+    assert isinstance(unaligned, torch.Tensor)
+    assert torch.equal(unaligned, torch.cat([b.dequantize(), a.dequantize()]))
+    inside = torch.arange(256).view(4, 64).flip(-1).flatten()  # rows within their 128-block
+    assert isinstance(block_quant.reorder_rows(a, inside, torch.float32), block_quant.Fp8Weight)
+    across = torch.arange(256).flip(0)
+    moved = block_quant.reorder_rows(a, across, torch.float32)
+    assert isinstance(moved, torch.Tensor) and torch.equal(moved, a.dequantize().flip(0))
+    stacked = block_quant.stack([a, a], torch.float32)
+    assert isinstance(stacked, block_quant.Fp8Weight) and torch.equal(stacked[1].data, a.data)

@@ -5,8 +5,10 @@ GQA layouts, shuffled block tables) against kernels/reference/attention.py, the 
 device-side decode layout against its host layout (bitwise), and graph-replayed decode steps
 against eager ones; and V2-Lite prefill's fused-MoE tiles and attention row tiles, timed. `run_v4`
 (section v4_checks): DeepSeek-V4's sparse attention, indexer top-k and compressor pooling at
-V4-Flash sizes against float32 torch, bitwise batch invariance, graph replay, ms and GB/s. Imported
-by run_all.py; returns rows of max relative errors."""
+V4-Flash sizes against float32 torch, bitwise batch invariance, graph replay, ms and GB/s.
+`run_fp8` (`--only fp8`): the block-scaled FP8 GEMM on V3 / V4 / V2-Lite projection shapes and
+the FP8 / MXFP4 fused MoE against dequantized references, timed beside bf16. Imported by
+run_all.py; returns rows of max relative errors."""
 
 from __future__ import annotations
 
@@ -769,3 +771,188 @@ def run_v4(out: dict) -> None:
         except Exception as e:  # recorded; the job goes on
             rows.append(dict(op=fn.__name__, error=traceback.format_exc()[-1500:]))
             print(e, flush=True)
+
+
+# ---- block-scaled FP8 (and MXFP4 experts): errors against dequantized references, timings -----
+
+FP8_SHAPES = {  # [N, K] of a projection -> its layer
+    (1536, 7168): "v3 q_a",
+    (24576, 1536): "v3 q_b",
+    (576, 7168): "v3 kv_a (N cut)",
+    (7168, 16384): "v3 o_proj",
+    (36864, 7168): "v3 dense gate_up",
+    (7168, 18432): "v3 dense down",
+    (4096, 7168): "v3 shared gate_up",
+    (7168, 2048): "v3 shared down",
+    (32768, 1024): "v4 wide (K 1024)",
+    (4096, 32768): "v4 long K",
+    (3072, 2048): "v2-lite q_proj",
+    (576, 2048): "v2-lite kv_a",
+    (2048, 2048): "v2-lite o_proj",
+    (2816, 2048): "v2-lite shared gate_up",
+    (2048, 1408): "v2-lite shared down",
+    (21888, 2048): "v2-lite dense gate_up",
+    (2048, 10944): "v2-lite dense down (K cut)",
+}
+FP8_ROWS = (1, 16, 64, 256, 1024, 4096)
+FP8_DECODE_CANDIDATES = {  # block_n, num_warps, num_stages of BLOCK_M 16 tiles, timed at M = 1
+    "n16w4s4": (16, 4, 4),
+    "n16w2s6": (16, 2, 6),
+    "n32w4s4": (32, 4, 4),
+    "n64w4s4": (64, 4, 4),
+    "n64w4s6": (64, 4, 6),
+    "n128w4s4": (128, 4, 4),
+    "n128w8s3": (128, 8, 3),
+}
+
+
+def _fp8_reference(x: torch.Tensor, w) -> torch.Tensor:
+    """x's own per-group e4m3 codes times their scales, against w dequantized, in float32."""
+    from deepserve.kernels.triton import fp8_matmul
+
+    q, s = fp8_matmul.quantize_groups_reference(x)
+    k = x.shape[1]
+    xq = q.float() * s.repeat_interleave(fp8_matmul.GROUP, dim=1)[:, :k]
+    return xq @ w.dequantize().T
+
+
+def check_fp8_linear(rows: list) -> None:
+    """fp8_linear on every projection shape and row count: error against the float32 product of
+    the dequantized operands (gate 2e-2) and against unquantized x (e4m3's rounding, for the
+    record), a row alone equal to it in a batch under decode_config, and median ms by do_bench
+    beside torch's bf16 matmul of the same shape, with the weight bytes per second at M = 1."""
+    import triton.testing
+
+    from deepserve.kernels import block_quant
+    from deepserve.kernels.triton import fp8_matmul
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    for (n, k), layer in FP8_SHAPES.items():
+        w_bf16 = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
+        w = block_quant.quantize_fp8(w_bf16)
+        w_deq = w.dequantize()
+        x_all = torch.randn(max(FP8_ROWS), k, device="cuda", generator=g).to(torch.bfloat16)
+        for m in FP8_ROWS:
+            x = x_all[:m]
+            got = fp8_matmul.fp8_linear(x, w)
+            row = dict(op="fp8_linear", layer=layer, n=n, k=k, m=m,
+                       rel_err=rel(got, _fp8_reference(x.float(), w)),
+                       rel_err_vs_bf16_x=rel(got, x.float() @ w_deq.T),
+                       nan=bool(got.isnan().any()))  # fmt: skip
+            row["ok"] = row["rel_err"] < 2e-2 and not row["nan"]
+            if m == 64:
+                fixed = fp8_matmul.decode_config(n)  # the invariant set's tile at every M
+                full = fp8_matmul.fp8_linear(x, w, fixed)
+                one = fp8_matmul.fp8_linear(x[5:6], w, fixed)
+                row["row_invariant"] = bool(torch.equal(full[5:6], one))
+            row["ms_fp8"] = triton.testing.do_bench(
+                lambda x=x, w=w: fp8_matmul.fp8_linear(x, w), return_mode="median"
+            )
+            row["ms_bf16"] = triton.testing.do_bench(
+                lambda x=x, w=w_bf16: x @ w.T, return_mode="median"
+            )
+            row["speedup"] = row["ms_bf16"] / row["ms_fp8"]
+            if m == 1:
+                fp8_bytes = w.data.numel() + w.scale.numel() * 4
+                row["tb_s_fp8"] = fp8_bytes / row["ms_fp8"] / 1e9
+                row["tb_s_bf16"] = 2 * n * k / row["ms_bf16"] / 1e9
+            rows.append(row)
+            print(row, flush=True)
+        del w_deq
+        torch.cuda.empty_cache()
+
+
+def time_fp8_decode_tiles(rows: list) -> None:
+    """BLOCK_M 16 tiles of other widths, warps and stages at M = 1 on the V2-Lite and V3 shapes:
+    the data to pick fp8_matmul.decode_config's tiles from (the error of each is checked too;
+    `policy` is decode_config's own choice)."""
+    from deepserve.kernels import block_quant
+    from deepserve.kernels.triton import fp8_matmul
+
+    g = torch.Generator(device="cuda").manual_seed(8)
+    for (n, k), layer in FP8_SHAPES.items():
+        w = block_quant.quantize_fp8(torch.randn(n, k, device="cuda", generator=g) / k**0.5)
+        x = torch.randn(1, k, device="cuda", generator=g).to(torch.bfloat16)
+        want = _fp8_reference(x.float(), w)
+        policy = fp8_matmul.decode_config(n)
+        cands = {f"policy n{policy.block_n}": policy} | {
+            name: fp8_matmul.Fp8TileConfig(16, bn, 8, warps, stages)
+            for name, (bn, warps, stages) in FP8_DECODE_CANDIDATES.items()
+        }
+        for name, cfg in cands.items():
+            row = dict(op="fp8_decode_tile", layer=layer, n=n, k=k, cfg=name)
+            fn = lambda x=x, w=w, cfg=cfg: fp8_matmul.fp8_linear(x, w, cfg)  # noqa: E731
+            _timed(row, fn, want, lambda y: y)
+            if "ms" in row:
+                row["tb_s"] = (w.data.numel() + w.scale.numel() * 4) / row["ms"] / 1e9
+            rows.append(row)
+
+
+def run_fp8(out: dict) -> None:
+    """`--only fp8`: the FP8 GEMM and the FP8 / MXFP4 fused MoE checks, then the decode tiles."""
+    import traceback
+
+    rows = out.setdefault("fp8", [])
+    for fn in (check_fp8_linear, check_quantized_moe, time_fp8_decode_tiles):
+        try:
+            fn(rows)
+        except Exception as e:  # recorded; the job goes on
+            rows.append(dict(op=fn.__name__, error=traceback.format_exc()[-1500:]))
+            print(e, flush=True)
+
+
+FP8_MOE_SHAPES = {  # experts, hidden, intermediate, top-k
+    "v2-lite": (64, 2048, 1408, 6),
+    "v3": (256, 7168, 2048, 8),
+}
+FP8_MOE_TOKENS = (1, 64, 1024)
+
+
+def check_quantized_moe(rows: list) -> None:
+    """The fused MoE with FP8 and with MXFP4 experts against the float32 loop on their
+    dequantization (FP8: on e4m3 inputs too, as the kernel quantizes them), a row alone equal to
+    it in a batch under DECODE, and median ms beside the bf16 experts of the same values."""
+    import triton.testing
+
+    from deepserve.kernels import block_quant
+    from deepserve.kernels.triton import fused_moe
+
+    g = torch.Generator(device="cuda").manual_seed(9)
+    for shape, (e, h, i, k) in FP8_MOE_SHAPES.items():
+        gate_up = (torch.randn(e, 2 * i, h, device="cuda", generator=g) / h**0.5).bfloat16()
+        down = (torch.randn(e, h, i, device="cuda", generator=g) / i**0.5).bfloat16()
+        formats = {
+            "fp8": (block_quant.quantize_fp8(gate_up), block_quant.quantize_fp8(down)),
+            "mxfp4": (block_quant.quantize_mxfp4(gate_up), block_quant.quantize_mxfp4(down)),
+        }
+        for t in FP8_MOE_TOKENS:
+            x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
+            ids = torch.rand(t, e, device="cuda", generator=g).topk(k, dim=-1)[1]
+            w = torch.rand(t, k, device="cuda", generator=g)
+            ms_bf16 = triton.testing.do_bench(
+                lambda x=x, ids=ids, w=w, gu=gate_up, dn=down: fused_moe.fused_moe(
+                    x, gu, dn, w, ids
+                ),
+                return_mode="median",
+            )
+            for fmt, (gu, dn) in formats.items():
+                checked = min(t, 8)  # the float32 loop is slow: the first rows
+                want = fused_moe.fused_moe_reference(
+                    x[:checked], gu, dn, w[:checked], ids[:checked]
+                )
+                got = fused_moe.fused_moe(x, gu, dn, w, ids)
+                full = fused_moe.fused_moe(x, gu, dn, w, ids, fused_moe.DECODE)
+                one = fused_moe.fused_moe(x[:1], gu, dn, w[:1], ids[:1], fused_moe.DECODE)
+                ms = triton.testing.do_bench(
+                    lambda x=x, ids=ids, w=w, gu=gu, dn=dn: fused_moe.fused_moe(x, gu, dn, w, ids),
+                    return_mode="median",
+                )
+                row = dict(op=f"fused_moe_{fmt}", shape=shape, tokens=t,
+                           rel_err=rel(got[:checked], want), nan=bool(got.isnan().any()),
+                           row_invariant=bool(torch.equal(full[:1], one)),
+                           ms=ms, ms_bf16=ms_bf16, speedup=ms_bf16 / ms)  # fmt: skip
+                row["ok"] = row["rel_err"] < 2e-2 and not row["nan"]
+                rows.append(row)
+                print(row, flush=True)
+        formats.clear()
+        torch.cuda.empty_cache()

@@ -408,9 +408,10 @@ def section_determinism(out: dict, models: dict[str, Path], sc: Scale, deadline:
 def markdown(out: dict) -> str:
     lines = [f"GPU: {out.get('gpu')}, torch {out.get('torch')}, triton {out.get('triton')}, "
              f"transformers {out.get('transformers')}", ""]  # fmt: skip
-    keys = ("kernel_checks", "v4_checks", "invariant", "kernel_tests", "linear", "parity",
+    keys = ("kernel_checks", "v4_checks", "invariant", "fp8", "kernel_tests", "linear", "parity",
             "throughput", "determinism", "speed", "profile", "prefill_profile", "serve",
-            "serve_log_tail", "build_s", "errors")  # fmt: skip
+            "serve_log_tail", "v4_parity", "v4_speed", "v4_kv", "v4_profile", "v4_long",
+            "build_s", "errors")  # fmt: skip
     for key in keys:
         if key not in out:
             continue
@@ -450,6 +451,13 @@ def main() -> int:
     parser.add_argument("--shapes", nargs="*", default=["smollm2", "v2-lite"])
     parser.add_argument("--v2-batches", nargs="*", type=int, default=[1, 32, 64])
     parser.add_argument("--smollm2-batches", nargs="*", type=int, default=[1, 32])
+    parser.add_argument(
+        "--quantization",
+        nargs="*",
+        default=["bf16"],
+        choices=["bf16", "fp8"],
+        help="section speed: deepserve's weights as bf16 and/or block-scaled FP8 (V3's format)",
+    )
     parser.add_argument(
         "--long-lengths",
         nargs="*",
@@ -504,7 +512,13 @@ def main() -> int:
         ("linear", lambda: section_kernel_invariance_and_speed(out)),
         ("models", write_models),
         ("invariant", lambda: kernel_checks.run_invariant(out, deadline - 240)),  # speed: ~130 s
-        ("speed", lambda: speed.section_speed(out, args.shapes, batches, 128, deadline - 200)),
+        ("fp8", lambda: kernel_checks.run_fp8(out)),
+        (
+            "speed",
+            lambda: speed.section_speed(
+                out, args.shapes, batches, 128, deadline - 200, tuple(args.quantization)
+            ),
+        ),
         ("async", lambda: async_ab.section_async(out, args.shapes, batches, 128, deadline - 150)),
         ("parity", lambda: section_parity(out, models, sc)),
         ("determinism", lambda: section_determinism(out, models, sc, deadline - 100)),
@@ -538,6 +552,7 @@ def main() -> int:
         "serve_long",
         "v4_parity",
         "v4",
+        "fp8",  # its own job: --only fp8
     }  # superseded by speed / checks
     for name, fn in sections:
         if name == "models":

@@ -6,12 +6,16 @@ one of a 2,000-token prefill.
 Shapes: DeepSeek-V2-Lite (15.7B: MLA, 64 routed experts top-6 + 2 shared, 27 layers, in the
 DeepseekV3 architecture with a 4K context: model_shapes' `deepseek-v2-lite-v3arch`) and
 SmolLM2-135M. transformers builds the model with its own random init; deepserve's model is built
-over the very same tensors (no copy of the experts). Imported by run_all.py.
+over the very same tensors (no copy of the experts). `quantization` "fp8": deepserve's projections
+and experts quantized on the device to DeepSeek-V3's published FP8 blocks (e4m3, 128 x 128
+float32 scales; what the V3 checkpoints keep in bf16 stays so) and run by the FP8 kernels, beside
+the bf16 rows of the same call. Imported by run_all.py.
 """
 
 from __future__ import annotations
 
 import random
+import re
 import statistics
 import time
 
@@ -20,6 +24,8 @@ import torch
 from deepserve.engine.testmodels.model_shapes import DEEPSEEK_V2_LITE_AS_V3, SMOLLM2_135M
 
 SHAPES = {"v2-lite": DEEPSEEK_V2_LITE_AS_V3, "smollm2": SMOLLM2_135M}
+# what DeepSeek-V3's FP8 checkpoints keep in bf16 (and norms, biases: not matrices)
+_FP8_KEEP = re.compile(r"(embed_tokens|lm_head|shared_head\.head|mlp\.gate)\.weight$")
 
 
 def _sync() -> None:
@@ -39,12 +45,34 @@ def build_hf(config: dict):
     return hf.eval()
 
 
-def build_llm(config: dict, hf, batch_invariant: bool, **kw):
-    """deepserve's engine over transformers' tensors (same weights, one copy of the experts)."""
-    return build_llm_over(config, dict(hf.state_dict()), batch_invariant, **kw)
+def fp8_weights(weights: dict[str, torch.Tensor]) -> dict:
+    """The matrices (fused experts too) as block-scaled FP8, made on the device one at a time."""
+    from deepserve.kernels.block_quant import quantize_fp8
+
+    def quantized(name: str, t: torch.Tensor) -> bool:
+        matrix = name.endswith((".weight", "_proj")) and t.dim() >= 2
+        return matrix and not _FP8_KEEP.search(name)
+
+    return {n: quantize_fp8(t) if quantized(n, t) else t for n, t in weights.items()}
 
 
-def build_llm_over(config: dict, weights, batch_invariant: bool, dtype: str = "bfloat16", **kw):
+def build_llm(config: dict, hf, batch_invariant: bool, quantization: str = "bf16", **kw):
+    """deepserve's engine over transformers' tensors (same weights, one copy of the experts;
+    `quantization` "fp8": an FP8 copy of the matrices instead)."""
+    weights = dict(hf.state_dict())
+    if quantization == "fp8":
+        weights = fp8_weights(weights)
+    return build_llm_over(config, weights, batch_invariant, quantization=quantization, **kw)
+
+
+def build_llm_over(
+    config: dict,
+    weights,
+    batch_invariant: bool,
+    dtype: str = "bfloat16",
+    quantization: str = "bf16",
+    **kw,
+):
     """deepserve's engine over `weights` (HF-named tensors, or a mapping that makes each one on
     request, so a checkpoint larger than half the card is never held twice)."""
     from deepserve.engine.config import EngineConfig
@@ -58,7 +86,9 @@ def build_llm_over(config: dict, weights, batch_invariant: bool, dtype: str = "b
     store = WeightStore(weights, torch.device("cuda"), getattr(torch, dtype))
     arch = config["architectures"][0]
     kernels = get_kernels("cuda", batch_invariant)
-    model = model_class(arch)(config, store, kernels, f"bench-{arch}-{batch_invariant}")
+    model = model_class(arch)(
+        config, store, kernels, f"bench-{arch}-{batch_invariant}-{quantization}"
+    )
     info = ModelInfo(
         arch, model.family, arch, "", config["vocab_size"], config["max_position_embeddings"],
         [config["eos_token_id"]], None, None, model.fingerprint, 0,
@@ -215,51 +245,74 @@ def _out_of_time(out: dict, deadline: float, what: str) -> bool:
     return True
 
 
-def section_speed(out: dict, shapes: list[str], batches: dict, tokens: int, deadline: float):
+def section_speed(
+    out: dict,
+    shapes: list[str],
+    batches: dict,
+    tokens: int,
+    deadline: float,
+    quantizations: tuple[str, ...] = ("bf16",),
+):
     torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN plans per length skew transformers
-    rows = out.setdefault("speed", [])
-    profiles = out.setdefault("profile", [])
     for name in shapes:
         config = SHAPES[name]
-        vocab = config["vocab_size"]
         t0 = time.time()
         hf = build_hf(config)
         out.setdefault("build_s", {})[name] = round(time.time() - t0, 1)
-        for flag in (False, True):
-            if _out_of_time(out, deadline, f"speed: deepserve {name}, flag {flag}"):
-                break
-            rng = random.Random(3)
-            llm = build_llm(config, hf, flag, max_model_len=4096)
-            row = dict(shape=name, system="deepserve", batch_invariant=flag)
-            for b in batches[name]:
-                if _out_of_time(out, deadline, f"speed: deepserve {name} batch {b}, flag {flag}"):
+        for quant in quantizations:
+            for flag in (False, True):
+                if _out_of_time(out, deadline, f"speed: deepserve {name} {quant}, flag {flag}"):
                     break
-                tok_s = engine_decode_tok_s(llm, b, vocab, rng, tokens)
-                rows.append(dict(row, batch=b, decode_tok_s=tok_s))
-                print(rows[-1], flush=True)
-            rows.append(dict(row, prefill_2000_tok_s=engine_prefill_tok_s(llm, vocab, rng, 2000)))
-            print(rows[-1], flush=True)
-            if not flag:
-                prof = profile_prefill(llm, vocab, rng, 2000)
-                out.setdefault("prefill_profile", []).append(dict(shape=name, **prof))
-                print(out["prefill_profile"][-1], flush=True)
-            if name == "v2-lite" or not flag:
-                for b in batches[name][:: max(1, len(batches[name]) - 1)]:
-                    prof = profile_decode_step(llm, b, vocab, rng)
-                    profiles.append(dict(shape=name, batch_invariant=flag, **prof))
-                    print(profiles[-1], flush=True)
-            llm.engine.runner.close()
-            del llm
-            torch.cuda.empty_cache()
-        rng = random.Random(3)
-        for b in batches[name]:
-            if _out_of_time(out, deadline, f"speed: transformers {name} batch {b}"):
-                break
-            rows.append(dict(shape=name, system="transformers", batch=b,
-                             decode_tok_s=hf_decode_tok_s(hf, b, vocab, rng, tokens)))  # fmt: skip
-            print(rows[-1], flush=True)
-        rows.append(dict(shape=name, system="transformers",
-                         prefill_2000_tok_s=hf_prefill_tok_s(hf, vocab, rng, 2000)))  # fmt: skip
-        print(rows[-1], flush=True)
+                _deepserve_rows(out, name, hf, flag, quant, batches[name], tokens, deadline)
+                torch.cuda.empty_cache()
+        _transformers_rows(out, name, hf, batches[name], tokens, deadline)
         del hf
         torch.cuda.empty_cache()
+
+
+def _deepserve_rows(
+    out: dict, name: str, hf, flag: bool, quant: str, batches: list, tokens: int, deadline: float
+) -> None:
+    config, rows, profiles = (
+        SHAPES[name],
+        out.setdefault("speed", []),
+        out.setdefault("profile", []),
+    )
+    vocab = config["vocab_size"]
+    rng = random.Random(3)
+    llm = build_llm(config, hf, flag, quant, max_model_len=4096)
+    row = dict(shape=name, system="deepserve", quantization=quant, batch_invariant=flag)
+    for b in batches:
+        if _out_of_time(out, deadline, f"speed: deepserve {name} {quant} batch {b}, flag {flag}"):
+            break
+        tok_s = engine_decode_tok_s(llm, b, vocab, rng, tokens)
+        rows.append(dict(row, batch=b, decode_tok_s=tok_s))
+        print(rows[-1], flush=True)
+    rows.append(dict(row, prefill_2000_tok_s=engine_prefill_tok_s(llm, vocab, rng, 2000)))
+    print(rows[-1], flush=True)
+    if not flag:
+        prof = profile_prefill(llm, vocab, rng, 2000)
+        out.setdefault("prefill_profile", []).append(dict(shape=name, quantization=quant, **prof))
+        print(out["prefill_profile"][-1], flush=True)
+    if name == "v2-lite" or not flag:
+        for b in batches[:: max(1, len(batches) - 1)]:
+            prof = profile_decode_step(llm, b, vocab, rng)
+            profiles.append(dict(shape=name, quantization=quant, batch_invariant=flag, **prof))
+            print(profiles[-1], flush=True)
+    llm.engine.runner.close()
+
+
+def _transformers_rows(
+    out: dict, name: str, hf, batches: list, tokens: int, deadline: float
+) -> None:
+    rows, vocab = out.setdefault("speed", []), SHAPES[name]["vocab_size"]
+    rng = random.Random(3)
+    for b in batches:
+        if _out_of_time(out, deadline, f"speed: transformers {name} batch {b}"):
+            break
+        rows.append(dict(shape=name, system="transformers", batch=b,
+                         decode_tok_s=hf_decode_tok_s(hf, b, vocab, rng, tokens)))  # fmt: skip
+        print(rows[-1], flush=True)
+    rows.append(dict(shape=name, system="transformers",
+                     prefill_2000_tok_s=hf_prefill_tok_s(hf, vocab, rng, 2000)))  # fmt: skip
+    print(rows[-1], flush=True)

@@ -1,7 +1,7 @@
 """Reads an HF checkpoint folder into the engine's common form: config.json, safetensors weights
 (single file or sharded with model.safetensors.index.json; a quantized checkpoint's weights
-dequantized as they are read, by quantized.py), tokenizer.json, and the chat template, BOS and EOS
-ids from tokenizer_config.json / generation_config.json."""
+dequantized as they are read, or kept for the GPU kernels, by quantized.py), tokenizer.json, and
+the chat template, BOS and EOS ids from tokenizer_config.json / generation_config.json."""
 
 from __future__ import annotations
 
@@ -39,14 +39,17 @@ def weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def read_hf_folder(folder: Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
-    """`dtype`: what quantized weights are dequantized to (the engine's); others keep theirs."""
+def read_hf_folder(
+    folder: Path, dtype: torch.dtype = torch.float32, keep_quantized: bool = False
+) -> Checkpoint:
+    """`dtype`: what quantized weights are dequantized to (the engine's); others keep theirs.
+    `keep_quantized`: FP8 / MXFP4 weights kept as stored, for kernels that run them."""
     if not (folder / "config.json").exists():
         raise ModelNotFoundError(f"{folder} has no config.json")
     config = _read_json(folder / "config.json")
     scheme = quant_scheme(config)  # before reading gigabytes: refuse a format we do not read
     files = weight_files(folder)
-    weights = read_dequantized(files, scheme, dtype)
+    weights = read_dequantized(files, scheme, dtype, keep_quantized)
     tokenizer = load_tokenizer_json(folder / "tokenizer.json")
     tok_config = _optional_json(folder / "tokenizer_config.json")
     gen_config = _optional_json(folder / "generation_config.json")

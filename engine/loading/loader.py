@@ -53,7 +53,14 @@ def load_model(config: EngineConfig, shard: ModelShard | None = None) -> LoadedM
         return load_parallel_model(config, load_model)
     path = resolve_model(config.model)
     dtype = torch_dtype(config.dtype)
-    checkpoint = _read_checkpoint(path, dtype)
+    try:
+        kernels = get_kernels(config.device, config.batch_invariant)
+    except KernelUnavailableError as e:
+        raise UnsupportedModelError(str(e)) from e
+    # FP8 / MXFP4 weights stay quantized for kernels that run them, on one process (a rank's
+    # slices of block-scaled weights are not cut along their blocks: they are dequantized)
+    keep = kernels.fp8_weights and shard is None
+    checkpoint = _read_checkpoint(path, dtype, keep)
     arch = architecture_of(checkpoint.config)
     cls = model_class(arch)
     fingerprint = model_fingerprint(checkpoint.config, checkpoint.files)
@@ -67,10 +74,6 @@ def load_model(config: EngineConfig, shard: ModelShard | None = None) -> LoadedM
             checkpoint.weights, device, dtype, arch, checkpoint.config, shard.plan
         )
         shard = replace(shard, experts=store.experts)
-    try:
-        kernels = get_kernels(config.device, config.batch_invariant)
-    except KernelUnavailableError as e:
-        raise UnsupportedModelError(str(e)) from e
     with torch.inference_mode():
         model = cls(model_config, store, kernels, fingerprint, parallel=shard)
     leftover = store.unused()
@@ -98,14 +101,14 @@ def load_model(config: EngineConfig, shard: ModelShard | None = None) -> LoadedM
     return LoadedModel(model=model, tokenizer=checkpoint.tokenizer, info=info)
 
 
-def _read_checkpoint(path: Path, dtype: torch.dtype) -> Checkpoint:
+def _read_checkpoint(path: Path, dtype: torch.dtype, keep_quantized: bool) -> Checkpoint:
     if path.suffix == ".gguf":
         from deepserve.engine.loading.gguf_loader import read_gguf
 
         return read_gguf(path)
     from deepserve.engine.loading.hf_loader import read_hf_folder
 
-    return read_hf_folder(path, dtype)
+    return read_hf_folder(path, dtype, keep_quantized)
 
 
 def model_fingerprint(config: dict, files: list[Path]) -> str:

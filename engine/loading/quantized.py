@@ -13,9 +13,10 @@ and refuses, naming the field and its value, anything this module does not read.
 
 Tensors a checkpoint keeps unquantized (norms, embeddings, the head, router gates, biases) have no
 scale and pass through. On the CPU the loader dequantizes each weight as it is read
-(`read_dequantized`), so a checkpoint is never in host RAM twice; a GPU path can keep the pairs
-(`QuantizedWeight`) and hand them to block-scaled kernels instead. Which tensors a model reads is
-the model's business, not this module's.
+(`read_dequantized`), so a checkpoint is never in host RAM twice; on a GPU whose KernelSet runs
+them (`fp8_weights`) they are kept as stored (`keep`: kernels/block_quant.py's `Fp8Weight`,
+`Mxfp4Weight`) and the model store decides per tensor (engine/models/common.py). Which tensors
+a model reads is the model's business, not this module's.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from safetensors import safe_open
 
 from deepserve.engine.errors import UnsupportedModelError
+from deepserve.kernels.block_quant import Fp8Weight, Mxfp4Weight
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 MX_BLOCK = 32  # MXFP4: values per E8M0 scale, along the input dim
@@ -136,13 +138,8 @@ def dequantize_fp8(
 ) -> torch.Tensor:
     """`weight` [..., out, in] e4m3 times its per-block `scale_inv` [..., ceil(out/b0),
     ceil(in/b1)], the last row and column of blocks cut to the matrix."""
+    _check_fp8_scale(weight, scale_inv, block)
     rows, cols = weight.shape[-2:]
-    want = (-(-rows // block[0]), -(-cols // block[1]))
-    if tuple(scale_inv.shape[-2:]) != want or scale_inv.shape[:-2] != weight.shape[:-2]:
-        raise ValueError(
-            f"FP8 weight {tuple(weight.shape)} with {block} blocks needs scales "
-            f"{(*weight.shape[:-2], *want)}, not {tuple(scale_inv.shape)}"
-        )
     # scales spread over rows only, then broadcast over each block's columns: no second
     # weight-sized float32 tensor beside the one being scaled
     s = scale_to_float(scale_inv).repeat_interleave(block[0], dim=-2)[..., :rows, :]
@@ -151,6 +148,25 @@ def dequantize_fp8(
     w[..., :full].unflatten(-1, (-1, block[1])).mul_(s[..., : full // block[1], None])
     w[..., full:].mul_(s[..., full // block[1] :])  # the cut last column of blocks, if any
     return w.to(dtype)
+
+
+def _check_fp8_scale(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> None:
+    rows, cols = weight.shape[-2:]
+    want = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scale.shape[-2:]) != want or scale.shape[:-2] != weight.shape[:-2]:
+        raise ValueError(
+            f"FP8 weight {tuple(weight.shape)} with {block} blocks needs scales "
+            f"{(*weight.shape[:-2], *want)}, not {tuple(scale.shape)}"
+        )
+
+
+def _check_mxfp4_scale(packed: torch.Tensor, scale: torch.Tensor) -> None:
+    inputs = packed.shape[-1] * 2
+    want = (*packed.shape[:-1], inputs // MX_BLOCK)
+    if inputs % MX_BLOCK or tuple(scale.shape) != want:
+        raise ValueError(
+            f"MXFP4 weight of {inputs} inputs needs scales {want}, not {tuple(scale.shape)}"
+        )
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
@@ -163,13 +179,9 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 
 def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """MXFP4 `packed` [..., out, in/2] with one `scale` [..., out, in/32] per 32 inputs."""
+    _check_mxfp4_scale(packed, scale)
     values = unpack_e2m1(packed)
     groups = values.shape[-1] // MX_BLOCK
-    if values.shape[-1] % MX_BLOCK or tuple(scale.shape) != (*values.shape[:-1], groups):
-        raise ValueError(
-            f"MXFP4 weight of {values.shape[-1]} inputs needs scales "
-            f"{(*values.shape[:-1], groups)}, not {tuple(scale.shape)}"
-        )
     grouped = values.unflatten(-1, (groups, MX_BLOCK)) * scale_to_float(scale).unsqueeze(-1)
     return grouped.flatten(-2).to(dtype)
 
@@ -187,15 +199,17 @@ def scale_name(weight_name: str, names) -> str | None:
 
 
 def read_dequantized(
-    files: list[Path], scheme: QuantScheme | None, dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
-    """Every tensor of `files` by name, the quantized ones dequantized to `dtype` one at a time."""
-    return dict(_stream(files, scheme, dtype))
+    files: list[Path], scheme: QuantScheme | None, dtype: torch.dtype, keep: bool = False
+) -> dict[str, torch.Tensor | Fp8Weight | Mxfp4Weight]:
+    """Every tensor of `files` by name, the quantized ones dequantized to `dtype` one at a time;
+    `keep` (a KernelSet that runs them, kernels/kernel_set.py `fp8_weights`): kept as stored,
+    as kernels/block_quant.py's `Fp8Weight` (float32 scales) and `Mxfp4Weight` instead."""
+    return dict(_stream(files, scheme, dtype, keep))
 
 
 def _stream(
-    files: list[Path], scheme: QuantScheme | None, dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor]]:
+    files: list[Path], scheme: QuantScheme | None, dtype: torch.dtype, keep: bool
+) -> Iterator[tuple[str, torch.Tensor | Fp8Weight | Mxfp4Weight]]:
     handles = [safe_open(str(f), framework="pt") for f in files]
     where = {name: h for h in handles for name in h.keys()}  # noqa: SIM118 (not iterable)
     scales = {s for n in where if (s := scale_name(n, where)) is not None}
@@ -217,10 +231,18 @@ def _stream(
             tensor, where[scale].get_tensor(scale), _format(name, tensor, scheme)
         )
         try:
-            dequantized = weight.dequantize(scheme.block, dtype)
+            yield name, _kept(weight, scheme) if keep else weight.dequantize(scheme.block, dtype)
         except ValueError as e:  # scales of the wrong shape
             raise UnsupportedModelError(f"checkpoint tensor {name}: {e}") from e
-        yield name, dequantized
+
+
+def _kept(weight: QuantizedWeight, scheme: QuantScheme) -> Fp8Weight | Mxfp4Weight:
+    """The weight as the GPU kernels take it (scales checked, FP8 ones made float32)."""
+    if weight.fmt == "mxfp4":
+        _check_mxfp4_scale(weight.values, weight.scale)
+        return Mxfp4Weight(weight.values.view(torch.uint8), weight.scale)
+    _check_fp8_scale(weight.values, weight.scale, scheme.block)
+    return Fp8Weight(weight.values, scale_to_float(weight.scale), scheme.block)
 
 
 def _format(name: str, tensor: torch.Tensor, scheme: QuantScheme) -> str:

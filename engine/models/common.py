@@ -7,10 +7,12 @@ import torch
 import torch.nn.functional as F
 
 from deepserve.engine.errors import UnsupportedModelError
+from deepserve.kernels.block_quant import Fp8Weight, Matrix, Mxfp4Weight, cat_rows
 from deepserve.kernels.kernel_set import KernelSet
 from deepserve.kernels.quant_panels import QuantizedMatrix, concat
 
-Weights = dict[str, torch.Tensor]
+# HF names -> tensors; FP8 / MXFP4 weights as stored where the loader keeps them for the kernels
+Weights = dict[str, torch.Tensor | Fp8Weight | Mxfp4Weight]
 
 
 class WeightStore:
@@ -34,10 +36,29 @@ class WeightStore:
         return name in self._weights
 
     def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A plain tensor; a weight kept quantized (FP8 / MXFP4) is dequantized on the device
+        (e.g. MLA's kv_b, whose absorbed halves W_UK / W_UV run as bf16 bmm's)."""
+        w = self._fetch(name)
+        if isinstance(w, torch.Tensor):
+            return w.to(device=self.device, dtype=dtype or self.dtype).contiguous()
+        return w.to(self.device).dequantize(dtype or self.dtype)
+
+    def get_linear(self, name: str) -> Matrix:
+        """A matmul weight as the KernelSet's `linear` / `moe` take it: kept quantized on the
+        device when the checkpoint stores it so and the set runs it (the loader keeps it only
+        then), else as `get` gives it."""
+        w = self._fetch(name)
+        return self.get(name) if isinstance(w, torch.Tensor) else w.to(self.device)
+
+    def cat_linear(self, names: list[str]) -> Matrix:
+        """`cat` of matmul weights, FP8 where the parts' scale blocks allow (`cat_rows`)."""
+        return cat_rows([self.get_linear(n) for n in names], self.dtype)
+
+    def _fetch(self, name: str) -> torch.Tensor | Fp8Weight | Mxfp4Weight:
         if name not in self._weights:
             raise UnsupportedModelError(f"checkpoint is missing tensor {name!r}")
         self._used.add(name)
-        return self._weights[name].to(device=self.device, dtype=dtype or self.dtype).contiguous()
+        return self._weights[name]
 
     def cat(self, names: list[str], dim: int = 0) -> torch.Tensor:
         """Several tensors fused along `dim` (e.g. q/k/v into one projection: one matmul, not three)."""

@@ -36,6 +36,7 @@ from deepserve.engine.models.base import KVCacheSpec
 from deepserve.engine.models.common import WeightStore, add_rms_norm, require, swiglu
 from deepserve.engine.parallel.plan import ModelShard
 from deepserve.kernels.attention_metadata import AttentionMetadata
+from deepserve.kernels.block_quant import Matrix, cat_rows, reorder_rows, stack
 from deepserve.kernels.kernel_set import KernelSet
 from deepserve.kernels.rope import apply_rope, build_rope_tables, rope_at, yarn_get_mscale
 from deepserve.kernels.route_spec import RouteSpec
@@ -193,13 +194,14 @@ class _MTP:
     head: torch.Tensor  # shared_head.head
 
 
-def _rope_rows_to_half_split(w: torch.Tensor, head_dim: int, rope_dim: int) -> torch.Tensor:
+def _rope_rows_to_half_split(w: Matrix, head_dim: int, rope_dim: int, dtype: torch.dtype) -> Matrix:
     """Reorder the last `rope_dim` rows of every `head_dim`-row head from interleaved pairs
-    (x0, x1, x2, x3, ...) to half-split (x0, x2, ..., x1, x3, ...)."""
+    (x0, x1, x2, x3, ...) to half-split (x0, x2, ..., x1, x3, ...). FP8 weights stay FP8 (the
+    rows stay inside their scale blocks) where block_quant.reorder_rows allows."""
     perm = torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)])
-    heads = w.view(-1, head_dim, w.shape[-1]).clone()
-    heads[:, head_dim - rope_dim :] = heads[:, head_dim - rope_dim :][:, perm]
-    return heads.view_as(w)
+    order = torch.arange(w.shape[0]).view(-1, head_dim)
+    order[:, head_dim - rope_dim :] = order[:, head_dim - rope_dim :][:, perm]
+    return reorder_rows(w, order.flatten(), dtype)
 
 
 class DeepseekV3ForCausalLM:
@@ -249,39 +251,42 @@ class DeepseekV3ForCausalLM:
     def _load_attention(self, w: WeightStore, p: str) -> _Attention:
         a = self.args
         low_rank = a.q_lora_rank is not None
-        q_b = w.get(p + ("q_b_proj.weight" if low_rank else "q_proj.weight"))
-        kv_a = w.get(p + "kv_a_proj_with_mqa.weight")
+        # matmul weights as the KernelSet runs them (FP8 kept on a set that runs it); kv_b is
+        # read dequantized: its halves W_UK / W_UV are absorbed into bf16 bmm's
+        q_b = w.get_linear(p + ("q_b_proj.weight" if low_rank else "q_proj.weight"))
+        kv_a = w.get_linear(p + "kv_a_proj_with_mqa.weight")
         if a.rope_interleave:
-            q_b = _rope_rows_to_half_split(q_b, a.qk_head_dim, a.qk_rope_head_dim)
-            kv_a = _rope_rows_to_half_split(kv_a, kv_a.shape[0], a.qk_rope_head_dim)
+            q_b = _rope_rows_to_half_split(q_b, a.qk_head_dim, a.qk_rope_head_dim, self.dtype)
+            kv_a = _rope_rows_to_half_split(kv_a, kv_a.shape[0], a.qk_rope_head_dim, self.dtype)
         kv_b = w.get(p + "kv_b_proj.weight").view(a.num_heads, -1, a.kv_lora_rank)
-        q_x = w.get(p + "q_a_proj.weight") if low_rank else q_b
+        q_x = w.get_linear(p + "q_a_proj.weight") if low_rank else q_b
         return _Attention(
-            x_proj=torch.cat([q_x, kv_a]),  # one launch where a decode step took two
+            x_proj=cat_rows([q_x, kv_a], self.dtype),  # one launch where a decode step took two
             q_rows=q_x.shape[0],
             q_a_norm=w.get(p + "q_a_layernorm.weight") if low_rank else None,
             q_b=q_b if low_rank else None,
             kv_a_norm=w.get(p + "kv_a_layernorm.weight"),
             w_uk=kv_b[:, : a.qk_nope_head_dim].contiguous(),
             w_uv_t=kv_b[:, a.qk_nope_head_dim :].transpose(1, 2).contiguous(),
-            o=w.get(p + "o_proj.weight"),
+            o=w.get_linear(p + "o_proj.weight"),
         )
 
     @staticmethod
     def _load_dense(w: WeightStore, p: str) -> _Dense:
         return _Dense(
-            gate_up=w.cat([p + "gate_proj.weight", p + "up_proj.weight"]),
-            down=w.get(p + "down_proj.weight"),
+            gate_up=w.cat_linear([p + "gate_proj.weight", p + "up_proj.weight"]),
+            down=w.get_linear(p + "down_proj.weight"),
         )
 
     def _load_moe(self, w: WeightStore, p: str) -> _MoE:
         a = self.args
         if w.has(p + "experts.gate_up_proj"):  # transformers 5's fused layout, gate rows first
-            gate_up, down = w.get(p + "experts.gate_up_proj"), w.get(p + "experts.down_proj")
+            gate_up = w.get_linear(p + "experts.gate_up_proj")
+            down = w.get_linear(p + "experts.down_proj")
         else:
             experts = [self._load_dense(w, f"{p}experts.{e}.") for e in range(a.n_routed_experts)]
-            gate_up = torch.stack([e.gate_up for e in experts])
-            down = torch.stack([e.down for e in experts])
+            gate_up = stack([e.gate_up for e in experts], self.dtype)
+            down = stack([e.down for e in experts], self.dtype)
         bias_name = p + "gate.e_score_correction_bias"
         return _MoE(
             gate=w.get(p + "gate.weight", torch.float32),
@@ -298,7 +303,7 @@ class DeepseekV3ForCausalLM:
             embed=w.get(p + "embed_tokens.weight") if own["embed_tokens.weight"] else self.embed,
             enorm=w.get(p + "enorm.weight"),
             hnorm=w.get(p + "hnorm.weight"),
-            eh_proj=w.get(p + "eh_proj.weight"),
+            eh_proj=w.get_linear(p + "eh_proj.weight"),
             layer=self._load_layer(w, index),
             norm=w.get(p + "shared_head.norm.weight"),
             head=w.get(p + "shared_head.head.weight")

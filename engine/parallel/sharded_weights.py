@@ -161,6 +161,9 @@ class ShardedWeightStore(WeightStore):
             t = cut(t)
         return t.to(device=self.device, dtype=dtype or self.dtype).contiguous()
 
+    def get_linear(self, name: str) -> torch.Tensor:
+        return self.get(name)  # a rank's weights are read dequantized (loader.py's `keep`)
+
     def quantized(self, names: list[str]) -> QuantizedMatrix | None:
         return None
 

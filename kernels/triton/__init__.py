@@ -3,6 +3,7 @@ configuration per op, so a row's result never depends on how many rows share the
 
 - `lang.py`: the import shim (these modules import without Triton; kernels are only launched with it)
 - `matmul.py`: invariant matmul for `linear` and `bmm` (tiles and K chunks fixed by the weight)
+- `fp8_matmul.py`: block-scaled FP8 GEMM for `Fp8Weight`s, activations quantized per 1 x 128
 - `rows.py`: row-per-program RMSNorm, softmax and log_softmax
 - `attention.py`: fixed-split paged attention over the block-table KV cache (prefill and decode alike)
 - `decode_attention.py`: graph-safe paged attention for pure decode steps (MLA and GQA), and the

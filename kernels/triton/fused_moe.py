@@ -9,19 +9,28 @@ return at once.
 
 A row's result depends only on its own input, its expert and the fixed tile shape (no split-K,
 K walked in order), and the top-k outputs are summed in slot order: with a fixed `MoeConfig`
-the op is batch invariant. What does not live here: routing (the model's) and the shared experts
-(only their output is added, in the slot sum's launch).
+the op is batch invariant (FP8 experts too: their activations are quantized per row). Experts
+come plain (bf16 / float32), as block-scaled FP8 (`Fp8Weight`: e4m3 dots scaled per 128-step of
+K, as fp8_matmul.py's GEMM) or as MXFP4 (`Mxfp4Weight`: e2m1 codes dequantized to the
+activations' dtype in the K loop, since Hopper has no FP4 tensor cores). What does not live
+here: routing (the model's) and the shared experts (only their output is added, in the slot
+sum's launch).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
+from deepserve.kernels.block_quant import Fp8Weight, Mxfp4Weight
+from deepserve.kernels.triton.fp8_matmul import GROUP, quantize_groups, quantize_groups_reference
 from deepserve.kernels.triton.lang import cdiv, constexpr, jit, next_power_of_2, tl
 from deepserve.kernels.triton.rows import silu_mul
+
+# [E, N, K] stacked experts: plain (bf16 / float32), block-scaled FP8 or MXFP4
+ExpertWeight = torch.Tensor | Fp8Weight | Mxfp4Weight
 
 
 @dataclass(frozen=True)
@@ -48,13 +57,31 @@ def default_config(pairs: int, num_experts: int) -> MoeConfig:
     return PREFILL if pairs >= PREFILL_MIN_PAIRS else DECODE
 
 
+PLAIN, FP8, MXFP4 = 0, 1, 2  # the expert weights' format, a constexpr of the GEMM kernel
+
+
+@jit
+def _e2m1(code):
+    """float32 values of e2m1 codes (bit 3 the sign): 0, 0.5, 1, 1.5, 2, 3, 4, 6, in integer ops
+    (exact: no exp2)."""
+    mag = (code & 7).to(tl.int32)
+    e, m = mag >> 1, mag & 1
+    value = tl.where(e == 0, m, (2 + m) << tl.maximum(e - 1, 0)).to(tl.float32) * 0.5
+    return tl.where((code & 8) != 0, -value, value)
+
+
 @jit(do_not_specialize=["num_pairs"])
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, c_ptr, pair_ptr, block_expert_ptr, scale_ptr,
-    num_pairs, N, K, s_am, s_we, s_wn, s_wk, s_cm,
+    a_ptr, w_ptr, c_ptr, pair_ptr, block_expert_ptr, scale_ptr, as_ptr, ws_ptr,
+    num_pairs, N, K, s_am, s_we, s_wn, s_wk, s_cm, s_asm, s_wse, s_wsn, s_wsk,
     A_DIV: constexpr, SCALE: constexpr, PRECISION: constexpr,
+    WFMT: constexpr, SCALE_N: constexpr, E8M0: constexpr,
     BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_K: constexpr,
 ):  # fmt: skip
+    """WFMT PLAIN: a and w of one dtype. FP8: a e4m3 with one scale per (row, BLOCK_K = 128
+    columns), w e4m3 with one per (SCALE_N rows, 128 columns); each K step's dot scaled by both.
+    MXFP4: w's bytes hold two e2m1 codes along K (low nibble first), one scale per 32 of K
+    (E8M0 bytes or float32), dequantized to a's dtype in the loop (Hopper has no FP4 MMA)."""
     block, pn = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
@@ -67,6 +94,7 @@ def _moe_gemm_kernel(
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w_base = w_ptr + expert.to(tl.int64) * s_we
+    ws_base = ws_ptr + expert.to(tl.int64) * s_wse
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
         a = tl.load(
@@ -74,12 +102,26 @@ def _moe_gemm_kernel(
             mask=ok[:, None] & (kk[None, :] < K),
             other=0.0,
         )
-        b = tl.load(
-            w_base + kk[:, None] * s_wk + rn[None, :] * s_wn,
-            mask=(kk[:, None] < K) & (rn[None, :] < N),
-            other=0.0,
-        )
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        b_mask = (kk[:, None] < K) & (rn[None, :] < N)
+        if WFMT == MXFP4:
+            w_at = w_base + (kk // 2)[:, None] * s_wk + rn[None, :] * s_wn
+            byte = tl.load(w_at, mask=b_mask, other=0)
+            code = tl.where((kk % 2 == 0)[:, None], byte & 0xF, byte >> 4)
+            s_at = ws_base + (kk // 32)[:, None] * s_wsk + rn[None, :] * s_wsn
+            s = tl.load(s_at, mask=b_mask, other=0)
+            if E8M0:  # 2^(byte - 127): the byte is a float32's exponent field
+                s = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+            b = (_e2m1(code) * s).to(a.dtype)  # exact: 2 significant bits times a power of two
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        else:
+            b = tl.load(w_base + kk[:, None] * s_wk + rn[None, :] * s_wn, mask=b_mask, other=0.0)
+            if WFMT == FP8:
+                kb = k0 // BLOCK_K
+                sa = tl.load(as_ptr + rows * s_asm + kb, mask=ok, other=0.0)
+                sb = tl.load(ws_base + (rn // SCALE_N) * s_wsn + kb * s_wsk, mask=rn < N, other=0.0)
+                acc += tl.dot(a, b, out_dtype=tl.float32) * sa[:, None] * sb[None, :]
+            else:
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
     if SCALE:
         acc = acc * tl.load(scale_ptr + pairs, mask=ok, other=0.0)[:, None]
     c = c_ptr + pairs[:, None] * s_cm + rn[None, :]
@@ -175,7 +217,7 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
 
 def _grouped_gemm(
     a: torch.Tensor,
-    w: torch.Tensor,
+    w: ExpertWeight,
     out: torch.Tensor,
     table: torch.Tensor,
     block_expert: torch.Tensor,
@@ -183,13 +225,26 @@ def _grouped_gemm(
     scale: torch.Tensor | None,
     cfg: MoeConfig,
 ) -> None:
+    """out[pair] = a[pair // a_div] @ w[expert].T (times `scale[pair]`), per block of the table;
+    FP8 experts quantize `a` per 1 x 128 group first and walk K in 128-steps."""
     n, k = w.shape[1], w.shape[2]
+    fmt, data, w_scale, a_scale = PLAIN, w, out, out  # stand-ins where a format has no scales
+    if isinstance(w, Fp8Weight):
+        fmt, data, w_scale = FP8, w.data, w.scale
+        a, a_scale = quantize_groups(a)
+        cfg = replace(cfg, block_k=GROUP)
+    elif isinstance(w, Mxfp4Weight):
+        fmt, data, w_scale = MXFP4, w.data.view(torch.uint8), w.scale
+        if w_scale.dtype == getattr(torch, "float8_e8m0fnu", None):
+            w_scale = w_scale.view(torch.uint8)
     grid = (block_expert.numel(), cdiv(n, cfg.block_n))
     _moe_gemm_kernel[grid](
-        a, w, out, table, block_expert, scale if scale is not None else out,
-        out.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
+        a, data, out, table, block_expert, scale if scale is not None else out, a_scale, w_scale,
+        out.shape[0], n, k, a.stride(0), data.stride(0), data.stride(1), data.stride(2),
+        out.stride(0), a_scale.stride(0), *(w_scale.stride() if fmt else (0, 0, 0)),
         A_DIV=a_div, SCALE=scale is not None,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",  # tf32: unused by 16-bit inputs
+        WFMT=fmt, SCALE_N=w.block[0] if fmt == FP8 else 1, E8M0=w_scale.dtype == torch.uint8,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -197,24 +252,28 @@ def _grouped_gemm(
 
 def fused_moe(
     x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
+    gate_up: ExpertWeight,
+    down: ExpertWeight,
     weights: torch.Tensor,
     ids: torch.Tensor,
     cfg: MoeConfig | None = None,
     add: torch.Tensor | None = None,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """sum_j weights[t, j] * down[e](silu(gate[e] x_t) * up[e] x_t) over e = ids[t, j].
     x `[T, H]`, gate_up `[E, 2I, H]` (gate rows first), down `[E, H, I]`, weights/ids `[T, k]`.
     `cfg` None: `default_config`'s, narrow for decode-sized calls, wider for prefill. `add` `[T, H]`
     (the shared experts' output) is added to the result in the same launch as the slot sum,
-    with the values of a separate `out + add`."""
+    with the values of a separate `out + add`. `swiglu_limit` (DeepSeek-V4): gate clamped above
+    and up on both sides at it before silu(gate) * up. gate_up and down may be kernels/
+    block_quant.py's `Fp8Weight` (activations then quantized per 1 x 128 group, K in 128-steps)
+    or `Mxfp4Weight` (dequantized to x's dtype in the kernel), each of the same [E, N, K]."""
     tokens, topk = ids.shape
     pairs = tokens * topk
     if cfg is None:
         cfg = default_config(pairs, gate_up.shape[0])
     if add is not None and (add.shape != x.shape or add.dtype != x.dtype or add.stride(-1) != 1):
-        return fused_moe(x, gate_up, down, weights, ids, cfg) + add
+        return fused_moe(x, gate_up, down, weights, ids, cfg, swiglu_limit=swiglu_limit) + add
     if pairs == 0:
         return torch.zeros_like(x) if add is None else add.clone()
     x = x.contiguous()
@@ -223,7 +282,7 @@ def fused_moe(
     _grouped_gemm(x, gate_up, inter, table, block_expert, topk, None, cfg)
     # silu(gate) * up in its own launch: fused into the down GEMM's loads it is recomputed for
     # every column tile, which measured slower at every batch size
-    act = silu_mul(inter)
+    act = silu_mul(inter, swiglu_limit)
     y = torch.empty(pairs, down.shape[1], device=x.device, dtype=x.dtype)
     scale = weights.reshape(-1).to(torch.float32).contiguous()
     _grouped_gemm(act, down, y, table, block_expert, 1, scale, cfg)
@@ -238,17 +297,33 @@ def fused_moe(
 
 def fused_moe_reference(
     x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
+    gate_up: ExpertWeight,
+    down: ExpertWeight,
     weights: torch.Tensor,
     ids: torch.Tensor,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
-    """The same function as a loop over (token, slot) in float32: the tests' oracle."""
+    """The same function as a loop over (token, slot) in float32: the tests' oracle. Quantized
+    experts are dequantized; FP8 ones also see their inputs as e4m3 per 1 x 128 group, as the
+    kernel does."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    quantized = isinstance(gate_up, Fp8Weight)
+    gate_up, down = (w if isinstance(w, torch.Tensor) else w.dequantize() for w in (gate_up, down))
     for t in range(ids.shape[0]):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
-            gu = gate_up[e].float() @ x[t].float()
+            gu = gate_up[e].float() @ _as_fp8_groups(x[t].float(), quantized)
             gate, up = gu.chunk(2)
-            out[t] += float(weights[t, j]) * (down[e].float() @ (F.silu(gate) * up))
+            if swiglu_limit:
+                gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
+            act = _as_fp8_groups(F.silu(gate) * up, quantized)
+            out[t] += float(weights[t, j]) * (down[e].float() @ act)
     return out
+
+
+def _as_fp8_groups(v: torch.Tensor, quantized: bool) -> torch.Tensor:
+    """A row as the FP8 kernel reads it: its per-128 e4m3 codes times their scales."""
+    if not quantized:
+        return v
+    q, s = quantize_groups_reference(v[None])
+    return (q.float() * s.repeat_interleave(GROUP, dim=1)[:, : v.shape[0]])[0]

@@ -15,6 +15,7 @@ from deepserve.kernels.errors import KernelUnavailableError
 from deepserve.kernels.kernel_set import KernelSet
 from deepserve.kernels.triton import (
     attention,
+    fp8_matmul,
     fused_moe,
     matmul,
     mla,
@@ -63,7 +64,7 @@ def fast_kernels(base: KernelSet) -> KernelSet | None:
     fast = replace(
         base,
         name="cuda_fast",
-        linear=F.linear,
+        linear=fp8_matmul.linear_or(F.linear),  # FP8 weights: tiles by M
         rms_norm=rows.rms_norm,
         bmm=torch.matmul,
         paged_attention=FastPagedAttention(),
@@ -76,6 +77,7 @@ def fast_kernels(base: KernelSet) -> KernelSet | None:
         silu_mul=rows.silu_mul,
         moe_route=routing.route,
         graph_safe=True,
+        fp8_weights=True,
     )
     return _with_v4_ops(fast)
 
@@ -87,7 +89,7 @@ def triton_kernels(base: KernelSet) -> KernelSet:
     invariant = replace(
         base,
         name="batch_invariant_triton",
-        linear=matmul.linear,
+        linear=fp8_matmul.linear_or(matmul.linear, batch_invariant=True),
         rms_norm=rows.rms_norm,
         softmax=rows.softmax,
         log_softmax=rows.log_softmax,
@@ -103,5 +105,6 @@ def triton_kernels(base: KernelSet) -> KernelSet:
         silu_mul=rows.silu_mul,
         moe_route=routing.route,
         graph_safe=True,
+        fp8_weights=True,
     )
     return _with_v4_ops(invariant)  # fixed splits and tiles: invariant by construction

@@ -105,18 +105,22 @@ SILU_BLOCK = 1024
 
 
 @jit
-def _silu_mul_kernel(x_ptr, y_ptr, N, s_x, s_y, BLOCK: constexpr):
+def _silu_mul_kernel(x_ptr, y_ptr, N, s_x, s_y, limit, LIMIT: constexpr, BLOCK: constexpr):
     row = tl.program_id(0).to(tl.int64)  # rows x stride may pass 2^31
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
     g = tl.load(x_ptr + row * s_x + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * s_x + N + cols, mask=mask, other=0.0).to(tl.float32)
+    if LIMIT:  # clamping is exact, so in float32 it equals torch's clamp of the stored values
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
     act = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty).to(tl.float32)  # torch rounds silu
     tl.store(y_ptr + row * s_y + cols, (act * u).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
-    """silu(gate) * up for `gate_up = [gate | up]` in one launch; None for a strided last dim."""
+def silu_mul(gate_up: torch.Tensor, limit: float | None = None) -> torch.Tensor | None:
+    """silu(gate) * up for `gate_up = [gate | up]` in one launch; None for a strided last dim.
+    `limit` (DeepSeek-V4's clamped SwiGLU): gate clamped above and up on both sides at it first."""
     if gate_up.stride(-1) != 1 or gate_up.shape[-1] % 2:
         return None
     flat = gate_up.reshape(-1, gate_up.shape[-1])
@@ -124,7 +128,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(flat.shape[0], n, device=flat.device, dtype=flat.dtype)
     if flat.shape[0]:
         grid = (flat.shape[0], -(-n // SILU_BLOCK))
-        _silu_mul_kernel[grid](flat, out, n, flat.stride(0), out.stride(0), BLOCK=SILU_BLOCK)
+        _silu_mul_kernel[grid](
+            flat, out, n, flat.stride(0), out.stride(0), float(limit or 0.0),
+            LIMIT=bool(limit), BLOCK=SILU_BLOCK,
+        )  # fmt: skip
     return out.view(*gate_up.shape[:-1], n)
 
 

@@ -1,0 +1,199 @@
+"""Block-scaled FP8 GEMM: `y = x @ dequant(w).T` for an `Fp8Weight` (kernels/block_quant.py), the
+DeepGEMM / vLLM `w8a8_block_fp8_matmul` scheme.
+
+- `quantize_groups(x)`: per row and per 128 columns, amax -> scale = amax / 448, x / scale cast to
+  float8_e4m3fn; one float32 scale per (row, group). Dynamic (from the step's own activations),
+  and per row, so a row's codes never depend on the other rows of the batch.
+- `fp8_linear(x, w)`: K walked in 128-steps, each step one tensor-core dot of the fp8 tiles into
+  float32 (wgmma on Hopper), times a_scale[m, kb] * b_scale[nb, kb], added in K order; output in
+  x's dtype. UE8M0 weight scales (DeepSeek-V4) are float32 powers of two after load: the same
+  kernel. No split-K: a row's sum is the same chain of K steps for any M, so with a tile fixed
+  by the weight alone (`--batch-invariant` takes `decode_config(N)` at every M) rows are batch
+  invariant.
+
+Weights whose K block is not 128 are not this kernel's: `linear_or` sends them to their
+dequantized fallback. What does not live here: the weight type and its torch reference
+(kernels/block_quant.py), FP8 experts (fused_moe.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from deepserve.kernels import block_quant
+from deepserve.kernels.block_quant import FP8_MAX, Fp8Weight
+from deepserve.kernels.triton.lang import cdiv, constexpr, jit, tl
+
+GROUP = 128  # activation group and weight K block: one scale pair per K step
+QUANT_GROUPS = 8  # groups per program of the quantize kernel
+AMAX_FLOOR = 1e-10  # an all-zero group gets this amax: scale > 0, codes 0
+FILL_PROGRAMS = 132  # programs of one H200 wave: what a decode launch's N tiles should reach
+
+
+@dataclass(frozen=True)
+class Fp8TileConfig:
+    block_m: int = 16
+    block_n: int = 64
+    group_m: int = 8  # tiles of group_m row-blocks share their weight columns in L2
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+# decode: few rows, the weight streamed once; N tiles alone fill the GPU on the wide projections
+DECODE = Fp8TileConfig()
+MEDIUM = Fp8TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=4)
+LARGE = Fp8TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+
+
+def decode_config(n: int) -> Fp8TileConfig:
+    """DECODE's rows with columns narrowed (to 16 at least) until the N tiles alone fill the GPU:
+    without split-K, a narrow weight's tiles are its only parallelism. A function of the weight
+    alone, so the invariant set uses it at every M."""
+    block_n = DECODE.block_n
+    while block_n > 16 and cdiv(n, block_n) < FILL_PROGRAMS:
+        block_n //= 2
+    return replace(DECODE, block_n=block_n)
+
+
+def default_config(m: int, n: int) -> Fp8TileConfig:
+    """The fast set's tile for M rows of an N-column weight."""
+    if m <= 16:
+        return decode_config(n)
+    return MEDIUM if m <= 128 else LARGE
+
+
+@jit
+def _quantize_kernel(
+    x_ptr, q_ptr, s_ptr, K, s_xm, s_qm, s_sm,
+    GROUP: constexpr, GROUPS: constexpr, FP8_MAX: constexpr, AMAX_FLOOR: constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    mask = cols < K
+    x = tl.load(x_ptr + row * s_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR)
+    scale = amax / FP8_MAX
+    # IEEE division: the codes are torch's `(x / scale).to(float8)` exactly
+    q = tl.math.div_rn(x, scale[:, None])
+    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+    tl.store(q_ptr + row * s_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * s_sm + g, scale, mask=g * GROUP < K)
+
+
+def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x `[M, K]` -> (float8_e4m3fn `[M, K]`, float32 scales `[M, ceil(K/128)]`)."""
+    m, k = x.shape
+    q = torch.empty(m, k, device=x.device, dtype=torch.float8_e4m3fn)
+    s = torch.empty(m, cdiv(k, GROUP), device=x.device, dtype=torch.float32)
+    if m:
+        grid = (m, cdiv(cdiv(k, GROUP), QUANT_GROUPS))
+        _quantize_kernel[grid](
+            x, q, s, k, x.stride(0), q.stride(0), s.stride(0),
+            GROUP=GROUP, GROUPS=QUANT_GROUPS, FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR,
+        )  # fmt: skip
+    return q, s
+
+
+def quantize_groups_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_groups` in torch: the tests' oracle."""
+    m, k = x.shape
+    groups = cdiv(k, GROUP)
+    padded = torch.zeros(m, groups * GROUP, device=x.device)
+    padded[:, :k] = x.float()
+    g = padded.view(m, groups, GROUP)
+    scale = g.abs().amax(-1).clamp(min=AMAX_FLOOR) / FP8_MAX
+    q = (g / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).flatten(1)[:, :k]
+    return q.to(torch.float8_e4m3fn), scale
+
+
+@jit(do_not_specialize=["M"])
+def _fp8_gemm_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
+    s_am, s_asm, s_bn, s_bsn, s_cm,
+    BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_K: constexpr, SCALE_N: constexpr,
+    GROUP_M: constexpr, EVEN_K: constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * tiles_n
+    first_m = (pid // in_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pm = first_m + (pid % in_group) % group_rows
+    pn = (pid % in_group) // group_rows
+    rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    ra = tl.minimum(rm, M - 1)  # rows past M repeat a real row (never stored): no row mask
+    rb = tl.minimum(rn, N - 1)
+    rk = tl.arange(0, BLOCK_K)
+    a_base = a_ptr + ra[:, None].to(tl.int64) * s_am
+    b_base = (
+        b_ptr + rb[None, :].to(tl.int64) * s_bn
+    )  # w [N, K]: the tile is K-major, as wgmma wants
+    a_scale = as_ptr + ra * s_asm
+    b_scale = bs_ptr + (rb // SCALE_N) * s_bsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        kk = kb * BLOCK_K + rk
+        if EVEN_K:
+            a = tl.load(a_base + kk[None, :])
+            b = tl.load(b_base + kk[:, None])
+        else:
+            a = tl.load(a_base + kk[None, :], mask=kk[None, :] < K, other=0.0)
+            b = tl.load(b_base + kk[:, None], mask=kk[:, None] < K, other=0.0)
+        sa = tl.load(a_scale + kb)
+        sb = tl.load(b_scale + kb)
+        acc += tl.dot(a, b, out_dtype=tl.float32) * sa[:, None] * sb[None, :]
+    keep = (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(c_ptr + rm[:, None] * s_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=keep)
+
+
+def supports(w: Fp8Weight) -> bool:
+    """Whether the kernel reads `w`: one weight scale per 128 inputs, a 2-D matrix."""
+    return w.data.dim() == 2 and w.block[1] == GROUP
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8Weight, cfg: Fp8TileConfig | None = None) -> torch.Tensor:
+    """x[..., K] @ dequant(w)[N, K].T in x's dtype, x quantized per row and 128 columns."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = w.data.shape[0]
+    flat = x.reshape(-1, k)
+    if flat.stride(-1) != 1:  # the kernels read rows of unit stride
+        flat = flat.contiguous()
+    m = flat.shape[0]
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if m == 0 or n == 0:
+        return out.reshape(*lead, n)
+    cfg = cfg or default_config(m, n)
+    q, qs = quantize_groups(flat)
+    grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n),)
+    _fp8_gemm_kernel[grid](
+        q, qs, w.data, w.scale, out, m, n, k,
+        q.stride(0), qs.stride(0), w.data.stride(0), w.scale.stride(0), out.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP, SCALE_N=w.block[0],
+        GROUP_M=cfg.group_m, EVEN_K=k % GROUP == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out.reshape(*lead, n)
+
+
+def linear_or(
+    base: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], batch_invariant: bool = False
+) -> Callable[..., torch.Tensor]:
+    """A set's `linear`: `Fp8Weight`s through `fp8_linear` (tiles by M, or with
+    `batch_invariant` by the weight alone), other quantized weights dequantized, plain tensors
+    through `base`."""
+
+    def linear(x: torch.Tensor, w) -> torch.Tensor:
+        if isinstance(w, Fp8Weight) and supports(w):
+            cfg = decode_config(w.shape[0]) if batch_invariant else None
+            return fp8_linear(x, w, cfg)
+        if isinstance(w, Fp8Weight | block_quant.Mxfp4Weight):
+            return block_quant.linear(x, w)
+        return base(x, w)
+
+    return linear

@@ -1,0 +1,258 @@
+"""The block-scaled FP8 GEMM (kernels/triton/fp8_matmul.py), the fused MoE with FP8 and MXFP4
+experts (kernels/triton/fused_moe.py) and the weight types they take (kernels/block_quant.py):
+activation codes exactly torch's, products close to the dequantized float32 ones, rows batch
+invariant under a fixed tile, the set's `linear` dispatching on the weight. "Close" is against
+the float32 product of both dequantized operands (x's own e4m3 codes too); against unquantized x
+the bound is e4m3's rounding. Runs on CUDA when there is one, else at small shapes in Triton's
+interpreter (fp8 dots included: the harness widens the codes exactly); skipped without triton.
+The production shapes and the timing are the GPU job's (benchmarks/gpu/kernel_checks.py
+`run_fp8`)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
+pytest.importorskip("triton")
+
+import test_kernels_invariant_triton  # noqa: E402,F401  (patches the interpreter when used)
+
+
+def _patch_fp8() -> None:
+    """More fixes to Triton's CPU interpreter, for this harness only: it rounds float32 -> fp8
+    half-up and drops the carry into the exponent (7.95 becomes 4.0), and truncates float32 ->
+    bf16, where the GPU's cvt rounds both to nearest even, so torch casts here; and the
+    row-by-row dot patched in by
+    test_kernels_invariant_triton multiplies the raw bits of fp8 and bf16 operands, so they are
+    widened first (exactly: every e4m3 and bf16 value is a float32)."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.create_fp_to_fp
+    truncating = interpreter.InterpreterBuilder.create_fp_trunc
+    row_dot = interpreter.InterpreterBuilder.create_dot
+
+    def widened(h):
+        if h.dtype.scalar == tl.bfloat16:  # stored as the uint16 top half of a float32
+            bits = h.data.astype(np.uint32) << 16
+            return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+        if h.dtype.scalar != tl.float8e4nv:
+            return h
+        codes = torch.from_numpy(np.ascontiguousarray(h.data)).view(torch.float8_e4m3fn)
+        return interpreter.TensorHandle(codes.float().numpy(), tl.float32)
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return row_dot(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+
+    def fp_to_fp(self, src, dst_type, rounding_mode):
+        if dst_type.scalar != tl.float8e4nv or src.dtype.scalar != tl.float32:
+            return original(self, src, dst_type, rounding_mode)
+        codes = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.float8_e4m3fn)
+        return interpreter.TensorHandle(codes.view(torch.uint8).numpy(), dst_type.scalar)
+
+    def fp_trunc(self, src, dst_type):
+        if dst_type.scalar != tl.bfloat16 or src.dtype.scalar != tl.float32:
+            return truncating(self, src, dst_type)
+        rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
+        return interpreter.TensorHandle(rounded.view(torch.uint16).numpy(), tl.bfloat16)
+
+    interpreter.InterpreterBuilder.create_fp_to_fp = fp_to_fp
+    interpreter.InterpreterBuilder.create_fp_trunc = fp_trunc
+    interpreter.InterpreterBuilder.create_dot = dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_fp8()
+
+from deepserve.kernels import block_quant  # noqa: E402
+from deepserve.kernels.registry import triton_kernels  # noqa: E402
+from deepserve.kernels.triton import fp8_matmul  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _rand(*shape, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(DEVICE, dtype)
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want).norm() / want.norm())
+
+
+def test_quantize_groups_gives_torchs_codes_and_one_scale_per_128_columns():
+    x = _rand(5, 300, seed=1) * torch.linspace(0.01, 30, 300, device=DEVICE)  # K=300: a cut group
+    x[2, 128:256] = 0.0  # an all-zero group: codes 0, scale the floor's
+    q, s = fp8_matmul.quantize_groups(x)
+    want_q, want_s = fp8_matmul.quantize_groups_reference(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (5, 3)
+    assert torch.equal(s, want_s)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert float(q.float().abs().max()) == fp8_matmul.FP8_MAX  # each group's amax maps to 448
+
+
+def test_quantize_fp8_round_trips_within_e4m3_precision():
+    w = _rand(200, 260, seed=2)  # edge blocks cut on both dims
+    fw = block_quant.quantize_fp8(w)
+    assert fw.data.shape == (200, 260) and fw.scale.shape == (2, 3)
+    assert _rel(fw.dequantize(), w) < 0.04  # e4m3: 3 mantissa bits, relative step 1/16
+
+
+def _dequantized_product(x: torch.Tensor, w: block_quant.Fp8Weight) -> torch.Tensor:
+    """The float32 product of the two dequantized operands: x's per-group codes times their
+    scales, against w's blocks times theirs."""
+    q, s = fp8_matmul.quantize_groups_reference(x)
+    k = x.shape[1]
+    xq = (q.float() * s.repeat_interleave(fp8_matmul.GROUP, dim=1)[:, :k]).view(x.shape)
+    return xq @ w.dequantize().T
+
+
+@pytest.mark.parametrize("m", [1, 3, 40])
+def test_fp8_linear_is_close_to_the_dequantized_float32_product(m):
+    n, k = 200, 384
+    w = block_quant.quantize_fp8(_rand(n, k, seed=3) / k**0.5)
+    x = _rand(m, k, seed=4, dtype=torch.bfloat16)
+    got = fp8_matmul.fp8_linear(x, w)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    assert _rel(got, _dequantized_product(x.float(), w)) < 2e-2
+
+
+def test_fp8_linear_applies_the_scales_per_k_block_in_float32():
+    """In float32 out, the kernel's sum is the dequantized operands' product up to float32
+    summation order: each K block's dot scaled by its own activation and weight scales."""
+    n, k = 64, 256
+    w = block_quant.quantize_fp8(_rand(n, k, seed=5))
+    x = _rand(4, k, seed=6) * torch.tensor([[1.0], [10.0], [0.1], [3.0]], device=DEVICE)
+    torch.testing.assert_close(
+        fp8_matmul.fp8_linear(x, w), _dequantized_product(x, w), rtol=1e-5, atol=1e-4
+    )
+
+
+def test_fp8_linear_error_against_unquantized_activations_is_e4m3s_rounding():
+    """Quantizing x to e4m3 (3 mantissa bits: about 3% rms on Gaussian rows) is the scheme's
+    only loss beyond the weights' own: within 4e-2 of x @ dequant(w).T."""
+    w = block_quant.quantize_fp8(_rand(96, 512, seed=17) / 512**0.5)
+    x = _rand(8, 512, seed=18)
+    assert _rel(fp8_matmul.fp8_linear(x, w), x @ w.dequantize().T) < 4e-2
+
+
+def test_fp8_linear_handles_k_not_a_multiple_of_the_group():
+    w = block_quant.quantize_fp8(_rand(48, 200, seed=7) / 15)
+    x = _rand(2, 200, seed=8)
+    assert _rel(fp8_matmul.fp8_linear(x, w), _dequantized_product(x, w)) < 1e-5
+
+
+def test_fp8_linear_rows_equal_for_any_row_count_under_a_fixed_tile():
+    w = block_quant.quantize_fp8(_rand(80, 256, seed=9))
+    x = _rand(37, 256, seed=10, dtype=torch.bfloat16)
+    cfg = fp8_matmul.DECODE
+    full = fp8_matmul.fp8_linear(x, w, cfg)
+    for m in (1, 5, 17):
+        assert torch.equal(fp8_matmul.fp8_linear(x[:m], w, cfg), full[:m]), m
+    assert torch.equal(fp8_matmul.fp8_linear(x[20:21], w, cfg)[0], full[20])
+
+
+def test_the_decode_tile_narrows_until_a_weights_n_tiles_fill_the_gpu():
+    """No split-K: at M = 1 the N tiles are the launch's only parallelism."""
+    widths = {n: fp8_matmul.decode_config(n).block_n for n in (576, 2048, 7168, 24576)}
+    assert widths == {576: 16, 2048: 16, 7168: 32, 24576: 64}
+    for n, block_n in widths.items():
+        assert -(-n // block_n) >= fp8_matmul.FILL_PROGRAMS or block_n == 16
+
+
+def test_ue8m0_scales_are_read_as_the_same_float32_powers_of_two():
+    """DeepSeek-V4's block scales are exponent bytes; loaded they are float32 2^e: same kernel."""
+    base = block_quant.quantize_fp8(_rand(64, 128, seed=11))
+    pow2 = torch.exp2(torch.ceil(torch.log2(base.scale)))
+    w = block_quant.Fp8Weight(base.data, pow2, base.block)
+    x = _rand(2, 128, seed=12)
+    assert _rel(fp8_matmul.fp8_linear(x, w), _dequantized_product(x, w)) < 1e-5
+
+
+def test_the_invariant_set_runs_fp8_weights_and_plain_ones_alike():
+    k = triton_kernels()
+    assert k.fp8_weights
+    w = block_quant.quantize_fp8(_rand(64, 128, seed=13))
+    x = _rand(3, 128, seed=14)
+    want = fp8_matmul.fp8_linear(x, w, fp8_matmul.decode_config(64))
+    assert torch.equal(k.linear(x, w), want)
+    plain = w.dequantize()
+    torch.testing.assert_close(k.linear(x, plain), x @ plain.T, rtol=1e-5, atol=1e-5)
+
+
+def test_a_weight_the_kernel_does_not_read_goes_through_its_dequantization():
+    """A 64-input scale block is not the kernel's 128-step: the set's linear dequantizes it."""
+    w = block_quant.quantize_fp8(_rand(32, 128, seed=15), block=(64, 64))
+    assert not fp8_matmul.supports(w)
+    x = _rand(2, 128, seed=16)
+    linear = fp8_matmul.linear_or(torch.nn.functional.linear)
+    torch.testing.assert_close(linear(x, w), x @ w.dequantize().T, rtol=1e-5, atol=1e-5)
+
+
+# ---- fused MoE with FP8 and MXFP4 experts ---------------------------------------------------
+
+
+def _moe_case(tokens: int, e: int = 4, h: int = 256, i: int = 128, k: int = 2):
+    from deepserve.kernels.triton import fused_moe
+
+    gate_up, down = _rand(e, 2 * i, h, seed=21) / h**0.5, _rand(e, h, i, seed=22) / i**0.5
+    x = _rand(tokens, h, seed=23)
+    ids = _rand(tokens, e, seed=24).topk(k, dim=-1)[1]
+    w = _rand(tokens, k, seed=25).abs()
+    return fused_moe, gate_up, down, x, ids, w
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_fused_moe_with_fp8_experts_matches_the_loop_on_quantized_inputs(tokens):
+    """Both GEMMs quantize their inputs per 1 x 128 group; the wide tiles' 64-step K is raised
+    to the scales' 128."""
+    fused_moe, gate_up, down, x, ids, w = _moe_case(tokens)
+    gu8, d8 = block_quant.quantize_fp8(gate_up), block_quant.quantize_fp8(down)
+    want = fused_moe.fused_moe_reference(x, gu8, d8, w, ids)
+    for cfg in (fused_moe.DECODE, fused_moe.PREFILL):
+        got = fused_moe.fused_moe(x, gu8, d8, w, ids, cfg)
+        assert _rel(got, want) < 2e-2, cfg
+
+
+def test_fused_moe_with_fp8_experts_keeps_rows_batch_invariant_under_a_fixed_tile():
+    fused_moe, gate_up, down, x, ids, w = _moe_case(5)
+    gu8, d8 = block_quant.quantize_fp8(gate_up), block_quant.quantize_fp8(down)
+    full = fused_moe.fused_moe(x, gu8, d8, w, ids, fused_moe.DECODE)
+    alone = fused_moe.fused_moe(x[-1:], gu8, d8, w[-1:], ids[-1:], fused_moe.DECODE)
+    assert torch.equal(alone, full[-1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_with_mxfp4_experts_matches_the_loop_on_their_dequantization(dtype):
+    """e2m1 times a power of two is exact in bf16: the kernel computes with the very weights the
+    loader's dequantization gives."""
+    fused_moe, gate_up, down, x, ids, w = _moe_case(5)
+    gu4, d4 = block_quant.quantize_mxfp4(gate_up), block_quant.quantize_mxfp4(down)
+    x = x.to(dtype)
+    want = fused_moe.fused_moe_reference(x, gu4, d4, w, ids)
+    for cfg in (fused_moe.DECODE, fused_moe.PREFILL):
+        got = fused_moe.fused_moe(x, gu4, d4, w, ids, cfg)
+        tol = 1e-4 if dtype == torch.float32 else 1e-2  # bf16: the intermediates rounded
+        assert _rel(got, want) < tol, cfg
+
+
+def test_fused_moe_with_mxfp4_experts_clamps_at_the_swiglu_limit():
+    fused_moe, gate_up, down, x, ids, w = _moe_case(3)
+    gu4, d4 = block_quant.quantize_mxfp4(gate_up * 8), block_quant.quantize_mxfp4(down)
+    want = fused_moe.fused_moe_reference(x, gu4, d4, w, ids, swiglu_limit=0.5)
+    assert _rel(fused_moe.fused_moe_reference(x, gu4, d4, w, ids), want) > 0.05  # it bites
+    assert _rel(fused_moe.fused_moe(x, gu4, d4, w, ids, swiglu_limit=0.5), want) < 1e-4
+
+
+def test_mxfp4_weights_read_as_the_loader_reads_the_checkpoints_bytes():
+    from deepserve.engine.loading.quantized import dequantize_mxfp4
+
+    w = block_quant.quantize_mxfp4(_rand(6, 64, seed=26))
+    want = dequantize_mxfp4(w.data.cpu().view(torch.int8), w.scale.cpu(), torch.float32)
+    assert torch.equal(w.dequantize().cpu(), want)
+    assert _rel(w.dequantize(), _rand(6, 64, seed=26)) < 0.2  # e2m1: 1 mantissa bit
