@@ -76,3 +76,8 @@ class KernelSet:
     # Every op above runs without a host sync or a host value that changes between decode
     # steps, so the model runner may capture decode steps in CUDA graphs.
     graph_safe: bool = False
+    # Causal varlen attention over gathered per-head keys (kernels/triton/flash_prefill.py's
+    # `flash_prefill` signature): MLA's prefill chunks in the decompressed form. None: MLA
+    # prefills in the absorbed form through `paged_attention`, as decode does. Prefill chunks
+    # only, which are never captured in a graph: it may build its tile layout on the host.
+    flash_prefill: Callable[..., Tensor] | None = None

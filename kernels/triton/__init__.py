@@ -5,6 +5,8 @@ configuration per op, so a row's result never depends on how many rows share the
 - `matmul.py`: invariant matmul for `linear` and `bmm` (tiles and K chunks fixed by the weight)
 - `rows.py`: row-per-program RMSNorm, softmax and log_softmax
 - `attention.py`: fixed-split paged attention over the block-table KV cache (prefill and decode alike)
+- `flash_prefill.py`: causal varlen flash attention over gathered per-head keys (MLA's prefill
+  chunks in the decompressed form)
 - `decode_attention.py`: graph-safe paged attention for pure decode steps (MLA and GQA), and the
   invariant set's head-grouped decode path
 - `fused_moe.py`: every routed expert in two grouped GEMMs, pairs sorted by expert on the device
