@@ -83,6 +83,19 @@ def test_flash_prefill_matches_sdpa_on_fresh_prompts_and_chunks_after_longer_con
     torch.testing.assert_close(case.flash(cfg), case.sdpa(), rtol=1e-5, atol=1e-5)
 
 
+# float16, not bfloat16: the interpreter's bfloat16 products are wrong (kernel_checks.py checks
+# bfloat16 on the device)
+def test_flash_prefill_in_half_precision_matches_float32_sdpa_to_its_rounding():
+    case = Case([(0, 70), (100, 20)], seed=5)
+    want = case.sdpa()
+    case.q, case.k_nope, case.k_rope, case.v = (
+        t.half() for t in (case.q, case.k_nope, case.k_rope, case.v)
+    )
+    got = case.flash(SMALL)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+
+
 def test_flash_prefill_takes_head_dims_that_are_not_powers_of_two():
     case = Case([(30, 25), (0, 40)], heads=2, dn=32, dr=24, dv=20, seed=7)
     torch.testing.assert_close(case.flash(SMALL), case.sdpa(), rtol=1e-5, atol=1e-5)
