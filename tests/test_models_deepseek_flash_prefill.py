@@ -69,12 +69,12 @@ def test_decompressed_prefill_gives_the_absorbed_logits_for_prompts_chunks_and_d
     assert counter.rows == (20 + 9) * layers  # the long chunks, and only they, decompressed
 
 
-def test_a_mixed_steps_decodes_stay_absorbed_beside_a_decompressed_chunk():
+def test_a_mixed_steps_decodes_and_small_chunks_stay_absorbed_beside_a_decompressed_chunk():
     absorbed, decompressed, counter = _models()
     # each context prefilled alone first (only the 12-token one decompresses), then one step of
-    # a decode, a 12-token chunk over 12 cached tokens, and a decode
+    # a decode, a 12-token chunk over 12 cached tokens, and a 3-token chunk
     contexts = [[5, 9, 2, 7], list(range(40, 52)), [8, 8, 3]]
-    new = [[1], list(range(60, 72)), [4]]
+    new = [[1], list(range(60, 72)), [4, 2, 6]]
     want = batched_step_logits(absorbed, contexts, new, block_size=4)
     got = batched_step_logits(decompressed, contexts, new, block_size=4)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
