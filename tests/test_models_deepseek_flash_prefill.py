@@ -115,3 +115,13 @@ def test_a_step_without_a_long_chunk_has_no_plan_and_an_all_long_step_no_split()
     assert plan_step(_metadata(qlens=[1, 7, 2], ctx=[6, 2, 0]), min_tokens=8) is None
     plan = plan_step(_metadata(qlens=[8, 9, 10], ctx=[0, 0, 0]), min_tokens=8)
     assert plan.rows is None and plan.short_rows is None and plan.short_attn is None
+
+
+def test_only_the_default_cuda_set_decompresses_batch_invariant_keeps_the_absorbed_prefill():
+    """Which rows take the decompressed form follows the chunking, so their bits would too."""
+    from deepserve.kernels.reference import KERNELS
+    from deepserve.kernels.registry import triton_kernels
+
+    assert fast_kernels().flash_prefill is not None
+    assert triton_kernels().flash_prefill is None
+    assert KERNELS.flash_prefill is None
