@@ -37,3 +37,18 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return int(sum(self.query_lens_cpu))
+
+
+@dataclass
+class CausalVarlen:
+    """Sequences whose queries and keys sit in plain (unpaged) rows, for a varlen attention over
+    gathered keys (kernels/triton/flash_prefill.py): sequence i's queries are rows
+    `query_start_loc[i]:query_start_loc[i+1]` at positions `context_lens[i] + r`, its keys rows
+    `key_start_loc[i]:key_start_loc[i+1]`, key j at position j; a query sees keys up to its own."""
+
+    query_start_loc: torch.Tensor  # [B+1] int32
+    key_start_loc: torch.Tensor  # [B+1] int32
+    context_lens: torch.Tensor  # [B] int32
+    query_lens_cpu: list[int]
+    # what a kernel derives once per step (tile layouts), reused by every layer
+    scratch: dict = field(default_factory=dict, repr=False, compare=False)

@@ -83,3 +83,8 @@ class KernelSet:
     # `linear` takes kernels/block_quant.py's `Fp8Weight` as it is (block-scaled FP8 GEMM), so
     # the loader keeps FP8 checkpoints' weights in FP8 on the device; False: it dequantizes them.
     fp8_weights: bool = False
+    # Causal varlen attention over gathered per-head keys (kernels/triton/flash_prefill.py's
+    # `flash_prefill` signature): MLA's prefill chunks in the decompressed form. None: MLA
+    # prefills in the absorbed form through `paged_attention`, as decode does. Prefill chunks
+    # only, which are never captured in a graph: it may build its tile layout on the host.
+    flash_prefill: Callable[..., Tensor] | None = None

@@ -133,6 +133,16 @@ def test_decode_attention_matches_reference(layout):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_decode_attention_matches_reference_when_a_long_context_takes_more_than_base_splits():
+    # 3,000 keys, splits of at least 64 (the interpreter's stand-in for 512): 47 splits, past 32
+    cache = _rand(400, 16, 96, seed=10).unsqueeze(2)
+    attn = _decode_metadata([3000, 70], 16, 400)
+    q = _rand(2, 4, 96, seed=11)
+    want = attention_ref.paged_attention(q, cache, cache[..., :64], attn, 0.2)
+    got = decode_attention(q, cache, cache[..., :64], attn, 0.2, min_split_keys=64)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_fixed_split_decode_layout_equals_the_host_layout():
     k_cache, v_cache, hq = _caches("gqa")
     attn = _decode_metadata([3, 17, 30], 4, 40)

@@ -3,7 +3,9 @@ the fused rope + KV write (GQA) and absorbed query (MLA) against the torch ops (
 (decode and prefill tiles) against a float32 loop, the decode attention kernel (MLA and
 GQA layouts, shuffled block tables) against kernels/reference/attention.py, the fixed-split kernel's
 device-side decode layout against its host layout (bitwise), and graph-replayed decode steps
-against eager ones; and V2-Lite prefill's fused-MoE tiles and attention row tiles, timed. `run_v4`
+against eager ones; the decompressed MLA prefill's flash attention against torch's SDPA (V2-Lite
+geometry: a 2,000-token prompt, an 8,192-token chunk over 32,768), and V2-Lite prefill's
+fused-MoE tiles, attention row tiles and long-context decode splits, timed. `run_v4`
 (section v4_checks): DeepSeek-V4's sparse attention, indexer top-k and compressor pooling at
 V4-Flash sizes against float32 torch, bitwise batch invariance, graph replay, ms and GB/s.
 `run_fp8` (`--only fp8`): the block-scaled FP8 GEMM on V3 / V4 / V2-Lite projection shapes and
@@ -15,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from deepserve.kernels.attention_metadata import AttentionMetadata
+from deepserve.kernels.triton.flash_prefill import FlashConfig, flash_prefill
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -271,9 +274,119 @@ def time_prefill_tiles(rows: list) -> None:
         rows.append(row)
 
 
+def _flash_case(ctx: int, chunk: int, g):
+    """One sequence's chunk at V2-Lite's decompressed geometry (16 heads, 128 no-rope + 64 rope
+    query/key dims, one rope key shared by the heads, 128 value dims), bf16, and its varlen."""
+    from deepserve.kernels.attention_metadata import CausalVarlen
+
+    heads, keys = 16, ctx + chunk
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(chunk, heads, 192, generator=g, **bf)
+    kv = torch.randn(keys, heads, 256, generator=g, **bf)  # [k_nope | v], as kv_b's matmul gives
+    k_rope = torch.randn(keys, 1, 64, generator=g, **bf).expand(-1, heads, -1)
+    t = lambda v: torch.tensor(v, dtype=torch.int32, device="cuda")  # noqa: E731
+    seqs = CausalVarlen(t([0, chunk]), t([0, keys]), t([ctx]), [chunk])
+    return q, kv[..., :128], k_rope, kv[..., 128:], seqs
+
+
+def _sdpa_operands(q, k_nope, k_rope, v, ctx: int, rows: torch.Tensor, dtype):
+    """torch SDPA's operands for query `rows` of a chunk after `ctx` keys: [H, rows, D] q,
+    [H, L, D] k and v, and the causal mask, in `dtype`."""
+    k = torch.cat([k_nope, k_rope], dim=-1).transpose(0, 1).to(dtype)
+    mask = torch.arange(k.shape[1], device="cuda")[None, :] <= ctx + rows[:, None]
+    return q[rows].transpose(0, 1).to(dtype), k, v.transpose(0, 1).to(dtype), mask
+
+
+FLASH_CANDIDATES = {  # block_m, block_n, num_warps, num_stages
+    "default": FlashConfig(),
+    "m128w8s3": FlashConfig(128, 64, 8, 3),
+    "m64w4s2": FlashConfig(64, 64, 4, 2),
+    "m64w4s3": FlashConfig(64, 64, 4, 3),
+    "m128n32w8s2": FlashConfig(128, 32, 8, 2),
+}
+
+
+def check_flash_prefill(rows: list, cases=((0, 2000), (32768, 8192))) -> None:
+    """kernels/triton/flash_prefill.py at V2-Lite's decompressed geometry: a fresh 2,000-token
+    prompt and an 8,192-token chunk over 32,768 cached tokens, against torch's SDPA in float32
+    (sampled rows of the chunk), timed (median of do_bench) under candidate tiles beside torch's
+    SDPA in bf16 with the same causal mask; TFLOP/s counts the visible (query, key) pairs; and
+    the decompression matmul over the chunk's context."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    for ctx, chunk in cases:
+        _flash_rows(rows, ctx, chunk, g)
+
+
+def _flash_rows(rows: list, ctx: int, chunk: int, g) -> None:
+    import torch.nn.functional as F
+    import triton.testing
+
+    scale = 192**-0.5
+    q, k_nope, k_rope, v, seqs = _flash_case(ctx, chunk, g)
+    pick = torch.tensor([0, 1, 63, 64, 777, chunk // 2, chunk - 2, chunk - 1], device="cuda")
+    pick = pick[pick < chunk] if ctx else torch.arange(chunk, device="cuda")
+    ref = _sdpa_operands(q, k_nope, k_rope, v, ctx, pick, torch.float32)
+    want = F.scaled_dot_product_attention(*ref, scale=scale).transpose(0, 1)
+    del ref
+    flops = 2 * 16 * (192 + 128) * (chunk * ctx + chunk * (chunk + 1) // 2)
+
+    def timed(row: dict, fn, part) -> None:
+        _timed(row, fn, want, part)
+        if "ms" in row:
+            row["tflops"] = round(flops / row["ms"] / 1e9, 1)
+        rows.append(row)
+        print(row, flush=True)
+
+    for name, cfg in FLASH_CANDIDATES.items():
+
+        def fn(c: FlashConfig = cfg) -> torch.Tensor:
+            return flash_prefill(q[..., :128], q[..., 128:], k_nope, k_rope, v, seqs, scale, c)
+
+        timed(dict(op="flash_prefill", ctx=ctx, chunk=chunk, cfg=name), fn, lambda y: y[pick])
+    sdpa = _sdpa_operands(q, k_nope, k_rope, v, ctx, torch.arange(chunk, device="cuda"), q.dtype)
+    fn = lambda: F.scaled_dot_product_attention(*sdpa, scale=scale)  # noqa: E731
+    row = dict(op="flash_prefill_vs_torch_sdpa_bf16", ctx=ctx, chunk=chunk)
+    timed(row, fn, lambda y: y.transpose(0, 1)[pick])
+    kv_b = torch.randn(16 * 256, 512, device="cuda", dtype=torch.bfloat16, generator=g)
+    latent = torch.randn(ctx + chunk, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    ms = triton.testing.do_bench(lambda: F.linear(latent[:, :512], kv_b), return_mode="median")
+    rows.append(dict(op="mla_decompress_matmul", keys=ctx + chunk, ms=ms,
+                     tflops=round(2 * (ctx + chunk) * 512 * 4096 / ms / 1e9, 1)))  # fmt: skip
+
+
+def time_long_decode(rows: list) -> None:
+    """The default decode attention at batch 1 over 32K and 131K-token MLA contexts (V2-Lite: 16
+    heads over the 576-wide latent): decode_attention.py's split widths against the old cap of
+    32 splits (`min_split_keys` past any length gives it back) and two other minimum widths,
+    timed, each with its error against the reference."""
+    gen = torch.Generator().manual_seed(12)
+    for length in (32768, 131072):
+        _long_decode_rows(rows, length, gen)
+
+
+def _long_decode_rows(rows: list, length: int, gen) -> None:
+    import triton.testing
+
+    from deepserve.kernels.reference import attention as attention_ref
+    from deepserve.kernels.triton.decode_attention import decode_attention
+
+    q, k_cache, v_cache, attn = _decode_case("mla", torch.bfloat16, [length], 16, length // 16 + 8, gen)  # fmt: skip
+    want = attention_ref.paged_attention(q.float(), k_cache.float(), v_cache.float(), attn, 0.07)
+    for name, keys in (("cap32 (before)", 2**30), ("min256", 256), ("min512 (default)", 512),
+                       ("min1024", 1024)):  # fmt: skip
+        fn = lambda k=keys: decode_attention(q, k_cache, v_cache, attn, 0.07, k)  # noqa: E731
+        err = rel(fn(), want)
+        ms = triton.testing.do_bench(fn, return_mode="median")
+        rows.append(dict(op="long_decode_splits", ctx=length, splits=name,
+                         us=round(ms * 1000, 1), rel_err=err))  # fmt: skip
+        print(rows[-1], flush=True)
+
+
 def run(out: dict) -> None:
     rows = out.setdefault("kernel_checks", [])
     for fn in (
+        check_flash_prefill,
+        time_long_decode,
         check_rope_kernels,
         time_prefill_tiles,
         check_fused_rows,

@@ -3,9 +3,13 @@ DeepSeek-V2 (`DeepseekV2ForCausalLM`) is the same model read through `DeepseekV3
 
 MLA: queries through an optional low-rank `q_a -> norm -> q_b`; keys/values through a compressed latent
 `kv_a -> norm` (kv_lora_rank) plus one shared rope key (qk_rope_head_dim). The KV cache holds only
-`[latent | rope key]` per token per layer. Attention always runs in the absorbed form: the no-rope
-query is mapped into latent space with kv_b's key half (W_UK), attention is MQA over the cached latent,
-and the result leaves latent space through kv_b's value half (W_UV). Prefill and decode share it.
+`[latent | rope key]` per token per layer. Decode and small chunks attend in the absorbed form: the
+no-rope query is mapped into latent space with kv_b's key half (W_UK), attention is MQA over the cached
+latent, and the result leaves latent space through kv_b's value half (W_UV). Where the KernelSet has
+`flash_prefill`, a chunk of at least `DECOMPRESS_MIN_TOKENS` fresh tokens (engine/models/mla_prefill.py
+says why that many) attends in the decompressed form instead: its whole context's latent rows are
+gathered and multiplied by kv_b into per-head keys and values, and attention runs per head on tensor
+cores (192-dim keys, 128-dim values on V2/V3) rather than over the 576-wide latent.
 
 DeepSeekMoE: shared experts plus routed top-k with group-limited routing (n_group / topk_group),
 sigmoid or softmax scores, e_score_correction_bias (selection only), norm_topk_prob and
@@ -34,6 +38,7 @@ import torch.nn.functional as F
 from deepserve.engine.errors import UnsupportedModelError
 from deepserve.engine.models.base import KVCacheSpec
 from deepserve.engine.models.common import WeightStore, add_rms_norm, require, swiglu
+from deepserve.engine.models.mla_prefill import DECOMPRESS_MIN_TOKENS, DecompressPlan, plan_step
 from deepserve.engine.parallel.plan import ModelShard
 from deepserve.kernels.attention_metadata import AttentionMetadata
 from deepserve.kernels.block_quant import Matrix, cat_rows, reorder_rows, stack
@@ -158,6 +163,9 @@ class _Attention:
     w_uk: torch.Tensor  # [H, nope, kv_lora]: no-rope query -> latent space
     w_uv_t: torch.Tensor  # [H, kv_lora, v]: latent -> value space
     o: torch.Tensor
+    # [H * (nope + v), kv_lora]: latent -> per-head [k_nope | v] (the decompressed form's matmul);
+    # None when the KernelSet has no `flash_prefill`
+    kv_b: torch.Tensor | None = None
 
 
 @dataclass
@@ -227,6 +235,8 @@ class DeepseekV3ForCausalLM:
         width = a.kv_lora_rank + a.qk_rope_head_dim
         self.kv_cache_spec = KVCacheSpec(a.num_layers + a.num_mtp_layers, width, self.dtype)
         self.scale = a.softmax_scale
+        # fresh tokens from which a chunk takes the decompressed form (tests lower it)
+        self.decompress_min_tokens = DECOMPRESS_MIN_TOKENS
         self.embed = weights.get("model.embed_tokens.weight")
         self.layers = [self._load_layer(weights, i) for i in range(a.num_layers)]
         self.norm = weights.get("model.norm.weight")
@@ -269,6 +279,7 @@ class DeepseekV3ForCausalLM:
             w_uk=kv_b[:, : a.qk_nope_head_dim].contiguous(),
             w_uv_t=kv_b[:, a.qk_nope_head_dim :].transpose(1, 2).contiguous(),
             o=w.get_linear(p + "o_proj.weight"),
+            kv_b=kv_b.flatten(0, 1) if self.k.flash_prefill is not None else None,
         )
 
     @staticmethod
@@ -390,12 +401,34 @@ class DeepseekV3ForCausalLM:
         cache: torch.Tensor,  # [num_blocks, block_size, kv_lora + rope]
     ) -> torch.Tensor:
         a, k, eps = self.args, self.k, self.args.rms_norm_eps
-        tokens, heads, nope, lora = x.shape[0], a.num_heads, a.qk_nope_head_dim, a.kv_lora_rank
+        tokens, heads = x.shape[0], a.num_heads
         projected = k.linear(x, w.x_proj)
         q, ckv = projected[:, : w.q_rows], projected[:, w.q_rows :]
         if w.q_b is not None:
             q = k.linear(k.rms_norm(q, w.q_a_norm, eps), w.q_b)
         q = q.view(tokens, heads, a.qk_head_dim)
+        q_full = self._absorbed_query_and_kv_write(w, q, ckv, cos, sin, attn, cache)
+        plan = None if k.flash_prefill is None else plan_step(attn, self.decompress_min_tokens)
+        if plan is None:
+            out = self._absorbed(w, q_full, attn, cache)
+        else:
+            out = self._split_attention(w, q, q_full, plan, cache)
+        return k.linear(out.reshape(tokens, heads * a.v_head_dim), w.o)
+
+    def _absorbed_query_and_kv_write(
+        self,
+        w: _Attention,
+        q: torch.Tensor,
+        ckv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionMetadata,
+        cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Writes the step's latent rows to the cache; returns the absorbed query
+        `[T, H, lora + rope]`, `[W_UK q_nope | rope(q_pe)]`."""
+        a, k, eps = self.args, self.k, self.args.rms_norm_eps
+        tokens, heads, nope, lora = q.shape[0], a.num_heads, a.qk_nope_head_dim, a.kv_lora_rank
         q_latent = k.bmm(q[..., :nope].transpose(0, 1), w.w_uk)  # [H, T, lora]
         if self._fused_kv_write(w, ckv, cos, sin, attn, cache):  # 2-3 launches, not ~16
             q_full = q.new_empty(tokens, heads, lora + a.qk_rope_head_dim)
@@ -407,16 +440,58 @@ class DeepseekV3ForCausalLM:
                 if not k.rope_into_(q_pe, cos, sin, q_full[..., lora:]):
                     q_full[..., lora:] = apply_rope(q_pe, cos, sin)
                 q_full[..., :lora] = latent
-        else:
-            latent = k.rms_norm(ckv[:, :lora], w.kv_a_norm, eps)
-            k_pe = apply_rope(ckv[:, lora:].unsqueeze(1), cos, sin)
-            k.write_kv(cache, attn.slot_mapping, torch.cat([latent, k_pe[:, 0]], dim=-1))
-            q_pe = apply_rope(q[..., nope:], cos, sin)
-            q_full = torch.cat([q_latent.transpose(0, 1), q_pe], dim=-1)  # [T, H, lora + rope]
+            return q_full
+        latent = k.rms_norm(ckv[:, :lora], w.kv_a_norm, eps)
+        k_pe = apply_rope(ckv[:, lora:].unsqueeze(1), cos, sin)
+        k.write_kv(cache, attn.slot_mapping, torch.cat([latent, k_pe[:, 0]], dim=-1))
+        q_pe = apply_rope(q[..., nope:], cos, sin)
+        return torch.cat([q_latent.transpose(0, 1), q_pe], dim=-1)
+
+    def _absorbed(
+        self, w: _Attention, q_full: torch.Tensor, attn: AttentionMetadata, cache: torch.Tensor
+    ) -> torch.Tensor:
+        """MQA over the cached latent, then out of latent space: `[T, H, v]`."""
         k_cache = cache.unsqueeze(2)  # MQA: one latent "head" shared by all query heads
-        out = k.paged_attention(q_full, k_cache, k_cache[..., :lora], attn, self.scale)
-        out = k.bmm(out.transpose(0, 1), w.w_uv_t)  # [H, T, v]
-        return k.linear(out.transpose(0, 1).reshape(tokens, heads * a.v_head_dim), w.o)
+        lora = self.args.kv_lora_rank
+        out = self.k.paged_attention(q_full, k_cache, k_cache[..., :lora], attn, self.scale)
+        return self.k.bmm(out.transpose(0, 1), w.w_uv_t).transpose(0, 1)  # [H, T, v] -> [T, H, v]
+
+    def _split_attention(
+        self,
+        w: _Attention,
+        q: torch.Tensor,
+        q_full: torch.Tensor,
+        plan: DecompressPlan,
+        cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """The plan's long chunks in the decompressed form, the other rows absorbed: `[T, H, v]`."""
+        if plan.rows is None:
+            return self._decompressed(w, q, q_full, plan, cache)
+        long = self._decompressed(w, q[plan.rows], q_full[plan.rows], plan, cache)
+        out = long.new_empty(q.shape[0], *long.shape[1:])
+        out[plan.rows] = long
+        out[plan.short_rows] = self._absorbed(w, q_full[plan.short_rows], plan.short_attn, cache)
+        return out
+
+    def _decompressed(
+        self,
+        w: _Attention,
+        q: torch.Tensor,
+        q_full: torch.Tensor,
+        plan: DecompressPlan,
+        cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """The long chunks' rows: their contexts' latent rows decompressed by kv_b into per-head
+        `[k_nope | v]`, then causal attention per head (the rope key shared by the heads)."""
+        a, heads = self.args, self.args.num_heads
+        nope, lora = a.qk_nope_head_dim, a.kv_lora_rank
+        keys = cache.view(-1, cache.shape[-1]).index_select(0, plan.key_slots)  # [L, lora + rope]
+        kv = self.k.linear(keys[:, :lora], w.kv_b).view(-1, heads, nope + a.v_head_dim)
+        k_rope = keys[:, None, lora:].expand(-1, heads, -1)
+        return self.k.flash_prefill(
+            q[..., :nope], q_full[..., lora:], kv[..., :nope], k_rope, kv[..., nope:],
+            plan.varlen, self.scale,
+        )  # fmt: skip
 
     def _fused_kv_write(
         self,

@@ -6,6 +6,8 @@ configuration per op, so a row's result never depends on how many rows share the
 - `fp8_matmul.py`: block-scaled FP8 GEMM for `Fp8Weight`s, activations quantized per 1 x 128
 - `rows.py`: row-per-program RMSNorm, softmax and log_softmax
 - `attention.py`: fixed-split paged attention over the block-table KV cache (prefill and decode alike)
+- `flash_prefill.py`: causal varlen flash attention over gathered per-head keys (MLA's prefill
+  chunks in the decompressed form)
 - `decode_attention.py`: graph-safe paged attention for pure decode steps (MLA and GQA), and the
   invariant set's head-grouped decode path
 - `sparse_attention.py`: DeepSeek-V4's batched sink attention over slot lists, lightning-indexer

@@ -5,9 +5,9 @@ of that sequence's keys, walking them straight from the block table: every KV ro
 per head group, not once per head, and the query heads form the rows of the tensor-core
 products (MLA's 16 heads over one latent "head" is FlashMLA's layout; GQA groups are padded to
 16 rows). K may be wider than V and V may be K's leading columns (MLA's absorbed form: the
-latent is both). The split count is fixed by the batch size alone and each split's key range is
-derived from the sequence length on the device, so the launch depends on no host value that
-changes between steps; a second kernel folds the splits.
+latent is both). The launch's split count is fixed by the batch size alone (up to `MAX_SPLITS`)
+and each sequence's split width is derived from its length on the device (`_split_width`), so the
+launch depends on no host value that changes between steps; a second kernel folds the splits.
 
 `decode_attention` is not batch invariant (the split width follows the length and the batch).
 `InvariantPagedAttention` is `--batch-invariant`'s: pure decode steps take `_invariant_split_kernel`,
@@ -31,7 +31,24 @@ from deepserve.kernels.triton.lang import cdiv, constexpr, jit, next_power_of_2,
 
 BLOCK_H = 16  # query heads per program: the smallest row count of a tensor-core product
 TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
-MAX_SPLITS = 32
+# Splits a sequence uses: up to BASE_SPLITS as the length grows, then more once each of them would
+# hold MIN_SPLIT_KEYS keys, up to the launch's count (MAX_SPLITS at batch 1). Below
+# BASE_SPLITS * MIN_SPLIT_KEYS keys a split's fixed cost (its query load, partials, the fold) is
+# not worth more programs; past it, a long context at a small batch would otherwise leave most
+# SMs idle while a few programs walk tens of thousands of keys each.
+BASE_SPLITS = 32
+MIN_SPLIT_KEYS = 512
+MAX_SPLITS = 256
+
+
+@jit
+def _split_width(seq_len, NUM_SPLITS, BASE: constexpr, MIN_KEYS: constexpr, BLOCK_N: constexpr):
+    """Keys per split of a sequence of `seq_len` keys (a multiple of BLOCK_N; the split and the
+    combine kernel derive it alike): spread over the launch's splits, but no narrower than the
+    BASE-split width or MIN_KEYS, whichever is less."""
+    spread = tl.cdiv(seq_len, NUM_SPLITS)
+    base = tl.minimum(tl.cdiv(seq_len, tl.minimum(NUM_SPLITS, BASE)), MIN_KEYS)
+    return tl.cdiv(tl.maximum(spread, base), BLOCK_N) * BLOCK_N
 
 
 @jit
@@ -39,7 +56,7 @@ def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, pm_ptr, pl_ptr, pacc_ptr,
     s_qb, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_tb, s_pb, s_ph, s_ab, s_ah, s_as,
     scale, HQ, GROUP, DV, block_size, NUM_SPLITS,
-    DM: constexpr, DT: constexpr, DT_REAL: constexpr, BLOCK_DV: constexpr, SHARED_V: constexpr,
+    BASE: constexpr, MIN_KEYS: constexpr, DM: constexpr, DT: constexpr, DT_REAL: constexpr, BLOCK_DV: constexpr, SHARED_V: constexpr,
     HEAD_BLOCKS: constexpr, BLOCK_H: constexpr, BLOCK_N: constexpr, PRECISION: constexpr,
 ):  # fmt: skip
     b, hg, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
@@ -47,7 +64,7 @@ def _decode_split_kernel(
     heads = kvh * GROUP + (hg % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = (heads < (kvh + 1) * GROUP) & (heads < HQ)
     seq_len = tl.load(seq_lens_ptr + b)
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = _split_width(seq_len, NUM_SPLITS, BASE, MIN_KEYS, BLOCK_N)
     key_lo = split * per_split
     if key_lo >= seq_len:
         return
@@ -104,11 +121,11 @@ def _decode_split_kernel(
 def _decode_combine_kernel(
     pm_ptr, pl_ptr, pacc_ptr, seq_lens_ptr, o_ptr,
     s_pb, s_ph, s_ab, s_ah, s_as, s_ob, s_oh, DV, NUM_SPLITS,
-    BLOCK_N: constexpr, BLOCK_DV: constexpr,
+    BASE: constexpr, MIN_KEYS: constexpr, BLOCK_N: constexpr, BLOCK_DV: constexpr,
 ):  # fmt: skip
     b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = _split_width(seq_len, NUM_SPLITS, BASE, MIN_KEYS, BLOCK_N)
     splits = tl.cdiv(seq_len, per_split)
     dv = tl.arange(0, BLOCK_DV)
     base, acc_base = b * s_pb + h * s_ph, pacc_ptr + b * s_ab + h * s_ah + dv
@@ -148,9 +165,11 @@ def decode_attention(
     v_cache: torch.Tensor,
     attn: AttentionMetadata,
     scale: float,
+    min_split_keys: int = MIN_SPLIT_KEYS,
 ) -> torch.Tensor:
     """kernels/reference/attention.py's `paged_attention` for steps where every sequence brings one
-    query (q `[B, Hq, Dk]`; caches `[num_blocks, block_size, Hkv, D]`, last dim contiguous)."""
+    query (q `[B, Hq, Dk]`; caches `[num_blocks, block_size, Hkv, D]`, last dim contiguous).
+    `min_split_keys`: see MIN_SPLIT_KEYS (tests lower it to reach many splits at small sizes)."""
     batch, hq, dk = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
     group = hq // hkv
@@ -175,7 +194,7 @@ def decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0),
         part_m.stride(0), part_m.stride(1), *part_acc.stride()[:3],
-        scale, hq, group, dv, attn.block_size, splits,
+        scale, hq, group, dv, attn.block_size, splits, BASE=BASE_SPLITS, MIN_KEYS=min_split_keys,
         DM=dm, DT=max(16, next_power_of_2(dt)) if dt else 0, DT_REAL=dt, BLOCK_DV=block_dv, SHARED_V=shared, HEAD_BLOCKS=head_blocks,
         BLOCK_H=BLOCK_H, BLOCK_N=32 if wide else 64, PRECISION=precision,
         num_warps=8 if wide else 4, num_stages=2,
@@ -183,7 +202,7 @@ def decode_attention(
     _decode_combine_kernel[(batch, hq)](
         part_m, part_l, part_acc, seq_lens, out,
         part_m.stride(0), part_m.stride(1), *part_acc.stride()[:3], out.stride(0), out.stride(1),
-        dv, splits, BLOCK_N=32 if wide else 64, BLOCK_DV=block_dv, num_warps=4,
+        dv, splits, BASE=BASE_SPLITS, MIN_KEYS=min_split_keys, BLOCK_N=32 if wide else 64, BLOCK_DV=block_dv, num_warps=4,
     )  # fmt: skip
     return out
 

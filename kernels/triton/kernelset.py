@@ -29,6 +29,7 @@ from deepserve.kernels.triton.decode_attention import (
     InvariantPagedAttention,
     decode_attention,
 )
+from deepserve.kernels.triton.flash_prefill import flash_prefill
 from deepserve.kernels.triton.lang import HAVE_TRITON
 
 
@@ -57,8 +58,8 @@ def _with_v4_ops(kernels: KernelSet) -> KernelSet:
 
 
 def fast_kernels(base: KernelSet) -> KernelSet | None:
-    """cuBLAS matmuls, Triton norms, attention and fused MoE, `base`'s softmaxes; None without
-    Triton."""
+    """cuBLAS matmuls, Triton norms, attention (MLA's long prefill chunks decompressed, on
+    flash_prefill.py) and fused MoE, `base`'s softmaxes; None without Triton."""
     if not HAVE_TRITON:
         return None
     fast = replace(
@@ -78,6 +79,7 @@ def fast_kernels(base: KernelSet) -> KernelSet | None:
         moe_route=routing.route,
         graph_safe=True,
         fp8_weights=True,
+        flash_prefill=flash_prefill,
     )
     return _with_v4_ops(fast)
 
@@ -95,6 +97,7 @@ def triton_kernels(base: KernelSet) -> KernelSet:
         log_softmax=rows.log_softmax,
         bmm=matmul.bmm,
         paged_attention=InvariantPagedAttention(),  # decode steps: heads share a KV read
+        # no flash_prefill: which rows take it follows the chunking, so their bits would too
         sigmoid=torch.sigmoid,  # CUDA elementwise ops compute every element the same way
         moe=partial(fused_moe.fused_moe, cfg=fused_moe.DECODE),  # one tile shape at every size
         mla_kv_write_=mla.kv_write_,
