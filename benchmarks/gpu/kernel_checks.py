@@ -608,7 +608,7 @@ def _v4_attention_row(case: tuple, g) -> dict:
     row["equal_no_skip"] = bool(torch.equal(no_skip, got))
     keys = int((window_slots >= 0).sum() + (entry_slots >= 0).sum())
     gbytes = keys * V4_DIM * q.element_size() / 1e9
-    variants = {"": {}, "_no_skip": dict(skip_empty=False)}
+    variants = {"": {}, "_no_skip": dict(skip_empty=False), "_split64": dict(split=64)}
     if tokens > 1:
         variants["_fold"] = dict(split_programs_max=0)
     for name, kw in variants.items():
