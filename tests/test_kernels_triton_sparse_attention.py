@@ -100,6 +100,13 @@ def test_sparse_attention_matches_the_oracle(dtype, one_program_per_split):
     assert got.dtype == dtype and torch.equal(got[-1], torch.zeros_like(got[-1]))
 
 
+def test_sparse_attention_of_any_split_size_matches_the_oracle():
+    case = _attention_case(tokens=2, window=40, entries=50)
+    for split in (16, 48):
+        got = sa.sparse_attention(*case, 0.2, split=split)
+        torch.testing.assert_close(got, attention_oracle(*case, 0.2), rtol=1e-5, atol=1e-5)
+
+
 def test_sparse_attention_without_entries_is_window_attention():
     q, window_kv, window_slots, _, _, sinks = _attention_case(tokens=3, window=20)
     got = sa.sparse_attention(q, window_kv, window_slots, None, None, sinks, 0.2)

@@ -723,7 +723,7 @@ def _v4_attention_row(case: tuple, g) -> dict:
     row["equal_no_skip"] = bool(torch.equal(no_skip, got))
     keys = int((window_slots >= 0).sum() + (entry_slots >= 0).sum())
     gbytes = keys * V4_DIM * q.element_size() / 1e9
-    variants = {"": {}, "_no_skip": dict(skip_empty=False)}
+    variants = {"": {}, "_no_skip": dict(skip_empty=False), "_split64": dict(split=64)}
     if tokens > 1:
         variants["_fold"] = dict(split_programs_max=0)
     for name, kw in variants.items():
@@ -1002,11 +1002,12 @@ def time_fp8_decode_tiles(rows: list) -> None:
 
 
 def run_fp8(out: dict) -> None:
-    """`--only fp8`: the FP8 GEMM and the FP8 / MXFP4 fused MoE checks, then the decode tiles."""
+    """`--only fp8`: the FP8 GEMM and the FP8 / MXFP4 fused MoE checks, the V3 slice in FP8
+    through the loader, then the decode tiles."""
     import traceback
 
     rows = out.setdefault("fp8", [])
-    for fn in (check_fp8_linear, check_quantized_moe, time_fp8_decode_tiles):
+    for fn in (check_fp8_linear, check_quantized_moe, check_fp8_model, time_fp8_decode_tiles):
         try:
             fn(rows)
         except Exception as e:  # recorded; the job goes on
@@ -1069,3 +1070,58 @@ def check_quantized_moe(rows: list) -> None:
                 print(row, flush=True)
         formats.clear()
         torch.cuda.empty_cache()
+
+
+def check_fp8_model(rows: list) -> None:
+    """The DeepSeek-V3 slice (real geometry, 16 routed experts) written in V3's published FP8
+    layout, loaded on the GPU the engine's way (FP8 kept for the CUDA kernels) and read
+    dequantized to bf16: which weights stay FP8, and the last-position logits of both (relative
+    error and top-1 agreement), for the fast set and `--batch-invariant`'s."""
+    import tempfile
+    from pathlib import Path
+
+    from model_loop import SequenceLoop
+
+    from deepserve.engine.config import EngineConfig
+    from deepserve.engine.loading.hf_loader import read_hf_folder
+    from deepserve.engine.loading.loader import load_model
+    from deepserve.engine.models.common import WeightStore
+    from deepserve.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from deepserve.engine.testmodels.model_shapes import write_shaped_model
+    from deepserve.kernels.block_quant import Fp8Weight
+    from deepserve.kernels.registry import get_kernels
+
+    folder = write_shaped_model(
+        "deepseek-v3-slice", Path(tempfile.mkdtemp()) / "v3-fp8", device="cuda",
+        overrides={"n_routed_experts": 16}, quantization="fp8",
+    )  # fmt: skip
+    loaded = load_model(EngineConfig(model=str(folder), device="cuda", dtype="bfloat16")).model
+    kept = {
+        "x_proj": loaded.layers[0].attn.x_proj,
+        "o": loaded.layers[0].attn.o,
+        "dense gate_up": loaded.layers[0].mlp.gate_up,
+        "experts gate_up": loaded.layers[3].mlp.gate_up,
+        "experts down": loaded.layers[3].mlp.down,
+    }
+    rows.append(
+        dict(op="fp8_model_weights", **{k: isinstance(v, Fp8Weight) for k, v in kept.items()})
+    )
+    del loaded
+    torch.cuda.empty_cache()
+    prompt = list(range(100, 164))
+    for flag in (False, True):
+        logits = {}
+        for keep in (True, False):
+            ckpt = read_hf_folder(folder, torch.bfloat16, keep_quantized=keep)
+            store = WeightStore(ckpt.weights, torch.device("cuda"), torch.bfloat16)
+            kernels = get_kernels("cuda", flag)
+            with torch.inference_mode():
+                model = DeepseekV3ForCausalLM(ckpt.config, store, kernels, f"fp8-{keep}")
+            logits[keep] = SequenceLoop(model, 128).logits(prompt).float()
+            del model, store, ckpt
+            torch.cuda.empty_cache()
+        row = dict(op="fp8_model_logits", batch_invariant=flag,
+                   rel_err=rel(logits[True], logits[False]),
+                   top1_equal=bool(logits[True].argmax() == logits[False].argmax()))  # fmt: skip
+        rows.append(row)
+        print(row, flush=True)

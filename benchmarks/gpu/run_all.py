@@ -170,6 +170,7 @@ def section_kernels(out: dict) -> None:
 
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     cmd += [str(REPO / "tests/test_kernels_invariant_triton.py")]
+    cmd += [str(REPO / "tests/test_kernels_triton_fp8.py")]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
     out["kernel_tests"] = {"rc": proc.returncode, "tail": proc.stdout[-1500:] + proc.stderr[-800:]}
 

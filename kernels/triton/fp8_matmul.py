@@ -31,6 +31,9 @@ GROUP = 128  # activation group and weight K block: one scale pair per K step
 QUANT_GROUPS = 8  # groups per program of the quantize kernel
 AMAX_FLOOR = 1e-10  # an all-zero group gets this amax: scale > 0, codes 0
 FILL_PROGRAMS = 132  # programs of one H200 wave: what a decode launch's N tiles should reach
+# the narrowest decode tile (tl.dot's least N); the GPU job times it beside wider ones
+# (kernel_checks `time_fp8_decode_tiles`)
+MIN_DECODE_BLOCK_N = 16
 
 
 @dataclass(frozen=True)
@@ -49,11 +52,11 @@ LARGE = Fp8TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
 
 
 def decode_config(n: int) -> Fp8TileConfig:
-    """DECODE's rows with columns narrowed (to 16 at least) until the N tiles alone fill the GPU:
+    """DECODE's rows with columns narrowed (to MIN_DECODE_BLOCK_N) until the N tiles fill the GPU:
     without split-K, a narrow weight's tiles are its only parallelism. A function of the weight
     alone, so the invariant set uses it at every M."""
     block_n = DECODE.block_n
-    while block_n > 16 and cdiv(n, block_n) < FILL_PROGRAMS:
+    while block_n > MIN_DECODE_BLOCK_N and cdiv(n, block_n) < FILL_PROGRAMS:
         block_n //= 2
     return replace(DECODE, block_n=block_n)
 

@@ -57,7 +57,9 @@ def default_config(pairs: int, num_experts: int) -> MoeConfig:
     return PREFILL if pairs >= PREFILL_MIN_PAIRS else DECODE
 
 
-PLAIN, FP8, MXFP4 = 0, 1, 2  # the expert weights' format, a constexpr of the GEMM kernel
+# the expert weights' format, the GEMM kernel's WFMT (written as literals inside the kernel:
+# a jitted function may read no module global that is not a constexpr)
+PLAIN, FP8, MXFP4 = 0, 1, 2
 
 
 @jit
@@ -103,7 +105,7 @@ def _moe_gemm_kernel(
             other=0.0,
         )
         b_mask = (kk[:, None] < K) & (rn[None, :] < N)
-        if WFMT == MXFP4:
+        if WFMT == 2:  # MXFP4
             w_at = w_base + (kk // 2)[:, None] * s_wk + rn[None, :] * s_wn
             byte = tl.load(w_at, mask=b_mask, other=0)
             code = tl.where((kk % 2 == 0)[:, None], byte & 0xF, byte >> 4)
@@ -115,7 +117,7 @@ def _moe_gemm_kernel(
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
         else:
             b = tl.load(w_base + kk[:, None] * s_wk + rn[None, :] * s_wn, mask=b_mask, other=0.0)
-            if WFMT == FP8:
+            if WFMT == 1:  # FP8
                 kb = k0 // BLOCK_K
                 sa = tl.load(as_ptr + rows * s_asm + kb, mask=ok, other=0.0)
                 sb = tl.load(ws_base + (rn // SCALE_N) * s_wsn + kb * s_wsk, mask=rn < N, other=0.0)

@@ -243,13 +243,15 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
 
 
-def attention_launch(dim: int, dtype: torch.dtype, block_h: int, skip_empty: bool) -> dict:
+def attention_launch(
+    dim: int, dtype: torch.dtype, block_h: int, skip_empty: bool, split: int = SPLIT
+) -> dict:
     """The tile constants and launch options of the attention kernels for head size `dim`:
     the 512-wide latent takes 32-key tiles and 8 warps (its [16, 512] float32 accumulator and
     the key tile fit the registers and shared memory; 64-key tiles spill)."""
     wide = dim > 256
     return dict(
-        SPLIT=SPLIT, BLOCK_H=block_h, BLOCK_N=32 if wide else 64,
+        SPLIT=split, BLOCK_H=block_h, BLOCK_N=32 if wide else 64,
         BLOCK_D=max(16, next_power_of_2(dim)),
         PRECISION="ieee" if dtype == torch.float32 else "tf32",
         SKIP_EMPTY=skip_empty, num_warps=8 if wide else 4, num_stages=2,
@@ -267,13 +269,15 @@ def sparse_attention(
     block_h: int = BLOCK_H,
     split_programs_max: int = SPLIT_PROGRAMS_MAX,
     skip_empty: bool = True,
+    split: int = SPLIT,
 ) -> torch.Tensor:
     """`[T, H, D]`: each head of q[t] over the keys window_kv[window_slots[t]] then
     entry_kv[entry_slots[t]] (-1 = no key; K = V), with the per-head sink logit `sinks [H]` in
     the denominator; float32 scores and softmax, the output in q's dtype (V4SPEC.md, op 1).
     `split_programs_max` (the largest grid given one program per split) changes the launch, not
-    the bits; `block_h` (heads per program) and `skip_empty` (branch around key tiles of -1
-    only) are tuning knobs: a set keeps one value of each."""
+    the bits; `block_h` (heads per program), `skip_empty` (branch around key tiles of -1
+    only) and `split` (keys per split: where the folds fall) are tuning knobs: a set keeps one
+    value of each."""
     tokens, heads, dim = q.shape
     out = torch.empty_like(q)
     if tokens == 0:
@@ -282,10 +286,10 @@ def sparse_attention(
         entry_kv, entry_slots = window_kv, window_slots[:, :0]
     window_slots, entry_slots = _rows_contiguous(window_slots), _rows_contiguous(entry_slots)
     window, entries = window_slots.shape[1], entry_slots.shape[1]
-    window_splits = cdiv(window, SPLIT)
-    splits = window_splits + cdiv(entries, SPLIT)
+    window_splits = cdiv(window, split)
+    splits = window_splits + cdiv(entries, split)
     head_blocks = cdiv(heads, block_h)
-    consts = attention_launch(dim, q.dtype, block_h, skip_empty)
+    consts = attention_launch(dim, q.dtype, block_h, skip_empty, split)
     common = (
         *q.stride(), window_slots.stride(0), entry_slots.stride(0), *window_kv.stride(),
         *entry_kv.stride(),
