@@ -299,7 +299,7 @@ def _sdpa_operands(q, k_nope, k_rope, v, ctx: int, rows: torch.Tensor, dtype):
 
 FLASH_CANDIDATES = {  # block_m, block_n, num_warps, num_stages
     "default": FlashConfig(),
-    "m128w8s3": FlashConfig(128, 64, 8, 3),
+    "m128w8s2": FlashConfig(128, 64, 8, 2),
     "m64w4s2": FlashConfig(64, 64, 4, 2),
     "m64w4s3": FlashConfig(64, 64, 4, 3),
     "m128n32w8s2": FlashConfig(128, 32, 8, 2),

@@ -35,10 +35,12 @@ from deepserve.kernels.triton.lang import constexpr, jit, next_power_of_2, tl
 class FlashConfig:
     """One fixed tile configuration (the same for every batch, so rows stay batch invariant)."""
 
+    # H200 (run-gpu13-1, V2-Lite's decompressed geometry): 3 stages beat 2 by 1.2x, 221 vs
+    # 178 TFLOP/s on a fresh 2,000-token prompt and 460 vs 374 on an 8,192-token chunk over 32,768
     block_m: int = 128  # query rows per program
     block_n: int = 64  # keys per step
     num_warps: int = 8
-    num_stages: int = 2
+    num_stages: int = 3
 
 
 DEFAULT = FlashConfig()
