@@ -274,7 +274,9 @@ class SplitSparseAttention:
 
     def _block(self, q: Tensor, keys: Tensor, valid: Tensor, sinks: Tensor, scale: float) -> Tensor:
         counts = valid.sum(-1)
-        width = _round_up(max(int(counts.max()), 1), KV_SPLIT)
+        # every listed key's place, not the most any row sees: no host sync (a capturable step);
+        # the splits past a row's keys add exact zeros
+        width = _round_up(max(keys.shape[1], 1), KV_SPLIT)
         # a stable sort of "not valid" puts each row's keys first, in list order
         order = torch.sort((~valid).to(torch.uint8), dim=-1, stable=True).indices
         order = F.pad(order, (0, max(0, width - order.shape[1])))[:, :width]

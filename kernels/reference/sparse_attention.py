@@ -140,12 +140,12 @@ def compress_pool(
     group's tokens, per column) of their gate columns plus the position-in-group bias `ape`.
     CSA (series 2) pools group g-1's first series (gate -inf without a group before) and group
     g's second over 2 * ratio candidates, previous first."""
-    cur = rows[tokens]  # [G, ratio, width]
-    kv, gate = cur[..., kv_cols].float(), cur[..., gate_cols].float() + ape
+    kv_rows, gate_rows = rows[:, kv_cols], rows[:, gate_cols]  # gather these columns only
+    kv, gate = kv_rows[tokens].float(), gate_rows[tokens].float() + ape  # [G, ratio, s * dim]
     if series == 2:
-        prev = rows[previous]
-        prev_gate = prev[..., gate_cols][..., :dim].float() + ape[:, :dim]
+        first = slice(0, dim)
+        prev_gate = gate_rows[:, first][previous].float() + ape[:, first]
         prev_gate = prev_gate.masked_fill(~has_previous[:, None, None], float("-inf"))
-        kv = torch.cat([prev[..., kv_cols][..., :dim].float(), kv[..., dim:]], dim=1)
+        kv = torch.cat([kv_rows[:, first][previous].float(), kv[..., dim:]], dim=1)
         gate = torch.cat([prev_gate, gate[..., dim:]], dim=1)
     return (kv * torch.softmax(gate, 1)).sum(dim=1)
