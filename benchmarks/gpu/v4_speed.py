@@ -85,7 +85,10 @@ def section_v4_parity(out: dict, work: Path) -> None:
     prompts = {n: [rng.randrange(3, 129_000) for _ in range(n)] for n in (1, 17, 300, 2000)}
     greedy_prompts = [[rng.randrange(3, 129_000) for _ in range(n)] for n in (20, 150)]
     for dtype in ("float32", "bfloat16"):
-        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).cuda().eval()
+        # every parameter in `dtype`: transformers 5.17 keeps V4's mixing weights in float32
+        # under dtype=bfloat16 and then feeds their float32 output to a bf16 projection
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        hf = hf.to(device="cuda", dtype=getattr(torch, dtype)).eval()
         with torch.inference_mode():
             want = {
                 n: hf(torch.tensor([p], device="cuda")).logits[0, -1].float().cpu()
@@ -171,6 +174,7 @@ def _ours_rows(out: dict, config: dict, batches: list[int], tokens: int, deadlin
         _record(out, "v4_speed", dict(system="deepserve", prefill_tokens=n, tok_s=tok_s))
     for b in (batches[0], batches[-1]):
         _record(out, "v4_profile", speed.profile_decode_step(llm, b, vocab, rng))
+    _record(out, "v4_profile", speed.profile_prefill(llm, vocab, rng, 2000))
     for n in LONG_LENGTHS:
         if time.time() > deadline:
             out["errors"].append(f"v4: long prompt {n}: out of time")
