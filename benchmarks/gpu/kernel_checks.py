@@ -543,14 +543,14 @@ FP8_DECODE_CANDIDATES = {  # block_n, num_warps, num_stages of BLOCK_M 16 tiles,
 }
 
 
-def _fp8_reference(x: torch.Tensor, w) -> torch.Tensor:
+def _fp8_reference(x: torch.Tensor, w_deq: torch.Tensor) -> torch.Tensor:
     """x's own per-group e4m3 codes times their scales, against w dequantized, in float32."""
     from deepserve.kernels.triton import fp8_matmul
 
     q, s = fp8_matmul.quantize_groups_reference(x)
     k = x.shape[1]
     xq = q.float() * s.repeat_interleave(fp8_matmul.GROUP, dim=1)[:, :k]
-    return xq @ w.dequantize().T
+    return xq @ w_deq.T
 
 
 def check_fp8_linear(rows: list) -> None:
@@ -573,7 +573,7 @@ def check_fp8_linear(rows: list) -> None:
             x = x_all[:m]
             got = fp8_matmul.fp8_linear(x, w)
             row = dict(op="fp8_linear", layer=layer, n=n, k=k, m=m,
-                       rel_err=rel(got, _fp8_reference(x.float(), w)),
+                       rel_err=rel(got, _fp8_reference(x.float(), w_deq)),
                        rel_err_vs_bf16_x=rel(got, x.float() @ w_deq.T),
                        nan=bool(got.isnan().any()))  # fmt: skip
             row["ok"] = row["rel_err"] < 2e-2 and not row["nan"]
@@ -610,7 +610,7 @@ def time_fp8_decode_tiles(rows: list) -> None:
     for (n, k), layer in FP8_SHAPES.items():
         w = block_quant.quantize_fp8(torch.randn(n, k, device="cuda", generator=g) / k**0.5)
         x = torch.randn(1, k, device="cuda", generator=g).to(torch.bfloat16)
-        want = _fp8_reference(x.float(), w)
+        want = _fp8_reference(x.float(), w.dequantize())
         policy = fp8_matmul.decode_config(n)
         cands = {f"policy n{policy.block_n}": policy} | {
             name: fp8_matmul.Fp8TileConfig(16, bn, 8, warps, stages)
