@@ -82,7 +82,7 @@ def _quantize_kernel(
     mask = cols < K
     x = tl.load(x_ptr + row * s_xm + cols, mask=mask, other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR)
-    scale = amax / FP8_MAX
+    scale = tl.math.div_rn(amax, FP8_MAX)  # IEEE: the same bits in both kernels and torch
     # IEEE division: the codes are torch's `(x / scale).to(float8)` exactly
     q = tl.math.div_rn(x, scale[:, None])
     q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
@@ -155,7 +155,7 @@ def _fp8_gemm_kernel(
             b = tl.load(b_base + kk[:, None], mask=kk[:, None] < K, other=0.0)
         if QUANT_A:  # _quantize_kernel's arithmetic on this tile's rows
             x = a.to(tl.float32)
-            sa = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR) / FP8_MAX
+            sa = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR), FP8_MAX)
             q = tl.minimum(tl.maximum(tl.math.div_rn(x, sa[:, None]), -FP8_MAX), FP8_MAX)
             a = q.to(tl.float8e4nv)
         else:
