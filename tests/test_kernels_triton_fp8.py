@@ -157,6 +157,16 @@ def test_fp8_linear_rows_equal_for_any_row_count_under_a_fixed_tile():
     assert torch.equal(fp8_matmul.fp8_linear(x[20:21], w, cfg)[0], full[20])
 
 
+@pytest.mark.parametrize("k", [256, 200])
+def test_the_gemm_quantizing_x_itself_gives_the_bits_of_the_separate_quantize_kernel(k):
+    w = block_quant.quantize_fp8(_rand(48, k, seed=19) / 15)
+    x = _rand(5, k, seed=20, dtype=torch.bfloat16) * 3
+    x[1, :128] = 0.0  # an all-zero group
+    inline = fp8_matmul.fp8_linear(x, w, fp8_matmul.DECODE, inline_quant=True)
+    separate = fp8_matmul.fp8_linear(x, w, fp8_matmul.DECODE, inline_quant=False)
+    assert torch.equal(inline, separate)
+
+
 def test_the_decode_tile_narrows_until_a_weights_n_tiles_fill_the_gpu():
     """No split-K: at M = 1 the N tiles are the launch's only parallelism."""
     narrowest = fp8_matmul.MIN_DECODE_BLOCK_N
@@ -275,8 +285,9 @@ names = "a_ptr as_ptr b_ptr bs_ptr c_ptr M N K s_am s_asm s_bn s_bsn s_cm".split
 gemm = dict(zip(names, ["*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32", "*bf16"] + ["i32"] * 8))
 for cfg in (f.decode_config(2048), f.LARGE):
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=128, SCALE_N=128, GROUP_M=8,
-                  EVEN_K=False)
-    ptx = build(f._fp8_gemm_kernel, gemm, consts, cfg)
+                  EVEN_K=False, QUANT_A=cfg.block_m <= 16, FP8_MAX=448.0, AMAX_FLOOR=1e-10)
+    a_type = "*bf16" if consts["QUANT_A"] else "*fp8e4nv"
+    ptx = build(f._fp8_gemm_kernel, dict(gemm, a_ptr=a_type), consts, cfg)
     assert cfg.block_m < 64 or "wgmma" in ptx, "large fp8 tiles on Hopper's wgmma"
 names = ("a_ptr w_ptr c_ptr pair_ptr block_expert_ptr scale_ptr as_ptr ws_ptr num_pairs N K s_am "
          "s_we s_wn s_wk s_cm s_asm s_wse s_wsn s_wsk").split()

@@ -919,14 +919,14 @@ FP8_DECODE_CANDIDATES = {  # block_n, num_warps, num_stages of BLOCK_M 16 tiles,
 }
 
 
-def _fp8_reference(x: torch.Tensor, w) -> torch.Tensor:
+def _fp8_reference(x: torch.Tensor, w_deq: torch.Tensor) -> torch.Tensor:
     """x's own per-group e4m3 codes times their scales, against w dequantized, in float32."""
     from deepserve.kernels.triton import fp8_matmul
 
     q, s = fp8_matmul.quantize_groups_reference(x)
     k = x.shape[1]
     xq = q.float() * s.repeat_interleave(fp8_matmul.GROUP, dim=1)[:, :k]
-    return xq @ w.dequantize().T
+    return xq @ w_deq.T
 
 
 def check_fp8_linear(rows: list) -> None:
@@ -949,7 +949,7 @@ def check_fp8_linear(rows: list) -> None:
             x = x_all[:m]
             got = fp8_matmul.fp8_linear(x, w)
             row = dict(op="fp8_linear", layer=layer, n=n, k=k, m=m,
-                       rel_err=rel(got, _fp8_reference(x.float(), w)),
+                       rel_err=rel(got, _fp8_reference(x.float(), w_deq)),
                        rel_err_vs_bf16_x=rel(got, x.float() @ w_deq.T),
                        nan=bool(got.isnan().any()))  # fmt: skip
             row["ok"] = row["rel_err"] < 2e-2 and not row["nan"]
@@ -986,7 +986,7 @@ def time_fp8_decode_tiles(rows: list) -> None:
     for (n, k), layer in FP8_SHAPES.items():
         w = block_quant.quantize_fp8(torch.randn(n, k, device="cuda", generator=g) / k**0.5)
         x = torch.randn(1, k, device="cuda", generator=g).to(torch.bfloat16)
-        want = _fp8_reference(x.float(), w)
+        want = _fp8_reference(x.float(), w.dequantize())
         policy = fp8_matmul.decode_config(n)
         cands = {f"policy n{policy.block_n}": policy} | {
             name: fp8_matmul.Fp8TileConfig(16, bn, 8, warps, stages)
@@ -1035,9 +1035,14 @@ def check_quantized_moe(rows: list) -> None:
     for shape, (e, h, i, k) in FP8_MOE_SHAPES.items():
         gate_up = (torch.randn(e, 2 * i, h, device="cuda", generator=g) / h**0.5).bfloat16()
         down = (torch.randn(e, h, i, device="cuda", generator=g) / i**0.5).bfloat16()
-        formats = {
-            "fp8": (block_quant.quantize_fp8(gate_up), block_quant.quantize_fp8(down)),
-            "mxfp4": (block_quant.quantize_mxfp4(gate_up), block_quant.quantize_mxfp4(down)),
+        formats = {  # expert by expert: a layer's float32 temporaries would not fit
+            name: tuple(
+                block_quant.stack([q(m[j]) for j in range(e)], m.dtype) for m in (gate_up, down)
+            )
+            for name, q in (
+                ("fp8", block_quant.quantize_fp8),
+                ("mxfp4", block_quant.quantize_mxfp4),
+            )
         }
         for t in FP8_MOE_TOKENS:
             x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
@@ -1109,19 +1114,21 @@ def check_fp8_model(rows: list) -> None:
     del loaded
     torch.cuda.empty_cache()
     prompt = list(range(100, 164))
+
+    def last_logits(keep: bool, flag: bool) -> torch.Tensor:
+        ckpt = read_hf_folder(folder, torch.bfloat16, keep_quantized=keep)
+        store = WeightStore(ckpt.weights, torch.device("cuda"), torch.bfloat16)
+        with torch.inference_mode():
+            model = DeepseekV3ForCausalLM(ckpt.config, store, get_kernels("cuda", flag), "fp8")
+        out = SequenceLoop(model, 128).logits(prompt).float()
+        del model, store, ckpt
+        torch.cuda.empty_cache()
+        return out
+
+    want = last_logits(keep=False, flag=False)  # bf16 weights, the default set
     for flag in (False, True):
-        logits = {}
-        for keep in (True, False):
-            ckpt = read_hf_folder(folder, torch.bfloat16, keep_quantized=keep)
-            store = WeightStore(ckpt.weights, torch.device("cuda"), torch.bfloat16)
-            kernels = get_kernels("cuda", flag)
-            with torch.inference_mode():
-                model = DeepseekV3ForCausalLM(ckpt.config, store, kernels, f"fp8-{keep}")
-            logits[keep] = SequenceLoop(model, 128).logits(prompt).float()
-            del model, store, ckpt
-            torch.cuda.empty_cache()
-        row = dict(op="fp8_model_logits", batch_invariant=flag,
-                   rel_err=rel(logits[True], logits[False]),
-                   top1_equal=bool(logits[True].argmax() == logits[False].argmax()))  # fmt: skip
+        got = last_logits(keep=True, flag=flag)
+        row = dict(op="fp8_model_logits", batch_invariant=flag, rel_err=rel(got, want),
+                   top1_equal=bool(got.argmax() == want.argmax()))  # fmt: skip
         rows.append(row)
         print(row, flush=True)

@@ -6,7 +6,9 @@ DeepGEMM / vLLM `w8a8_block_fp8_matmul` scheme.
   and per row, so a row's codes never depend on the other rows of the batch.
 - `fp8_linear(x, w)`: K walked in 128-steps, each step one tensor-core dot of the fp8 tiles into
   float32 (wgmma on Hopper), times a_scale[m, kb] * b_scale[nb, kb], added in K order; output in
-  x's dtype. UE8M0 weight scales (DeepSeek-V4) are float32 powers of two after load: the same
+  x's dtype. Up to INLINE_QUANT_ROWS rows (decode) the GEMM quantizes its own x tiles, by the
+  same formula as `quantize_groups` (so the same bits): one launch, not two, where every
+  program's redundant quantization of a few rows costs less than a launch. UE8M0 weight scales (DeepSeek-V4) are float32 powers of two after load: the same
   kernel. No split-K: a row's sum is the same chain of K steps for any M, so with a tile fixed
   by the weight alone (`--batch-invariant` takes `decode_config(N)` at every M) rows are batch
   invariant.
@@ -30,6 +32,7 @@ from deepserve.kernels.triton.lang import cdiv, constexpr, jit, tl
 GROUP = 128  # activation group and weight K block: one scale pair per K step
 QUANT_GROUPS = 8  # groups per program of the quantize kernel
 AMAX_FLOOR = 1e-10  # an all-zero group gets this amax: scale > 0, codes 0
+INLINE_QUANT_ROWS = 16  # up to this many rows the GEMM quantizes x itself
 FILL_PROGRAMS = 132  # programs of one H200 wave: what a decode launch's N tiles should reach
 # the narrowest decode tile (tl.dot's least N); the GPU job times it beside wider ones
 # (kernel_checks `time_fp8_decode_tiles`)
@@ -79,7 +82,7 @@ def _quantize_kernel(
     mask = cols < K
     x = tl.load(x_ptr + row * s_xm + cols, mask=mask, other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR)
-    scale = amax / FP8_MAX
+    scale = tl.math.div_rn(amax, FP8_MAX)  # IEEE: the same bits in both kernels and torch
     # IEEE division: the codes are torch's `(x / scale).to(float8)` exactly
     q = tl.math.div_rn(x, scale[:, None])
     q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
@@ -119,7 +122,9 @@ def _fp8_gemm_kernel(
     s_am, s_asm, s_bn, s_bsn, s_cm,
     BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_K: constexpr, SCALE_N: constexpr,
     GROUP_M: constexpr, EVEN_K: constexpr,
+    QUANT_A: constexpr, FP8_MAX: constexpr, AMAX_FLOOR: constexpr,
 ):  # fmt: skip
+    """a: e4m3 codes with scales at as_ptr, or with QUANT_A x itself, quantized per 128-step."""
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -148,7 +153,13 @@ def _fp8_gemm_kernel(
         else:
             a = tl.load(a_base + kk[None, :], mask=kk[None, :] < K, other=0.0)
             b = tl.load(b_base + kk[:, None], mask=kk[:, None] < K, other=0.0)
-        sa = tl.load(a_scale + kb)
+        if QUANT_A:  # _quantize_kernel's arithmetic on this tile's rows
+            x = a.to(tl.float32)
+            sa = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR), FP8_MAX)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(x, sa[:, None]), -FP8_MAX), FP8_MAX)
+            a = q.to(tl.float8e4nv)
+        else:
+            sa = tl.load(a_scale + kb)
         sb = tl.load(b_scale + kb)
         acc += tl.dot(a, b, out_dtype=tl.float32) * sa[:, None] * sb[None, :]
     keep = (rm[:, None] < M) & (rn[None, :] < N)
@@ -160,8 +171,14 @@ def supports(w: Fp8Weight) -> bool:
     return w.data.dim() == 2 and w.block[1] == GROUP
 
 
-def fp8_linear(x: torch.Tensor, w: Fp8Weight, cfg: Fp8TileConfig | None = None) -> torch.Tensor:
-    """x[..., K] @ dequant(w)[N, K].T in x's dtype, x quantized per row and 128 columns."""
+def fp8_linear(
+    x: torch.Tensor,
+    w: Fp8Weight,
+    cfg: Fp8TileConfig | None = None,
+    inline_quant: bool | None = None,
+) -> torch.Tensor:
+    """x[..., K] @ dequant(w)[N, K].T in x's dtype, x quantized per row and 128 columns (in the
+    GEMM with `inline_quant`; None: up to INLINE_QUANT_ROWS rows; the bits are the same)."""
     lead, k = x.shape[:-1], x.shape[-1]
     n = w.data.shape[0]
     flat = x.reshape(-1, k)
@@ -172,13 +189,16 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, cfg: Fp8TileConfig | None = None) 
     if m == 0 or n == 0:
         return out.reshape(*lead, n)
     cfg = cfg or default_config(m, n)
-    q, qs = quantize_groups(flat)
+    inline = m <= INLINE_QUANT_ROWS if inline_quant is None else inline_quant
+    q, qs = (flat, flat) if inline else quantize_groups(flat)
     grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n),)
     _fp8_gemm_kernel[grid](
         q, qs, w.data, w.scale, out, m, n, k,
-        q.stride(0), qs.stride(0), w.data.stride(0), w.scale.stride(0), out.stride(0),
+        q.stride(0), 0 if inline else qs.stride(0), w.data.stride(0), w.scale.stride(0),
+        out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP, SCALE_N=w.block[0],
         GROUP_M=cfg.group_m, EVEN_K=k % GROUP == 0,
+        QUANT_A=inline, FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out.reshape(*lead, n)

@@ -310,17 +310,21 @@ def fused_moe_reference(
     kernel does."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     quantized = isinstance(gate_up, Fp8Weight)
-    gate_up, down = (w if isinstance(w, torch.Tensor) else w.dequantize() for w in (gate_up, down))
     for t in range(ids.shape[0]):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
-            gu = gate_up[e].float() @ _as_fp8_groups(x[t].float(), quantized)
+            gu = _expert(gate_up, e) @ _as_fp8_groups(x[t].float(), quantized)
             gate, up = gu.chunk(2)
             if swiglu_limit:
                 gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
             act = _as_fp8_groups(F.silu(gate) * up, quantized)
-            out[t] += float(weights[t, j]) * (down[e].float() @ act)
+            out[t] += float(weights[t, j]) * (_expert(down, e) @ act)
     return out
+
+
+def _expert(w: ExpertWeight, e: int) -> torch.Tensor:
+    """Expert e's matrix in float32, dequantized alone (a whole layer's would not fit)."""
+    return w[e].float() if isinstance(w, torch.Tensor) else w[e].dequantize()
 
 
 def _as_fp8_groups(v: torch.Tensor, quantized: bool) -> torch.Tensor:
