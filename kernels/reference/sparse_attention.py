@@ -1,23 +1,30 @@
-"""DeepSeek-V4's attention ops in torch over slot lists of the flattened paged cache: the oracle of
-the invariant and Triton versions (docs: /work/wt/V4SPEC.md's contract, restated here).
+"""DeepSeek-V4's attention ops in torch over slot lists of the flattened paged cache: the contract
+(kernels/kernel_set.py names the fields) and the oracle of the invariant and Triton versions.
 
-Every op takes row ids ("slots") into `[N, width]` views of the cache, built on the device by the
-model, so one call covers a whole step of any mix of sequences without a host loop, a boolean
-`[T, L]` mask or a host sync; -1 in a slot list means "no key".
+Every op takes row ids ("slots") into `[N, width]` views of the cache (`cache.view(-1, width)`,
+or its columns `[:, cols]`: stride(0) = width, stride(1) = 1), built on the device by the model,
+so one call covers a whole step of any mix of sequences without a host loop, a boolean `[T, L]`
+mask or a host sync; -1 in a slot list means "no key". Every shape is a host value (exact in an
+eager step, an upper bound inside a CUDA graph's capture), every choice a device tensor.
 
 `sparse_attention(q, window_kv, window_slots, entry_kv, entry_slots, sinks, scale)`: multi-query
 attention of `q [T, H, D]` over one shared K=V head: token t's keys are `window_kv[window_slots[t]]`
-then `entry_kv[entry_slots[t]]`, in that order. Each head has a sink logit `sinks [H]` that joins
-the softmax's denominator but brings no value. Scores and softmax in float32; returns `[T, H, D]`
-in q's dtype; a query with no key gets zeros.
+(`[T, W]`) then `entry_kv[entry_slots[t]]` (`[T, E]`, or None), in that order. Each head has a sink
+logit `sinks [H]` (float32) that joins the softmax's denominator but brings no value. Scores and
+softmax in float32; returns `[T, H, D]` in q's dtype; a query with no key gets zeros. A row's
+result depends only on its q, its slot lists and the keys' values.
 
 `indexer_topk(q, weights, keys, entry_slots, token_seq, visible, k, scale)`: the lightning
-indexer's choice. Token t scores entry j of its sequence (`keys[entry_slots[token_seq[t], j]]`) as
-`sum_h weights[t, h] * relu(q[t, h] . key) * scale` over its first `visible[t]` entries, keeps the
-best `min(k, G)` (ties to the lower j) and returns them sorted ascending by j, -1 padded at the end.
+indexer's choice. `entry_slots [S, G]` holds each sequence's entry rows (past a sequence's count
+anything: `visible` masks it); token t scores entry j of its sequence
+(`keys[entry_slots[token_seq[t], j]]`) as `sum_h weights[t, h] * relu(q[t, h] . key) * scale`
+over its first `visible[t]` entries, heads summed in order, float32; keeps the best
+`k' = min(k, G)` (ties to the lower j) and returns them sorted ascending by j (so the attention's
+key order depends only on the chosen set), `[T, k']` int64, -1 padded at the end.
 
 `compress_pool(rows, tokens, previous, has_previous, ape, kv_cols, gate_cols, dim, series)`: the
-compressors' gated pooling of a group's `ratio` tokens into one entry (before its norm and rope).
+compressors' gated pooling of a group's `ratio` tokens into one entry (before its norm and rope),
+`[G, dim]` float32; one group's result never depends on G.
 """
 
 from __future__ import annotations
