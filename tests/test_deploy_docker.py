@@ -230,6 +230,16 @@ def test_native_kernels_load_in_every_deepserve_container(stack):
         assert "native CPU kernels unavailable" not in logs, service
 
 
+def test_every_deepserve_container_logs_one_start_line(stack):
+    roles = {"prefill": "prefill", "decode-1": "decode", "decode-2": "decode"}
+    roles["frontend"] = "frontend"
+    for service, role in roles.items():
+        logs = stack.compose("logs", "--no-color", service).stdout
+        lines = [line for line in logs.splitlines() if "deepserve started:" in line]
+        assert len(lines) == 1, f"{service}: {lines}"
+        assert f"role={role} model={MODEL} kernels=native listening on http://0.0.0.0:" in lines[0]
+
+
 def test_every_worker_reports_native_kernels_on_its_open_health(stack):
     for service in WORKERS:
         status, body = stack.inside(service, "http://127.0.0.1:8100/health")
