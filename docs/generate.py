@@ -73,8 +73,10 @@ Kubernetes secrets). The Redis password goes into every `redis://` URL that carr
 
 COMPOSE_FOOTER = """
 No secret is a compose variable, and none has a default: on first start the `secrets` service
-writes random ones (256 bits each) into the `secrets` volume, and each service reads its own from
-there as a file, so none shows in `ps` or `docker inspect`. Clients need the API key:
+writes random ones (256 bits each) into the `secrets` volume, and copies each service's own into a
+volume that only this service mounts (owner-only for the deepserve user; redis and grafana get
+nothing but their own password); each reads them as files, so none shows in `ps` or
+`docker inspect`. Clients need the API key:
 
 ```bash
 docker compose exec frontend cat /run/deepserve-secrets/api_key
@@ -82,8 +84,7 @@ docker compose exec frontend cat /run/deepserve-secrets/api_key
 
 They survive restarts; `docker compose down -v` deletes them and the next start makes new ones. To
 choose one yourself (`api_key`, `internal_token`, `redis_password`, `kv_secret`,
-`grafana_admin_password`),
-write it before the first start:
+`grafana_admin_password`), write it into the `secrets` volume before the first start:
 
 ```bash
 docker compose run --rm -T --entrypoint sh secrets -c 'cat > /run/deepserve-secrets/api_key' < my-key

@@ -22,6 +22,9 @@ from deepserve.engine.loading.builtin_models import DEFAULT_MODEL
 
 log = logging.getLogger(__name__)
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
 
 def env_secret(name: str) -> str | None:
     """`$name`, else the contents of the file `$name_FILE` (one trailing newline dropped)."""
@@ -205,8 +208,23 @@ def _engine_config(args: argparse.Namespace, spec: SpeculativeConfig | None) -> 
 
 
 def add_listen_args(p: argparse.ArgumentParser, port: int) -> None:
+    """What every listening process (`serve`, `frontend`, `worker`) takes: address and logging."""
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told)")
     p.add_argument("--port", type=int, default=port)
+    p.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default="info",
+        help="least severe log lines written to stderr (info: the start line, ejections, hints)",
+    )
+
+
+def configure_logging(level: str) -> None:
+    """The process's one logging setup: every logger's lines to stderr, where `docker compose logs`
+    and journald collect them."""
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+    if level != "debug":  # httpx logs each request at INFO: every worker call of a frontend
+        logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def add_http_server_args(p: argparse.ArgumentParser) -> None:
@@ -561,6 +579,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if "log_level" in args:  # the subcommands that listen (add_listen_args)
+        configure_logging(args.log_level)
     from deepserve.engine.errors import ModelNotFoundError, UnsupportedModelError
 
     try:

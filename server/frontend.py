@@ -19,7 +19,7 @@ from deepserve.server.app import create_app
 from deepserve.server.component_metrics import RouterCollector
 from deepserve.server.config import ServerConfig
 from deepserve.server.family import make_family
-from deepserve.server.http_server import run_in_loop, serve_http
+from deepserve.server.http_server import StartLine, run_in_loop, serve_http
 from deepserve.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -63,17 +63,15 @@ def build_frontend_app(engine: RemoteEngine, server: ServerConfig) -> FastAPI:
 async def serve_frontend(config: FrontendConfig) -> None:
     engine = await connect(config)
     app = build_frontend_app(engine, config.server)
+    start = StartLine("frontend", engine.card.info.name, engine.card.kernels)
     try:
-        await serve_http(app, config.server.host, config.server.port, config.http)
+        host, port = config.server.host, config.server.port
+        await serve_http(app, host, port, config.http, start=start)
     finally:
         await engine.shutdown()
 
 
 def run_frontend(config: FrontendConfig) -> int:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # else one line per worker call
     # The loop also runs the worker clients, so uvloop speeds up both HTTP exchanges of a request.
     run_in_loop(serve_frontend(config), config.loop)
     return 0

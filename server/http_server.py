@@ -1,14 +1,18 @@
 """Running an ASGI app under uvicorn, the same way for `serve`, `frontend` and `worker`.
 
 One place for the uvicorn settings (graceful shutdown bound, no access log), the FastAPI settings
-every app shares, and the event loop choice: "auto" takes uvloop and httptools when installed (a
-routed request crosses two HTTP stacks, so their per-request cost counts twice).
+every app shares, the event loop choice: "auto" takes uvloop and httptools when installed (a
+routed request crosses two HTTP stacks, so their per-request cost counts twice), and the one line
+each process logs once it listens. Logging itself is set up by the CLI (server/cli.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import socket
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
@@ -16,6 +20,38 @@ from fastapi import FastAPI
 
 LOOPS = ("auto", "asyncio", "uvloop")
 HTTP_PARSERS = ("auto", "h11", "httptools")
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StartLine:
+    """What a process says once it listens, so its log (`docker compose logs`) tells which process
+    it is and what it runs."""
+
+    role: str  # serve | prefill | decode | mixed | frontend
+    model: str
+    kernels: str  # kernels/registry.py kernels_in_use: native | torch (a frontend: its workers')
+
+    def text(self, host: str, port: int) -> str:
+        return (
+            f"deepserve started: role={self.role} model={self.model} kernels={self.kernels} "
+            f"listening on http://{host}:{port}"
+        )
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, logging the start line once its sockets are bound (not before: a port in
+    use ends the start with uvicorn's own error instead)."""
+
+    def __init__(self, config: uvicorn.Config, start: StartLine | None) -> None:
+        super().__init__(config)
+        self.start = start
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.start is not None:
+            log.info(self.start.text(self.config.host, self.config.port))
 
 
 def fastapi_app(title: str, lifespan: Any = None) -> FastAPI:
@@ -41,8 +77,9 @@ async def serve_http(
     http: str = "auto",
     log_level: str = "warning",
     proxy_headers: bool = True,
+    start: StartLine | None = None,
 ) -> None:
-    """Serve `app` on the running loop until SIGINT/SIGTERM."""
+    """Serve `app` on the running loop until SIGINT/SIGTERM; log `start` once listening."""
     config = uvicorn.Config(
         app,
         host=host,
@@ -53,7 +90,7 @@ async def serve_http(
         proxy_headers=proxy_headers,
         timeout_graceful_shutdown=5,
     )
-    await uvicorn.Server(config).serve()
+    await _Server(config, start).serve()
 
 
 def run_in_loop(main: Coroutine[Any, Any, None], loop: str = "auto") -> None:

@@ -6,7 +6,6 @@ The engine loads before the socket opens, so /health answering means requests ca
 from __future__ import annotations
 
 import asyncio
-import logging
 
 from fastapi import FastAPI
 
@@ -16,10 +15,8 @@ from deepserve.server.app import create_app
 from deepserve.server.component_metrics import EngineCollector
 from deepserve.server.config import ServerConfig
 from deepserve.server.family import make_family
-from deepserve.server.http_server import run_in_loop, serve_http
+from deepserve.server.http_server import StartLine, run_in_loop, serve_http
 from deepserve.server.metrics import ServerMetrics
-
-log = logging.getLogger(__name__)
 
 
 def build_app(engine: EngineClient, server_config: ServerConfig) -> FastAPI:
@@ -41,14 +38,10 @@ async def serve(
 
     engine = await asyncio.to_thread(AsyncEngine, engine_config)
     app = build_app(engine, server_config)
-    log.info(
-        "serving %s on %s:%d",
-        server_config.served_model_name,
-        server_config.host,
-        server_config.port,
-    )
+    start = StartLine("serve", engine.card.info.name, engine.card.kernels)
     try:
-        await serve_http(app, server_config.host, server_config.port, http, log_level="info")
+        host, port = server_config.host, server_config.port
+        await serve_http(app, host, port, http, log_level="info", start=start)
     finally:
         await engine.shutdown()
 
@@ -59,8 +52,5 @@ def run_serve(
     loop: str = "auto",
     http: str = "auto",
 ) -> int:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     run_in_loop(serve(engine_config, server_config, http), loop)
     return 0

@@ -42,7 +42,7 @@ from deepserve.engine.outputs import RequestOutput
 from deepserve.engine.sampling_params import SamplingParams
 from deepserve.server.component_metrics import EngineCollector
 from deepserve.server.disconnect import ClientDisconnected, until_disconnect
-from deepserve.server.http_server import fastapi_app, run_in_loop, serve_http
+from deepserve.server.http_server import StartLine, fastapi_app, run_in_loop, serve_http
 from deepserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from deepserve.server.state import json_object
 
@@ -409,7 +409,9 @@ def run_worker(
     """Load the engine, then serve the internal API until SIGINT/SIGTERM."""
     from deepserve.engine.async_engine import AsyncEngine
 
-    app = build_worker_app(AsyncEngine(engine_config), config)
+    engine = AsyncEngine(engine_config)
+    app = build_worker_app(engine, config)
+    start = StartLine(config.role, engine.card.info.name, engine.card.kernels)
     # Routers call it directly: no proxy headers, one ASGI layer less per request.
-    run_in_loop(serve_http(app, host, port, http, proxy_headers=False), loop)
+    run_in_loop(serve_http(app, host, port, http, proxy_headers=False, start=start), loop)
     return 0

@@ -35,7 +35,10 @@ SECRETS_SCRIPT = DOCKER_DIR / "gen_secrets.py"
 
 DEEPSERVE_IMAGE = "deepserve"
 REDIS_PORT = 6379
-SECRETS_MOUNT = "/run/deepserve-secrets"  # the `secrets` volume, in every container that reads it
+# Where every container that reads secrets mounts its own volume of them (the `secrets` service:
+# the store of them all).
+SECRETS_MOUNT = "/run/deepserve-secrets"
+STORE_VOLUME = "secrets"
 
 # ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?error}, ${VAR?error}, $VAR and the $$ escape.
 _VAR = re.compile(
@@ -107,13 +110,44 @@ def is_deepserve(service: dict[str, Any]) -> bool:
     return image and "entrypoint" not in service
 
 
-def make_secrets(folder: Path) -> Path:
-    """What the `secrets` service does on first start, into a local folder."""
-    folder.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        [sys.executable, str(SECRETS_SCRIPT), str(folder)], check=True, capture_output=True
-    )
-    return folder
+def named_mounts(service: dict[str, Any]) -> dict[str, str]:
+    """Container path -> named volume, for each named volume a service mounts."""
+    out = {}
+    for volume in service.get("volumes", []):
+        source, target = volume.split(":")[:2]
+        if not source.startswith((".", "/")):
+            out[target] = source
+    return out
+
+
+def volume_folder(data_dir: Path, volume: str) -> Path:
+    """The local folder standing for a named volume."""
+    return data_dir / "volumes" / volume
+
+
+def local_paths(service: dict[str, Any], data_dir: Path) -> dict[str, Path]:
+    """Container path -> local folder, for the named volumes a service mounts."""
+    return {target: volume_folder(data_dir, v) for target, v in named_mounts(service).items()}
+
+
+def localize(text: str, paths: dict[str, Path]) -> str:
+    """`text` with each mount point of `paths` (a whole path component) made local."""
+    for target in sorted(paths, key=len, reverse=True):
+        text = re.sub(rf"{re.escape(target)}(?![\w.-])", str(paths[target]), text)
+    return text
+
+
+def make_secrets(compose: dict[str, Any], data_dir: Path) -> Path:
+    """What the `secrets` service does on first start, with its volumes as local folders under
+    `data_dir` (volume_folder); returns the store's folder."""
+    service = compose["services"]["secrets"]
+    assert service["entrypoint"] == ["deepserve-secrets"]
+    paths = local_paths(service, data_dir)
+    for folder in paths.values():
+        folder.mkdir(parents=True, exist_ok=True)
+    argv = [localize(str(a), paths) for a in service["command"]]
+    subprocess.run([sys.executable, str(SECRETS_SCRIPT), *argv], check=True, capture_output=True)
+    return volume_folder(data_dir, STORE_VOLUME)
 
 
 def read_secret(folder: Path, name: str) -> str:
@@ -150,12 +184,14 @@ class LocalService:
 
 
 class LoopbackMap:
-    """Rewrites `service:port` addresses in compose values to `127.0.0.1:<free port>`, and the
-    secrets volume's mount point to a local folder."""
+    """Rewrites `service:port` addresses in compose values to `127.0.0.1:<free port>`, and each
+    service's volume mount points to local folders."""
 
-    def __init__(self, ports: dict[str, tuple[int, int]], secrets: Path) -> None:
+    def __init__(
+        self, ports: dict[str, tuple[int, int]], mounts: dict[str, dict[str, Path]]
+    ) -> None:
         self.ports = ports  # service -> (container port, local port)
-        self.secrets = secrets  # the local folder standing for the secrets volume
+        self.mounts = mounts  # service -> container path -> the local folder standing for it
         names = "|".join(re.escape(n) for n in sorted(ports, key=len, reverse=True))
         self._remote = re.compile(rf"(?<![\w.-])({names}):(\d+)(?![\w.-])")
 
@@ -166,8 +202,9 @@ class LoopbackMap:
         def sub(m: re.Match[str]) -> str:
             return f"127.0.0.1:{self.local_port(m.group(1))}"
 
-        text = self._remote.sub(sub, text).replace(SECRETS_MOUNT, str(self.secrets))
+        text = self._remote.sub(sub, text)
         if own is not None:
+            text = localize(text, self.mounts.get(own, {}))
             inner, local = self.ports[own]
             text = re.sub(rf"(127\.0\.0\.1|localhost):{inner}\b", f"127.0.0.1:{local}", text)
         return text
@@ -186,11 +223,12 @@ class LoopbackMap:
 
 def local_topology(compose: dict[str, Any], bin_dir: Path, data_dir: Path) -> list[LocalService]:
     """Redis and the deepserve services of the compose file as local processes, in start order;
-    their secrets generated into `data_dir`/secrets as the `secrets` service would."""
+    their secrets generated as the `secrets` service would, volumes as folders under `data_dir`."""
     services = compose["services"]
     wanted = [n for n, s in services.items() if n == "redis" or is_deepserve(s)]
     ports = {n: (container_port(n, services[n]), free_port()) for n in wanted}
-    loopback = LoopbackMap(ports, make_secrets(data_dir / "secrets"))
+    make_secrets(compose, data_dir)
+    loopback = LoopbackMap(ports, {n: local_paths(services[n], data_dir) for n in wanted})
     out = []
     for name in _start_order(services, wanted):
         svc = services[name]

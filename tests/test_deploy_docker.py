@@ -30,7 +30,14 @@ IMAGE = "deepserve:cpu"
 MODEL = "smollm2-135m"
 WORKERS = ("prefill", "decode-1", "decode-2")
 DEEPSERVE_SERVICES = (*WORKERS, "frontend")
-SECRET_FILES = ("api_key", "internal_token", "redis_password", "grafana_admin_password")
+# Each secret, and a service that holds it (each service holds only its own).
+SECRET_HOLDERS = {
+    "api_key": "frontend",
+    "internal_token": "frontend",
+    "redis_password": "redis",
+    "kv_secret": "prefill",
+    "grafana_admin_password": "grafana",
+}
 MAX_IMAGE_BYTES = 1_200_000_000
 BUILD_TIMEOUT_S = 1800
 UP_TIMEOUT_S = 900
@@ -73,10 +80,15 @@ class Stack:
     def compose(self, *args: str, timeout: float = 300, check: bool = True):
         return compose(self.env, *args, timeout=timeout, check=check)
 
-    def secret(self, name: str) -> str:
-        return self.compose(
-            "exec", "-T", "frontend", "cat", f"{SECRETS_MOUNT}/{name}"
-        ).stdout.strip()
+    def secret(self, name: str, service: str = "frontend") -> str:
+        return self.compose("exec", "-T", service, "cat", f"{SECRETS_MOUNT}/{name}").stdout.strip()
+
+    def secret_files(self, service: str) -> dict[str, str]:
+        """File name -> "mode owner" of the secrets a service's container holds."""
+        listing = self.compose(
+            "exec", "-T", service, "sh", "-c", f"cd {SECRETS_MOUNT} && stat -c '%n %a %u' *"
+        ).stdout
+        return {name: rest for name, _, rest in (ln.partition(" ") for ln in listing.splitlines())}
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(
@@ -191,6 +203,16 @@ def test_image_is_at_most_1_2_gb(stack):
     assert size <= MAX_IMAGE_BYTES
 
 
+def test_the_image_exposes_the_frontend_and_the_worker_ports(stack):
+    exposed = subprocess.run(
+        ["docker", "image", "inspect", IMAGE, "-f", "{{json .Config.ExposedPorts}}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert set(json.loads(exposed)) == {"8000/tcp", "8100/tcp"}
+
+
 def test_every_deepserve_container_runs_as_the_image_user_without_a_compiler(stack):
     for service in DEEPSERVE_SERVICES:
         probe = "id -u; command -v c++ g++ gcc cc || true"
@@ -206,6 +228,16 @@ def test_native_kernels_load_in_every_deepserve_container(stack):
         assert "unavailable" not in result.stderr, service
         logs = stack.compose("logs", "--no-color", service).stdout
         assert "native CPU kernels unavailable" not in logs, service
+
+
+def test_every_deepserve_container_logs_one_start_line(stack):
+    roles = {"prefill": "prefill", "decode-1": "decode", "decode-2": "decode"}
+    roles["frontend"] = "frontend"
+    for service, role in roles.items():
+        logs = stack.compose("logs", "--no-color", service).stdout
+        lines = [line for line in logs.splitlines() if "deepserve started:" in line]
+        assert len(lines) == 1, f"{service}: {lines}"
+        assert f"role={role} model={MODEL} kernels=native listening on http://0.0.0.0:" in lines[0]
 
 
 def test_every_worker_reports_native_kernels_on_its_open_health(stack):
@@ -293,8 +325,24 @@ def test_every_prometheus_target_is_up(stack):
 # ---- secrets ----------------------------------------------------------------------------------
 
 
+def test_deepserve_containers_hold_their_secrets_owner_only(stack):
+    expected = {
+        "frontend": {"api_key", "internal_token", "redis_password"},
+        **{w: {"internal_token", "redis_password", "kv_secret"} for w in WORKERS},
+    }
+    for service, names in expected.items():
+        files = stack.secret_files(service)
+        assert set(files) == names, service
+        assert set(files.values()) == {"400 10001"}, f"{service}: {files}"
+
+
+def test_redis_and_grafana_hold_only_their_own_secret(stack):
+    assert set(stack.secret_files("redis")) == {"redis_password", "redis.conf"}
+    assert set(stack.secret_files("grafana")) == {"grafana_admin_password"}
+
+
 def test_no_secret_appears_in_ps_or_docker_inspect(stack):
-    secrets = [stack.secret(name).strip() for name in SECRET_FILES]
+    secrets = [stack.secret(name, service).strip() for name, service in SECRET_HOLDERS.items()]
     assert all(len(s) >= 32 for s in secrets)
     ps = subprocess.run(["ps", "-e", "-ww", "-o", "args"], capture_output=True, text=True).stdout
     ps_env = subprocess.run(["ps", "eww", "-e"], capture_output=True, text=True).stdout
@@ -305,7 +353,7 @@ def test_no_secret_appears_in_ps_or_docker_inspect(stack):
         ["docker", "image", "inspect", IMAGE], capture_output=True, text=True, check=True
     ).stdout
     assert "redis-server" in ps and "deepserve" in inspect  # the places searched are the right ones
-    for name, value in zip(SECRET_FILES, secrets, strict=True):
+    for name, value in zip(SECRET_HOLDERS, secrets, strict=True):
         for where, text in (("ps", ps), ("ps e", ps_env), ("inspect", inspect), ("image", image)):
             assert value not in text, f"{name} shows in {where}"
 

@@ -10,6 +10,7 @@ import json
 import re
 import runpy
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -24,19 +25,25 @@ from deploy_compose import (
     PROMETHEUS_FILE,
     REPO,
     SECRETS_MOUNT,
+    STORE_VOLUME,
     as_env_dict,
     compose_variables,
     container_port,
     interpolate,
     is_deepserve,
     load_compose,
+    local_paths,
+    localize,
     make_secrets,
+    named_mounts,
     read_secret,
+    volume_folder,
 )
 
 from deepserve.server.cli import build_parser
 
 DOCKERFILE = DOCKER_DIR / "Dockerfile"
+ROLES_CMDS = ("serve", "frontend", "worker")  # the subcommands that listen
 WORKERS = ("prefill", "decode-1", "decode-2")
 PUBLISHED = {"frontend", "prometheus", "grafana"}
 
@@ -153,24 +160,111 @@ def _dependencies(services: dict[str, dict], name: str) -> set[str]:
     return out
 
 
-def test_every_service_reading_secrets_mounts_the_volume_read_only(compose):
+def _secrets_read(service: dict) -> set[str]:
+    """The secret files a service's command, environment and healthcheck name."""
+    return set(re.findall(rf"{SECRETS_MOUNT}/([\w.]+)", json.dumps(service)))
+
+
+def _readers(compose: dict) -> dict[str, dict]:
+    """The services that read secrets (the `secrets` service writes them)."""
+    return {n: s for n, s in _services(compose).items() if _secrets_read(s) and n != "secrets"}
+
+
+def test_every_service_reading_secrets_mounts_its_own_volume_read_only(compose):
     services = _services(compose)
-    for name, service in services.items():
-        text = json.dumps(service)
-        if SECRETS_MOUNT not in text or name == "secrets":
-            continue
-        assert f"secrets:{SECRETS_MOUNT}:ro" in service["volumes"], name
+    for name, service in _readers(compose).items():
+        volume = named_mounts(service)[SECRETS_MOUNT]
+        assert f"{volume}:{SECRETS_MOUNT}:ro" in service["volumes"], name
+        assert volume in named_mounts(services["secrets"]).values(), f"{name}: {volume}"
         assert "secrets" in _dependencies(services, name), f"{name} may start before its secrets"
-    assert services["secrets"]["volumes"] == [f"secrets:{SECRETS_MOUNT}"]
     assert services["redis"]["depends_on"]["secrets"]["condition"] == (
         "service_completed_successfully"
     )
 
 
+def test_the_store_of_every_secret_is_mounted_by_the_secrets_service_alone(compose):
+    for name, service in _services(compose).items():
+        if STORE_VOLUME in named_mounts(service).values():
+            assert name == "secrets", name
+    assert named_mounts(_services(compose)["secrets"])[SECRETS_MOUNT] == STORE_VOLUME
+
+
+def test_each_service_holds_exactly_the_secrets_it_reads(compose, tmp_path):
+    make_secrets(compose, tmp_path)
+    for name, service in _readers(compose).items():
+        folder = local_paths(service, tmp_path)[SECRETS_MOUNT]
+        assert {p.name for p in folder.iterdir()} == _secrets_read(service), name
+
+
+def test_redis_and_grafana_cannot_read_the_api_key_token_or_kv_secret(compose, tmp_path):
+    make_secrets(compose, tmp_path)
+    services = _services(compose)
+    for name in ("redis", "grafana"):
+        folder = local_paths(services[name], tmp_path)[SECRETS_MOUNT]
+        held = {p.name for p in folder.iterdir()}
+        assert held and not held & {"api_key", "internal_token", "kv_secret"}, name
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_deepserve_secrets_are_readable_by_their_owner_only(compose, tmp_path):
+    """The `secrets` service runs as the image's deepserve user, so 0400 is that user's alone."""
+    make_secrets(compose, tmp_path)
+    services = _services(compose)
+    deepserve = [n for n, s in _readers(compose).items() if is_deepserve(s)]
+    folders = [volume_folder(tmp_path, STORE_VOLUME)]
+    folders += [local_paths(services[n], tmp_path)[SECRETS_MOUNT] for n in deepserve]
+    assert deepserve and "frontend" in deepserve and "prefill" in deepserve
+    for folder in folders:
+        assert _mode(folder) == 0o700, folder.name
+        for path in folder.iterdir():
+            assert _mode(path) == 0o400, f"{folder.name}/{path.name}"
+
+
+def test_the_secrets_service_user_is_the_deepserve_image_user(compose):
+    """What makes 0400 mean "the deepserve user only": the generator runs as that user."""
+    service = _services(compose)["secrets"]
+    assert "user" not in service  # the image's USER
+    users = [rest for kw, rest in _dockerfile_instructions() if kw == "USER"]
+    assert users[-1] == "deepserve"
+
+
+def test_a_secret_the_operator_wrote_is_kept_and_made_owner_only(compose, tmp_path):
+    store = volume_folder(tmp_path, STORE_VOLUME)
+    store.mkdir(parents=True)
+    (store / "api_key").write_text("chosen-by-the-operator\n")
+    (store / "api_key").chmod(0o644)
+    make_secrets(compose, tmp_path)
+    frontend = local_paths(_services(compose)["frontend"], tmp_path)[SECRETS_MOUNT]
+    assert read_secret(frontend, "api_key") == "chosen-by-the-operator"
+    assert _mode(store / "api_key") == 0o400
+
+
 def test_the_secrets_service_generates_every_file_the_services_read(compose, tmp_path):
-    folder = make_secrets(tmp_path / "secrets")
-    referenced = set(re.findall(rf"{SECRETS_MOUNT}/([\w.]+)", json.dumps(compose)))
-    assert referenced and all((folder / name).is_file() for name in referenced), referenced
+    make_secrets(compose, tmp_path)
+    services = _services(compose)
+    for name, service in _readers(compose).items():
+        folder = local_paths(service, tmp_path)[SECRETS_MOUNT]
+        assert all((folder / f).is_file() for f in _secrets_read(service)), name
+    assert set(_readers(compose)) == {"redis", "grafana", "frontend", *WORKERS}
+    assert services["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD__FILE"].startswith(
+        SECRETS_MOUNT
+    )
+
+
+def test_the_secrets_folders_exist_in_the_image_owned_by_its_user(compose):
+    """A named volume starts as a copy of the image's folder at its mount point: one the image
+    lacks would start root-owned, and the `secrets` service could not write its copy there."""
+    created = (
+        next(
+            rest for kw, rest in _dockerfile_instructions() if kw == "RUN" and "install -d" in rest
+        )
+        .split("install -d -o deepserve -g deepserve -m 0700")[1]
+        .split()
+    )
+    assert set(named_mounts(_services(compose)["secrets"])) <= set(created)
 
 
 def test_the_project_is_named_deepserve_from_either_file():
@@ -194,13 +288,13 @@ def test_deepserve_commands_build_their_configs_with_the_real_cli(compose, monke
     CLI reads the internal token and the Redis password from the files it names there)."""
     from deepserve.server import cli
 
-    folder = make_secrets(tmp_path / "secrets")
+    folder = make_secrets(compose, tmp_path)
     for name, service in _services(compose).items():
         if not is_deepserve(service):
             continue
         with monkeypatch.context() as m:
             for key, value in as_env_dict(service.get("environment")).items():
-                m.setenv(key, value.replace(SECRETS_MOUNT, str(folder)))
+                m.setenv(key, localize(value, local_paths(service, tmp_path)))
             args = cli.build_parser().parse_args([str(a) for a in service["command"]])
             assert args.internal_token == read_secret(folder, "internal_token"), name
             password = read_secret(folder, "redis_password")
@@ -307,6 +401,15 @@ def test_dockerfile_cpu_build_names_no_cuda_image_and_fetches_no_frontend():
     assert all(not f.startswith("nvidia/") for f in froms)
     assert ("ARG", "BASE_IMAGE=python:3.11-slim-bookworm") in instructions
     assert ("ARG", "TORCH_INDEX=cpu") in instructions
+
+
+def test_the_image_exposes_the_port_of_every_role(compose):
+    """`docker ps` shows the ports a container listens on: 8000 (serve, frontend) and 8100
+    (worker), the CLI's defaults and the ports compose gives them."""
+    (exposed,) = [rest.split() for kw, rest in _dockerfile_instructions() if kw == "EXPOSE"]
+    defaults = {build_parser().parse_args([c]).port for c in ROLES_CMDS}
+    listening = {container_port(n, s) for n, s in _services(compose).items() if is_deepserve(s)}
+    assert {int(p) for p in exposed} == defaults | listening == {8000, 8100}
 
 
 def test_dockerfile_default_command_parses_with_the_real_cli():
@@ -473,14 +576,22 @@ def test_non_editable_install_ships_every_module_and_the_cli(tmp_path):
     assert "deepserve = deepserve.server.cli:main" in text
 
 
-def test_generated_secrets_are_random_and_kept_across_restarts(tmp_path):
-    folder = make_secrets(tmp_path / "a")
-    (folder / "api_key").write_text("chosen-by-the-operator")
-    make_secrets(folder)  # a restart
-    other = make_secrets(tmp_path / "b")
-    assert read_secret(folder, "api_key") == "chosen-by-the-operator"
-    for name in ("internal_token", "redis_password", "grafana_admin_password"):
+def test_generated_secrets_are_random_and_kept_across_restarts(compose, tmp_path):
+    folder = make_secrets(compose, tmp_path / "a")
+    first = {name: read_secret(folder, name) for name in ("api_key", "internal_token")}
+    make_secrets(compose, tmp_path / "a")  # a restart
+    other = make_secrets(compose, tmp_path / "b")
+    for name in ("api_key", "internal_token", "redis_password", "kv_secret"):
         assert len(read_secret(folder, name)) >= 43
         assert read_secret(folder, name) != read_secret(other, name), name
+    assert {name: read_secret(folder, name) for name in first} == first
     password = read_secret(folder, "redis_password")
     assert (folder / "redis.conf").read_text() == f"requirepass {password}\n"
+
+
+def test_a_secret_dropped_from_a_services_list_leaves_its_volume(compose, tmp_path):
+    make_secrets(compose, tmp_path)
+    redis = local_paths(_services(compose)["redis"], tmp_path)[SECRETS_MOUNT]
+    (redis / "api_key").write_text("left over from an older stack")
+    make_secrets(compose, tmp_path)
+    assert not (redis / "api_key").exists()

@@ -29,6 +29,7 @@ from deploy_compose import (
     DOCKER_DIR,
     PROMETHEUS_FILE,
     REPO,
+    STORE_VOLUME,
     LocalService,
     free_port,
     http_ok,
@@ -37,6 +38,7 @@ from deploy_compose import (
     read_secret,
     redis_ping,
     run_healthcheck,
+    volume_folder,
     wait_until,
 )
 from prometheus_client.parser import text_string_to_metric_families
@@ -62,7 +64,7 @@ class Stack:
     services: dict[str, LocalService]
     procs: dict[str, subprocess.Popen]
     prometheus_url: str
-    secrets: Path  # the local stand-in for the compose `secrets` volume
+    secrets: Path  # the local stand-in for the compose `secrets` volume (every secret)
 
     @property
     def frontend(self) -> LocalService:
@@ -158,14 +160,15 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
         s.name: s
         for s in local_topology(load_compose(), Path(sys.executable).parent, data_dir=work)
     }
-    password = read_secret(work / "secrets", "redis_password")
+    store = volume_folder(work, STORE_VOLUME)
+    password = read_secret(store, "redis_password")
     procs: dict[str, subprocess.Popen] = {}
     try:
         for service in services.values():
             procs[service.name] = _start(service, work)
             _wait_ready(service, procs[service.name], password)
         procs["prometheus"], prom_url = _start_prometheus(services, work)
-        yield Stack(services, procs, prom_url, work / "secrets")
+        yield Stack(services, procs, prom_url, store)
     except Exception:
         for log in sorted(work.glob("*.log")):
             print(f"---- {log.name}\n{log.read_text(errors='replace')[-4000:]}", file=sys.stderr)
