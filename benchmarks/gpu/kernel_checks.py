@@ -1001,13 +1001,84 @@ def time_fp8_decode_tiles(rows: list) -> None:
             rows.append(row)
 
 
+FP8_PATH_ROWS = (1, 4, 16, 64)
+FP8_GEMV_CANDIDATES = {  # block_n, num_warps, num_stages, waves (fp8_gemv.GemvConfig)
+    "gemv n64w4s4x2": (64, 4, 4, 2),  # fp8_gemv.GEMV
+    "gemv n32w4s4x2": (32, 4, 4, 2),
+    "gemv n128w8s3x2": (128, 8, 3, 2),
+    "gemv n64w8s4x2": (64, 8, 4, 2),
+    "gemv n64w4s4x1": (64, 4, 4, 1),
+    "gemv n64w4s4x4": (64, 4, 4, 4),
+}
+
+
+def time_fp8_paths(rows: list) -> None:
+    """The default set's FP8 paths at M = 1, 4, 16, 64 on every FP8_SHAPES projection: the GEMV
+    (fp8_gemv.py, x unquantized, split-K) under candidate configs, the w8a8 GEMM at its default
+    tile, and bf16 cuBLAS on the same values; then one `fp8_path_pick` row per (shape, M): the
+    path the policy takes (fp8_matmul.path), its ms through the set's own `linear`, the fastest
+    candidate and the speedup over bf16. Errors against the float32 product of unquantized x
+    and the dequantized weight."""
+    from deepserve.kernels import block_quant
+
+    g = torch.Generator(device="cuda").manual_seed(10)
+    for (n, k), layer in FP8_SHAPES.items():
+        w_bf16 = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
+        w = block_quant.quantize_fp8(w_bf16)
+        w_deq = w.dequantize()
+        for m in FP8_PATH_ROWS:
+            x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+            rows.extend(_fp8_paths_at(dict(layer=layer, n=n, k=k, m=m), x, w, w_bf16, w_deq))
+            print(rows[-1], flush=True)
+        del w_deq
+        torch.cuda.empty_cache()
+
+
+def _fp8_paths_at(key: dict, x: torch.Tensor, w, w_bf16: torch.Tensor, w_deq) -> list[dict]:
+    """`time_fp8_paths`' rows for one shape and row count, the pick last."""
+    import triton.testing
+
+    from deepserve.kernels.triton import fp8_gemv, fp8_matmul
+
+    cands = {
+        name: lambda c=fp8_gemv.GemvConfig(*c): fp8_gemv.fp8_gemv(x, w, c)
+        for name, c in FP8_GEMV_CANDIDATES.items()
+    }
+    cands["gemm"] = lambda: fp8_matmul.fp8_linear(x, w)
+    cands["bf16"] = lambda: x @ w_bf16.T
+    want, out, timed = x.float() @ w_deq.T, [], {}
+    for name, fn in cands.items():
+        row = dict(op="fp8_path", **key, cfg=name)
+        _timed(row, fn, want, lambda y: y)
+        timed.update({name: row["ms"]} if "ms" in row else {})
+        out.append(row)
+    linear = fp8_matmul.linear_or(torch.nn.functional.linear)  # fast_kernels' linear
+    ms = triton.testing.do_bench(lambda: linear(x, w), return_mode="median")
+    fp8 = {name: t for name, t in timed.items() if name != "bf16"}
+    best = min(fp8, key=fp8.get) if fp8 else None
+    pick = dict(op="fp8_path_pick", **key, policy=fp8_matmul.path(key["m"], w),
+                split=fp8_gemv.split_k(key["n"], key["k"]), ms_policy=ms,
+                rel_err_policy=rel(linear(x, w), want), ms_bf16=timed.get("bf16"), best=best,
+                ms_best=fp8.get(best))  # fmt: skip
+    if pick["ms_bf16"]:
+        pick["speedup_policy"] = pick["ms_bf16"] / ms
+    return [*out, pick]
+
+
 def run_fp8(out: dict) -> None:
     """`--only fp8`: the FP8 GEMM and the FP8 / MXFP4 fused MoE checks, the V3 slice in FP8
-    through the loader, then the decode tiles."""
+    through the loader, the default set's paths by row count (GEMV beside GEMM and bf16), then
+    the GEMM's decode tiles."""
     import traceback
 
     rows = out.setdefault("fp8", [])
-    for fn in (check_fp8_linear, check_quantized_moe, check_fp8_model, time_fp8_decode_tiles):
+    for fn in (
+        check_fp8_linear,
+        check_quantized_moe,
+        check_fp8_model,
+        time_fp8_paths,
+        time_fp8_decode_tiles,
+    ):
         try:
             fn(rows)
         except Exception as e:  # recorded; the job goes on
