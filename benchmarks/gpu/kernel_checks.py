@@ -1066,9 +1066,9 @@ def _fp8_paths_at(key: dict, x: torch.Tensor, w, w_bf16: torch.Tensor, w_deq) ->
 
 
 def run_fp8(out: dict) -> None:
-    """`--only fp8`: the FP8 GEMM and the FP8 / MXFP4 fused MoE checks, the V3 slice in FP8
-    through the loader, the default set's paths by row count (GEMV beside GEMM and bf16), then
-    the GEMM's decode tiles."""
+    """`--only fp8`: the FP8 GEMM and the FP8 / MXFP4 fused MoE checks, the V3 slice in FP8 and
+    a V4-Flash-shaped model in V4's FP8 + MXFP4 through the loader, the default set's paths by
+    row count (GEMV beside GEMM and bf16), then the GEMM's decode tiles."""
     import traceback
 
     rows = out.setdefault("fp8", [])
@@ -1076,6 +1076,7 @@ def run_fp8(out: dict) -> None:
         check_fp8_linear,
         check_quantized_moe,
         check_fp8_model,
+        check_v4_quantized_model,
         time_fp8_paths,
         time_fp8_decode_tiles,
     ):
@@ -1156,16 +1157,11 @@ def check_fp8_model(rows: list) -> None:
     import tempfile
     from pathlib import Path
 
-    from model_loop import SequenceLoop
-
     from deepserve.engine.config import EngineConfig
-    from deepserve.engine.loading.hf_loader import read_hf_folder
     from deepserve.engine.loading.loader import load_model
-    from deepserve.engine.models.common import WeightStore
     from deepserve.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
     from deepserve.engine.testmodels.model_shapes import write_shaped_model
     from deepserve.kernels.block_quant import Fp8Weight
-    from deepserve.kernels.registry import get_kernels
 
     folder = write_shaped_model(
         "deepseek-v3-slice", Path(tempfile.mkdtemp()) / "v3-fp8", device="cuda",
@@ -1184,13 +1180,25 @@ def check_fp8_model(rows: list) -> None:
     )
     del loaded
     torch.cuda.empty_cache()
+    _kept_against_dequantized(rows, folder, DeepseekV3ForCausalLM, "fp8_model_logits")
+
+
+def _kept_against_dequantized(rows: list, folder, model_cls, op: str) -> None:
+    """Last-position logits of a 64-token prompt with the checkpoint's formats kept (fast set,
+    then `--batch-invariant`'s) against its bf16 dequantization on the fast set."""
+    from model_loop import SequenceLoop
+
+    from deepserve.engine.loading.hf_loader import read_hf_folder
+    from deepserve.engine.models.common import WeightStore
+    from deepserve.kernels.registry import get_kernels
+
     prompt = list(range(100, 164))
 
     def last_logits(keep: bool, flag: bool) -> torch.Tensor:
         ckpt = read_hf_folder(folder, torch.bfloat16, keep_quantized=keep)
         store = WeightStore(ckpt.weights, torch.device("cuda"), torch.bfloat16)
         with torch.inference_mode():
-            model = DeepseekV3ForCausalLM(ckpt.config, store, get_kernels("cuda", flag), "fp8")
+            model = model_cls(ckpt.config, store, get_kernels("cuda", flag), "quantized")
         out = SequenceLoop(model, 128).logits(prompt).float()
         del model, store, ckpt
         torch.cuda.empty_cache()
@@ -1199,7 +1207,37 @@ def check_fp8_model(rows: list) -> None:
     want = last_logits(keep=False, flag=False)  # bf16 weights, the default set
     for flag in (False, True):
         got = last_logits(keep=True, flag=flag)
-        row = dict(op="fp8_model_logits", batch_invariant=flag, rel_err=rel(got, want),
+        row = dict(op=op, batch_invariant=flag, rel_err=rel(got, want),
                    top1_equal=bool(got.argmax() == want.argmax()))  # fmt: skip
         rows.append(row)
         print(row, flush=True)
+
+
+def check_v4_quantized_model(rows: list) -> None:
+    """The V4-Flash geometry (3 layers: sliding, CSA, HCA; 16 routed experts) written in V4's
+    published layout (FP8 dense projections with UE8M0 scales, MXFP4 routed experts), loaded
+    the engine's way: which weights stay quantized, and the last-position logits with the
+    formats kept against the bf16 dequantization, fast set and `--batch-invariant`'s."""
+    import tempfile
+    from pathlib import Path
+
+    from deepserve.engine.config import EngineConfig
+    from deepserve.engine.loading.loader import load_model
+    from deepserve.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from deepserve.engine.testmodels.model_shapes import v4_layer_schedule, write_shaped_model
+    from deepserve.kernels.block_quant import Fp8Weight, Mxfp4Weight
+
+    folder = write_shaped_model(
+        "deepseek-v4-flash", Path(tempfile.mkdtemp()) / "v4-mxfp4", device="cuda",
+        overrides=dict(v4_layer_schedule(3), n_routed_experts=16), quantization="mxfp4",
+    )  # fmt: skip
+    loaded = load_model(EngineConfig(model=str(folder), device="cuda", dtype="bfloat16")).model
+    attn, moe = loaded.layers[1].attn, loaded.layers[1].moe
+    formats = {"wq_b": attn.wq_b, "wo_b": attn.wo_b, "shared gate_up": moe.shared_gate_up,
+               "experts gate_up": moe.gate_up, "experts down": moe.down}  # fmt: skip
+    kinds = {Fp8Weight: "fp8", Mxfp4Weight: "mxfp4"}
+    rows.append(dict(op="v4_quantized_weights",
+                     **{k: kinds.get(type(v), "plain") for k, v in formats.items()}))  # fmt: skip
+    del loaded, attn, moe, formats
+    torch.cuda.empty_cache()
+    _kept_against_dequantized(rows, folder, DeepseekV4ForCausalLM, "v4_quantized_logits")

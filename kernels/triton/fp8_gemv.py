@@ -137,7 +137,7 @@ def fp8_gemv(x: torch.Tensor, w: Fp8Weight, cfg: GemvConfig = GEMV) -> torch.Ten
     lead, k = x.shape[:-1], x.shape[-1]
     n = w.data.shape[0]
     flat = x.reshape(-1, k)
-    if flat.stride(-1) != 1 or (flat.shape[0] == 1 and not flat.is_contiguous()):
+    if flat.stride(-1) != 1:  # the kernel reads rows of unit stride
         flat = flat.contiguous()
     m = flat.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
