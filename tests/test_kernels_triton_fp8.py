@@ -262,6 +262,36 @@ def test_the_default_set_takes_the_gemv_for_few_rows_and_the_invariant_set_never
     )
 
 
+def test_a_v4_model_on_kept_fp8_and_mxfp4_weights_runs_the_default_set_as_its_dequantized_load(
+    tmp_path,
+):
+    """V4 as published (FP8 dense, MXFP4 experts) kept for the default CUDA set: few-row
+    linears through the GEMV (x unquantized), experts through the fused MoE on e2m1 codes, both
+    exact products, so a prefill and a decode step give the reference set's logits on the
+    dequantized load up to float32 summation order."""
+    from model_loop import SequenceLoop
+
+    from deepserve.engine.loading.hf_loader import read_hf_folder
+    from deepserve.engine.models.common import WeightStore
+    from deepserve.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from deepserve.engine.testmodels.tiny_deepseek_v4 import write_tiny_deepseek_v4
+    from deepserve.kernels.reference import KERNELS
+    from deepserve.kernels.registry import fast_kernels
+
+    folder = write_tiny_deepseek_v4(tmp_path / "v4", quantization="mxfp4")
+    logits = []
+    for keep, kernels in ((False, KERNELS), (True, fast_kernels())):
+        ckpt = read_hf_folder(folder, torch.float32, keep_quantized=keep)
+        store = WeightStore(ckpt.weights, torch.device(DEVICE), torch.float32)
+        with torch.inference_mode():
+            model = DeepseekV4ForCausalLM(ckpt.config, store, kernels, "t")
+        loop = SequenceLoop(model, 32, block_size=4)
+        logits.append([loop.logits([5, 9, 2, 7, 1]), loop.logits([3])])
+    assert isinstance(model.layers[2].moe.gate_up, block_quant.Mxfp4Weight)
+    for want, got in zip(*logits, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 # ---- fused MoE with FP8 and MXFP4 experts ---------------------------------------------------
 
 
