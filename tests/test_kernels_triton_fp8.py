@@ -317,6 +317,19 @@ def test_fused_moe_with_fp8_experts_matches_the_loop_on_quantized_inputs(tokens)
         assert _rel(got, want) < 2e-2, cfg
 
 
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_fused_moe_with_fp8_experts_unquantized_inputs_is_the_dequantized_product(tokens):
+    """`fp8_inputs` off (the default set's decode-sized calls): the e4m3 tile widened to x's
+    dtype, x as it is: the float32 loop on the dequantized experts, up to summation order."""
+    fused_moe, gate_up, down, x, ids, w = _moe_case(tokens)
+    gu8, d8 = block_quant.quantize_fp8(gate_up), block_quant.quantize_fp8(down)
+    want = fused_moe.fused_moe_reference(x, gu8, d8, w, ids, fp8_inputs=False)
+    assert fused_moe.default_config(tokens * 2, 4) is fused_moe.DECODE_W8A16
+    torch.testing.assert_close(fused_moe.fused_moe(x, gu8, d8, w, ids), want, rtol=1e-4, atol=1e-4)
+    w8a8 = fused_moe.fused_moe(x, gu8, d8, w, ids, fused_moe.DECODE)
+    assert _rel(w8a8, want) > 1e-3  # the other scheme: x's e4m3 rounding shows
+
+
 def test_fused_moe_with_fp8_experts_keeps_rows_batch_invariant_under_a_fixed_tile():
     fused_moe, gate_up, down, x, ids, w = _moe_case(5)
     gu8, d8 = block_quant.quantize_fp8(gate_up), block_quant.quantize_fp8(down)
@@ -379,10 +392,11 @@ for cfg in (f.decode_config(2048), f.LARGE):
 names = ("a_ptr w_ptr c_ptr pair_ptr block_expert_ptr scale_ptr as_ptr ws_ptr num_pairs N K s_am "
          "s_we s_wn s_wk s_cm s_asm s_wse s_wsn s_wsk").split()
 for wfmt, a, w, ws, cfg in ((1, "*fp8e4nv", "*fp8e4nv", "*fp32", fm.DECODE),
+                            (3, "*bf16", "*fp8e4nv", "*fp32", fm.DECODE),
                             (2, "*bf16", "*u8", "*u8", fm.PREFILL)):
     types = dict(zip(names, [a, w, "*bf16", "*i64", "*i32", "*fp32", "*fp32", ws] + ["i32"] * 12))
     consts = dict(A_DIV=1, SCALE=True, PRECISION="tf32", WFMT=wfmt, SCALE_N=128, E8M0=wfmt == 2,
-                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=128 if wfmt == 1 else 64)
+                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=64 if wfmt == 2 else 128)
     build(fm._moe_gemm_kernel, types, consts, cfg)
 names = "x_ptr w_ptr ws_ptr out_ptr M N K steps_per_split s_xm s_wn s_wsn s_os s_om".split()
 for block_m, x, out in ((1, "*bf16", "*fp32"), (16, "*bf16", "*bf16"), (64, "*fp32", "*fp32")):
@@ -398,7 +412,8 @@ build(fv._sum_splits_kernel, types, dict(SPLIT=8, BLOCK=1024), fv.GEMV)
 def test_the_fp8_and_mxfp4_kernels_build_for_hopper():
     """The interpreter runs kernels as Python and misses what only the compiler refuses (a
     module global read in a kernel, an fp8 dot shape): the GEMM's decode and wide tiles, the
-    GEMV's one-row and dot variants and its partials' sum, and the MoE's FP8 and MXFP4 variants
+    GEMV's one-row and dot variants and its partials' sum, and the MoE's FP8 (w8a8, w8a16) and
+    MXFP4 variants
     compiled for sm90, in a process without the interpreter."""
     import subprocess
     import sys

@@ -1096,8 +1096,9 @@ FP8_MOE_TOKENS = (1, 64, 1024)
 
 def check_quantized_moe(rows: list) -> None:
     """The fused MoE with FP8 and with MXFP4 experts against the float32 loop on their
-    dequantization (FP8: on e4m3 inputs too, as the kernel quantizes them), a row alone equal to
-    it in a batch under DECODE, and median ms beside the bf16 experts of the same values."""
+    dequantization (FP8: on e4m3 inputs too where the default config quantizes them), a row
+    alone equal to it in a batch under DECODE, and median ms beside the bf16 experts of the
+    same values (FP8 at decode sizes: the w8a8 DECODE scheme's ms too)."""
     import triton.testing
 
     from deepserve.kernels import block_quant
@@ -1126,10 +1127,12 @@ def check_quantized_moe(rows: list) -> None:
                 ),
                 return_mode="median",
             )
+            # the default config's FP8 scheme (w8a16 for decode-sized calls) is the reference's
+            fp8_inputs = fused_moe.default_config(t * k, e).fp8_inputs
             for fmt, (gu, dn) in formats.items():
                 checked = min(t, 8)  # the float32 loop is slow: the first rows
                 want = fused_moe.fused_moe_reference(
-                    x[:checked], gu, dn, w[:checked], ids[:checked]
+                    x[:checked], gu, dn, w[:checked], ids[:checked], fp8_inputs=fp8_inputs
                 )
                 got = fused_moe.fused_moe(x, gu, dn, w, ids)
                 full = fused_moe.fused_moe(x, gu, dn, w, ids, fused_moe.DECODE)
@@ -1143,6 +1146,13 @@ def check_quantized_moe(rows: list) -> None:
                            row_invariant=bool(torch.equal(full[:1], one)),
                            ms=ms, ms_bf16=ms_bf16, speedup=ms_bf16 / ms)  # fmt: skip
                 row["ok"] = row["rel_err"] < 2e-2 and not row["nan"]
+                if fmt == "fp8" and not fp8_inputs:  # the w8a8 scheme at the same tile, timed
+                    row["ms_w8a8_decode"] = triton.testing.do_bench(
+                        lambda x=x, ids=ids, w=w, gu=gu, dn=dn: fused_moe.fused_moe(
+                            x, gu, dn, w, ids, fused_moe.DECODE
+                        ),
+                        return_mode="median",
+                    )
                 rows.append(row)
                 print(row, flush=True)
         formats.clear()
