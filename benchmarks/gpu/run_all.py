@@ -520,7 +520,7 @@ def main() -> int:
         ("linear", lambda: section_kernel_invariance_and_speed(out)),
         ("models", write_models),
         ("invariant", lambda: kernel_checks.run_invariant(out, deadline - 240)),  # speed: ~130 s
-        ("fp8", lambda: kernel_checks.run_fp8(out)),
+        ("fp8", lambda: kernel_checks.run_fp8(out, deadline - 60)),
         (
             "speed",
             lambda: speed.section_speed(
