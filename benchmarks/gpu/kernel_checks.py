@@ -1007,12 +1007,12 @@ def time_fp8_decode_tiles(rows: list) -> None:
 
 FP8_PATH_ROWS = (1, 4, 16, 64)
 FP8_GEMV_CANDIDATES = {  # block_n, num_warps, num_stages, waves (fp8_gemv.GemvConfig)
-    "gemv n64w4s4x2": (64, 4, 4, 2),  # fp8_gemv.GEMV
-    "gemv n32w4s4x2": (32, 4, 4, 2),
-    "gemv n128w8s3x2": (128, 8, 3, 2),
-    "gemv n64w8s4x2": (64, 8, 4, 2),
-    "gemv n64w4s4x1": (64, 4, 4, 1),
-    "gemv n64w4s4x4": (64, 4, 4, 4),
+    "gemv n64w4s4x4": (64, 4, 4, 4),  # fp8_gemv.GEMV
+    "gemv n64w4s4x2": (64, 4, 4, 2),
+    "gemv n64w4s4x8": (64, 4, 4, 8),
+    "gemv n32w4s4x4": (32, 4, 4, 4),
+    "gemv n128w4s4x4": (128, 4, 4, 4),
+    "gemv n128w8s3x4": (128, 8, 3, 4),
 }
 
 

@@ -43,7 +43,9 @@ class GemvConfig:
     block_n: int = 64  # rows of w per program: a 64 x 128 step reads 8 KiB of fp8
     num_warps: int = 4
     num_stages: int = 4
-    waves: int = 2  # split K until the launch has this many waves of FILL_PROGRAMS (if K allows)
+    # split K until the launch has this many waves of FILL_PROGRAMS (if K allows): a program
+    # has one 8 KiB step in flight, so an SM needs several to cover HBM's latency
+    waves: int = 4
 
 
 GEMV = GemvConfig()
@@ -140,6 +142,7 @@ def fp8_gemv(x: torch.Tensor, w: Fp8Weight, cfg: GemvConfig = GEMV) -> torch.Ten
     if flat.stride(-1) != 1:  # the kernel reads rows of unit stride
         flat = flat.contiguous()
     m = flat.shape[0]
+    assert m <= MAX_ROWS, "fp8_gemv takes decode-sized calls (fp8_matmul.linear_or sends them)"
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0 or n == 0:
         return y.reshape(*lead, n)
