@@ -373,8 +373,11 @@ class DeepseekV4ForCausalLM:
                     w, p + "indexer.compressor.", ratio, row.idx_kv, row.idx_gate, row.idx_key
                 ),
             )
-        # wo_a runs as the set's batched matmul over its head groups, which takes plain
-        # tensors only (the FP8 kernels take 2-D weights): dequantized once at load
+        # wo_a is viewed as [groups, o_lora, heads * head_dim / groups] and run as the set's
+        # batched matmul over the head groups (each group's heads against its own slice): the
+        # set's bmm takes plain tensors only and the FP8 kernels 2-D weights, so it is
+        # dequantized once at load (its decode read is bf16's bytes; a grouped FP8 kernel could
+        # halve that)
         wo_a = w.get(p + "wo_a.weight")
         return _Attention(
             kind=kind,
