@@ -13,7 +13,7 @@ tile with its scale and multiplying it by x in float32:
   the dequantized ones exactly and only the float32 accumulation order differs.
 
 Split-K, fixed by the shape: where N's row blocks alone cannot fill the GPU (V2-Lite's 576 and
-2,048-row projections), K is cut into `split` equal runs of 128-steps, each program writes its
+2,048-row projections), K is cut into `split` runs of whole 128-steps, each program writes its
 float32 partial sums to a `[split, M, N]` buffer, and a second small kernel adds the partials in
 split order: deterministic run to run, no atomics.
 
@@ -52,9 +52,9 @@ GEMV = GemvConfig()
 
 
 def split_k(n: int, k: int, cfg: GemvConfig = GEMV) -> int:
-    """K runs per row block: runs of a whole number of 128-steps, as long as reaches `waves`
-    full waves of programs (never more runs than steps). A function of the shape alone: fixed
-    per weight."""
+    """K runs per row block: runs of a whole number of 128-steps, short enough that the launch
+    reaches `waves` full waves of programs (never more runs than steps). A function of the shape
+    alone: fixed per weight."""
     tiles, steps = cdiv(n, cfg.block_n), cdiv(k, GROUP)
     wanted = min(steps, max(1, cdiv(cfg.waves * FILL_PROGRAMS, tiles)))
     return cdiv(steps, steps // wanted)
