@@ -117,11 +117,16 @@ def reorder_rows(w: Matrix, order: torch.Tensor, dtype: torch.dtype) -> Matrix:
 
 def cat_rows(parts: list[Matrix], dtype: torch.dtype) -> Matrix:
     """Matrices stacked along N (fused projections): FP8 when all are FP8 of one block and each
-    but the last fills whole scale blocks, else plain `dtype`."""
+    but the last fills whole scale blocks; MXFP4 when all are MXFP4 with one scale dtype (its
+    scales are per row, so any rows stack); else plain `dtype`."""
     fp8 = all(isinstance(p, Fp8Weight) and p.block == parts[0].block for p in parts)
     if fp8 and all(p.shape[-2] % p.block[0] == 0 for p in parts[:-1]):
         data = torch.cat([p.data for p in parts], dim=-2)
         return Fp8Weight(data, torch.cat([p.scale for p in parts], dim=-2), parts[0].block)
+    scale_dtype = getattr(parts[0], "scale", parts[0]).dtype
+    if all(isinstance(p, Mxfp4Weight) and p.scale.dtype == scale_dtype for p in parts):
+        data = torch.cat([p.data for p in parts], dim=-2)
+        return Mxfp4Weight(data, torch.cat([p.scale for p in parts], dim=-2))
     return torch.cat([_plain(p, dtype) for p in parts], dim=-2)
 
 

@@ -71,7 +71,8 @@ def test_fused_moe_clamps_gate_and_up_at_the_swiglu_limit():
 
 
 def test_fused_moe_tile_widens_once_the_experts_average_a_full_wide_block():
-    assert fused_moe.default_config(6, 64) is fused_moe.DECODE
+    small = fused_moe.default_config(6, 64)  # DECODE's tile, FP8 experts without x quantized
+    assert small is fused_moe.DECODE_W8A16 and small.block_m == fused_moe.DECODE.block_m
     assert fused_moe.default_config(fused_moe.PREFILL_MIN_PAIRS, 64) is fused_moe.PREFILL
     assert fused_moe.default_config(12000, 64) is fused_moe.LARGE
     assert fused_moe.default_config(12000, 256) is fused_moe.PREFILL

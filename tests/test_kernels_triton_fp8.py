@@ -1,4 +1,5 @@
-"""The block-scaled FP8 GEMM (kernels/triton/fp8_matmul.py), the fused MoE with FP8 and MXFP4
+"""The block-scaled FP8 GEMM (kernels/triton/fp8_matmul.py), the default set's few-row
+weight-streaming kernel (kernels/triton/fp8_gemv.py, x unquantized), the fused MoE with FP8 and MXFP4
 experts (kernels/triton/fused_moe.py) and the weight types they take (kernels/block_quant.py):
 activation codes exactly torch's, products close to the dequantized float32 ones, rows batch
 invariant under a fixed tile, the set's `linear` dispatching on the weight. "Close" is against
@@ -71,7 +72,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 from deepserve.kernels import block_quant  # noqa: E402
 from deepserve.kernels.registry import triton_kernels  # noqa: E402
-from deepserve.kernels.triton import fp8_matmul  # noqa: E402
+from deepserve.kernels.triton import fp8_gemv, fp8_matmul  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -205,6 +206,92 @@ def test_a_weight_the_kernel_does_not_read_goes_through_its_dequantization():
     torch.testing.assert_close(linear(x, w), x @ w.dequantize().T, rtol=1e-5, atol=1e-5)
 
 
+# ---- the default set's few-row path: fp8_gemv (w8a16, split-K) ------------------------------
+
+
+@pytest.mark.parametrize("m", [1, 3, 20])
+def test_gemv_is_the_dequantized_float32_product_with_x_unquantized(m):
+    """x is not quantized: in float32 the kernel's sum is x @ dequant(w).T up to summation order."""
+    n, k = 200, 384  # N not a multiple of the row block: its edge rows repeat a real one
+    w = block_quant.quantize_fp8(_rand(n, k, seed=30) / k**0.5)
+    x = _rand(m, k, seed=31)
+    torch.testing.assert_close(fp8_gemv.fp8_gemv(x, w), x @ w.dequantize().T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_gemv_on_bf16_rows_loses_only_the_outputs_bf16_rounding(m):
+    """e4m3 values are exact in bf16, so the products are; the error is the bf16 store's."""
+    w = block_quant.quantize_fp8(_rand(96, 512, seed=32) / 512**0.5)
+    x = _rand(m, 512, seed=33, dtype=torch.bfloat16)
+    got = fp8_gemv.fp8_gemv(x, w)
+    assert got.dtype == torch.bfloat16
+    assert _rel(got, x.float() @ w.dequantize().T) < 4e-3  # bf16: relative step 2^-8
+
+
+def test_gemv_handles_k_not_a_multiple_of_the_group():
+    w = block_quant.quantize_fp8(_rand(48, 200, seed=34) / 15)
+    x = _rand(2, 200, seed=35)
+    assert fp8_gemv.split_k(48, 200) == 2  # a cut last step in the second split
+    torch.testing.assert_close(fp8_gemv.fp8_gemv(x, w), x @ w.dequantize().T, rtol=1e-5, atol=1e-5)
+
+
+def test_split_k_is_fixed_by_the_shape_and_reaches_the_waves_where_k_allows():
+    """A narrow weight's row blocks cannot fill the GPU: K is cut into runs of whole 128-steps
+    until they do, never into more runs than steps; a wide weight is not split."""
+    cfg = fp8_gemv.GEMV
+    for n, k in ((576, 2048), (2048, 2048), (3072, 2048), (2048, 10944), (36864, 7168)):
+        split, tiles, steps = fp8_gemv.split_k(n, k), -(-n // cfg.block_n), -(-k // 128)
+        per_run = fp8_gemv.steps_per_split(k, split)
+        assert split * per_run >= steps > (split - 1) * per_run, (n, k)  # no empty run
+        assert tiles * split >= cfg.waves * fp8_gemv.FILL_PROGRAMS or split == steps, (n, k)
+    assert fp8_gemv.split_k(36864, 7168) == 1
+
+
+def test_the_default_set_takes_the_gemv_for_few_rows_and_the_invariant_set_never():
+    w = block_quant.quantize_fp8(_rand(64, 256, seed=36))
+    x = _rand(fp8_matmul.GEMV_ROWS + 1, 256, seed=37, dtype=torch.bfloat16)
+    fast = fp8_matmul.linear_or(torch.nn.functional.linear)
+    few, many = x[:2], x
+    assert fp8_matmul.path(2, w) == "gemv" and fp8_matmul.path(len(x), w) == "gemm"
+    assert torch.equal(fast(few, w), fp8_gemv.fp8_gemv(few, w))
+    assert torch.equal(fast(many, w), fp8_matmul.fp8_linear(many, w))
+    assert fp8_matmul.path(1, w, batch_invariant=True) == "gemm"
+    invariant = triton_kernels().linear
+    assert torch.equal(
+        invariant(few, w), fp8_matmul.fp8_linear(few, w, fp8_matmul.decode_config(64))
+    )
+
+
+def test_a_v4_model_on_kept_fp8_and_mxfp4_weights_runs_the_default_set_as_its_dequantized_load(
+    tmp_path,
+):
+    """V4 as published (FP8 dense, MXFP4 experts) kept for the default CUDA set: few-row
+    linears through the GEMV (x unquantized), experts through the fused MoE on e2m1 codes, both
+    exact products, so a prefill and a decode step give the reference set's logits on the
+    dequantized load up to float32 summation order."""
+    from model_loop import SequenceLoop
+
+    from deepserve.engine.loading.hf_loader import read_hf_folder
+    from deepserve.engine.models.common import WeightStore
+    from deepserve.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from deepserve.engine.testmodels.tiny_deepseek_v4 import write_tiny_deepseek_v4
+    from deepserve.kernels.reference import KERNELS
+    from deepserve.kernels.registry import fast_kernels
+
+    folder = write_tiny_deepseek_v4(tmp_path / "v4", quantization="mxfp4")
+    logits = []
+    for keep, kernels in ((False, KERNELS), (True, fast_kernels())):
+        ckpt = read_hf_folder(folder, torch.float32, keep_quantized=keep)
+        store = WeightStore(ckpt.weights, torch.device(DEVICE), torch.float32)
+        with torch.inference_mode():
+            model = DeepseekV4ForCausalLM(ckpt.config, store, kernels, "t")
+        loop = SequenceLoop(model, 32, block_size=4)
+        logits.append([loop.logits([5, 9, 2, 7, 1]), loop.logits([3])])
+    assert isinstance(model.layers[2].moe.gate_up, block_quant.Mxfp4Weight)
+    for want, got in zip(*logits, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 # ---- fused MoE with FP8 and MXFP4 experts ---------------------------------------------------
 
 
@@ -228,6 +315,19 @@ def test_fused_moe_with_fp8_experts_matches_the_loop_on_quantized_inputs(tokens)
     for cfg in (fused_moe.DECODE, fused_moe.PREFILL):
         got = fused_moe.fused_moe(x, gu8, d8, w, ids, cfg)
         assert _rel(got, want) < 2e-2, cfg
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_fused_moe_with_fp8_experts_unquantized_inputs_is_the_dequantized_product(tokens):
+    """`fp8_inputs` off (the default set's decode-sized calls): the e4m3 tile widened to x's
+    dtype, x as it is: the float32 loop on the dequantized experts, up to summation order."""
+    fused_moe, gate_up, down, x, ids, w = _moe_case(tokens)
+    gu8, d8 = block_quant.quantize_fp8(gate_up), block_quant.quantize_fp8(down)
+    want = fused_moe.fused_moe_reference(x, gu8, d8, w, ids, fp8_inputs=False)
+    assert fused_moe.default_config(tokens * 2, 4) is fused_moe.DECODE_W8A16
+    torch.testing.assert_close(fused_moe.fused_moe(x, gu8, d8, w, ids), want, rtol=1e-4, atol=1e-4)
+    w8a8 = fused_moe.fused_moe(x, gu8, d8, w, ids, fused_moe.DECODE)
+    assert _rel(w8a8, want) > 1e-3  # the other scheme: x's e4m3 rounding shows
 
 
 def test_fused_moe_with_fp8_experts_keeps_rows_batch_invariant_under_a_fixed_tile():
@@ -273,7 +373,7 @@ _SM90_BUILD = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from deepserve.kernels.triton import fp8_matmul as f, fused_moe as fm
+from deepserve.kernels.triton import fp8_gemv as fv, fp8_matmul as f, fused_moe as fm
 
 def build(fn, types, consts, cfg):
     sig = dict(types, **{k: "constexpr" for k in consts})
@@ -292,18 +392,29 @@ for cfg in (f.decode_config(2048), f.LARGE):
 names = ("a_ptr w_ptr c_ptr pair_ptr block_expert_ptr scale_ptr as_ptr ws_ptr num_pairs N K s_am "
          "s_we s_wn s_wk s_cm s_asm s_wse s_wsn s_wsk").split()
 for wfmt, a, w, ws, cfg in ((1, "*fp8e4nv", "*fp8e4nv", "*fp32", fm.DECODE),
+                            (3, "*bf16", "*fp8e4nv", "*fp32", fm.DECODE),
                             (2, "*bf16", "*u8", "*u8", fm.PREFILL)):
     types = dict(zip(names, [a, w, "*bf16", "*i64", "*i32", "*fp32", "*fp32", ws] + ["i32"] * 12))
     consts = dict(A_DIV=1, SCALE=True, PRECISION="tf32", WFMT=wfmt, SCALE_N=128, E8M0=wfmt == 2,
-                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=128 if wfmt == 1 else 64)
+                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=64 if wfmt == 2 else 128)
     build(fm._moe_gemm_kernel, types, consts, cfg)
+names = "x_ptr w_ptr ws_ptr out_ptr M N K steps_per_split s_xm s_wn s_wsn s_os s_om".split()
+for block_m, x, out in ((1, "*bf16", "*fp32"), (16, "*bf16", "*bf16"), (64, "*fp32", "*fp32")):
+    types = dict(zip(names, [x, "*fp8e4nv", "*fp32", out] + ["i32"] * 9))
+    consts = dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, SCALE_N=128, EVEN_K=False,
+                  IEEE=x == "*fp32")
+    build(fv._fp8_gemv_kernel, types, consts, fv.GEMV)
+types = dict(p_ptr="*fp32", y_ptr="*bf16", total="i32")
+build(fv._sum_splits_kernel, types, dict(SPLIT=8, BLOCK=1024), fv.GEMV)
 """
 
 
 def test_the_fp8_and_mxfp4_kernels_build_for_hopper():
     """The interpreter runs kernels as Python and misses what only the compiler refuses (a
-    module global read in a kernel, an fp8 dot shape): the GEMM's decode and wide tiles and the
-    MoE's FP8 and MXFP4 variants compiled for sm90, in a process without the interpreter."""
+    module global read in a kernel, an fp8 dot shape): the GEMM's decode and wide tiles, the
+    GEMV's one-row and dot variants and its partials' sum, and the MoE's FP8 (w8a8, w8a16) and
+    MXFP4 variants
+    compiled for sm90, in a process without the interpreter."""
     import subprocess
     import sys
 

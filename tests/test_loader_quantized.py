@@ -372,6 +372,47 @@ def test_a_model_on_kept_fp8_weights_gives_the_logits_of_the_dequantized_load(v3
     assert torch.equal(got, SequenceLoop(plain, 16).logits(PROMPTS[0]))
 
 
+def _v4_model(folder, keep: bool):
+    from deepserve.engine.loading.hf_loader import read_hf_folder
+    from deepserve.engine.models.common import WeightStore
+    from deepserve.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from deepserve.kernels import reference
+
+    ckpt = read_hf_folder(folder, torch.float32, keep_quantized=keep)
+    store = WeightStore(ckpt.weights, torch.device("cpu"), torch.float32)
+    kernels = _dequantizing_kernels() if keep else reference.KERNELS
+    with torch.inference_mode():
+        model = DeepseekV4ForCausalLM(ckpt.config, store, kernels, "fp")
+    assert store.unused() == []
+    return model
+
+
+@pytest.mark.parametrize("quantization", ["mxfp4", "fp8"])
+def test_a_v4_model_on_kept_weights_gives_the_logits_of_the_dequantized_load(
+    quantization, tmp_path
+):
+    """V4 as published: the dense projections stay FP8 and (`mxfp4`) the routed experts MXFP4,
+    stacked, gate and up fused along their rows; wo_a, a batched matmul's operand, and the
+    compressors (bf16 in the checkpoint) are plain; the forward is the dequantized one's."""
+    from model_loop import SequenceLoop
+
+    from deepserve.kernels.block_quant import Fp8Weight, Mxfp4Weight
+
+    folder = write_tiny_deepseek_v4(tmp_path / "q", quantization=quantization)
+    kept, plain = _v4_model(folder, keep=True), _v4_model(folder, keep=False)
+    attn, moe = kept.layers[1].attn, kept.layers[1].moe
+    assert all(isinstance(m, Fp8Weight) for m in (attn.wq_a, attn.wq_b, attn.wkv, attn.wo_b))
+    assert isinstance(attn.wo_a, torch.Tensor) and isinstance(attn.compressor.wkv, torch.Tensor)
+    assert isinstance(kept.mtp[0].h_proj, Fp8Weight)
+    if quantization == "mxfp4":  # per-row scales: gate and up fuse and stay MXFP4
+        assert isinstance(moe.gate_up, Mxfp4Weight) and moe.gate_up.data.dim() == 3
+    assert isinstance(moe.down, Mxfp4Weight if quantization == "mxfp4" else Fp8Weight)
+    assert moe.down.data.dim() == 3  # experts stacked
+    prompt = PROMPTS[0]
+    got = SequenceLoop(kept, 16).logits(prompt)
+    assert torch.equal(got, SequenceLoop(plain, 16).logits(prompt))
+
+
 def test_fp8_rows_stay_fp8_only_where_their_scale_blocks_allow():
     from deepserve.kernels import block_quant
 
@@ -392,3 +433,13 @@ def test_fp8_rows_stay_fp8_only_where_their_scale_blocks_allow():
     assert isinstance(moved, torch.Tensor) and torch.equal(moved, a.dequantize().flip(0))
     stacked = block_quant.stack([a, a], torch.float32)
     assert isinstance(stacked, block_quant.Fp8Weight) and torch.equal(stacked[1].data, a.data)
+
+
+def test_mxfp4_rows_stack_in_any_count_their_scales_being_per_row():
+    from deepserve.kernels import block_quant
+
+    g = torch.Generator().manual_seed(1)
+    gate, up = (block_quant.quantize_mxfp4(torch.randn(24, 64, generator=g)) for _ in range(2))
+    fused = block_quant.cat_rows([gate, up], torch.float32)
+    assert isinstance(fused, block_quant.Mxfp4Weight) and fused.shape == (48, 64)
+    assert torch.equal(fused.dequantize(), torch.cat([gate.dequantize(), up.dequantize()]))

@@ -9,10 +9,14 @@ fused-MoE tiles, attention row tiles and long-context decode splits, timed. `run
 (section v4_checks): DeepSeek-V4's sparse attention, indexer top-k and compressor pooling at
 V4-Flash sizes against float32 torch, bitwise batch invariance, graph replay, ms and GB/s.
 `run_fp8` (`--only fp8`): the block-scaled FP8 GEMM on V3 / V4 / V2-Lite projection shapes and
-the FP8 / MXFP4 fused MoE against dequantized references, timed beside bf16. Imported by
+the FP8 / MXFP4 fused MoE against dequantized references, timed beside bf16, V3 / V4 models on
+kept FP8 / MXFP4 weights, and the default set's few-row FP8 path (GEMV) against the GEMM and
+bf16 at M = 1..64. Imported by
 run_all.py; returns rows of max relative errors."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -1001,13 +1005,88 @@ def time_fp8_decode_tiles(rows: list) -> None:
             rows.append(row)
 
 
-def run_fp8(out: dict) -> None:
-    """`--only fp8`: the FP8 GEMM and the FP8 / MXFP4 fused MoE checks, the V3 slice in FP8
-    through the loader, then the decode tiles."""
+FP8_PATH_ROWS = (1, 4, 16, 64)
+FP8_GEMV_CANDIDATES = {  # block_n, num_warps, num_stages, waves (fp8_gemv.GemvConfig)
+    "gemv n64w4s4x4": (64, 4, 4, 4),  # fp8_gemv.GEMV
+    "gemv n64w4s4x2": (64, 4, 4, 2),
+    "gemv n64w4s4x8": (64, 4, 4, 8),
+    "gemv n32w4s4x4": (32, 4, 4, 4),
+    "gemv n128w4s4x4": (128, 4, 4, 4),
+    "gemv n128w8s3x4": (128, 8, 3, 4),
+}
+
+
+def time_fp8_paths(rows: list) -> None:
+    """The default set's FP8 paths at M = 1, 4, 16, 64 on every FP8_SHAPES projection: the GEMV
+    (fp8_gemv.py, x unquantized, split-K) under candidate configs, the w8a8 GEMM at its default
+    tile, and bf16 cuBLAS on the same values; then one `fp8_path_pick` row per (shape, M): the
+    path the policy takes (fp8_matmul.path), its ms through the set's own `linear`, the fastest
+    candidate and the speedup over bf16. Errors against the float32 product of unquantized x
+    and the dequantized weight."""
+    from deepserve.kernels import block_quant
+
+    g = torch.Generator(device="cuda").manual_seed(10)
+    for (n, k), layer in FP8_SHAPES.items():
+        w_bf16 = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
+        w = block_quant.quantize_fp8(w_bf16)
+        w_deq = w.dequantize()
+        for m in FP8_PATH_ROWS:
+            x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+            rows.extend(_fp8_paths_at(dict(layer=layer, n=n, k=k, m=m), x, w, w_bf16, w_deq))
+            print(rows[-1], flush=True)
+        del w_deq
+        torch.cuda.empty_cache()
+
+
+def _fp8_paths_at(key: dict, x: torch.Tensor, w, w_bf16: torch.Tensor, w_deq) -> list[dict]:
+    """`time_fp8_paths`' rows for one shape and row count, the pick last."""
+    import triton.testing
+
+    from deepserve.kernels.triton import fp8_gemv, fp8_matmul
+
+    cands = {
+        name: lambda c=fp8_gemv.GemvConfig(*c): fp8_gemv.fp8_gemv(x, w, c)
+        for name, c in FP8_GEMV_CANDIDATES.items()
+    }
+    cands["gemm"] = lambda: fp8_matmul.fp8_linear(x, w)
+    cands["bf16"] = lambda: x @ w_bf16.T
+    want, out, timed = x.float() @ w_deq.T, [], {}
+    for name, fn in cands.items():
+        row = dict(op="fp8_path", **key, cfg=name)
+        _timed(row, fn, want, lambda y: y)
+        timed.update({name: row["ms"]} if "ms" in row else {})
+        out.append(row)
+    linear = fp8_matmul.linear_or(torch.nn.functional.linear)  # fast_kernels' linear
+    ms = triton.testing.do_bench(lambda: linear(x, w), return_mode="median")
+    fp8 = {name: t for name, t in timed.items() if name != "bf16"}
+    best = min(fp8, key=fp8.get) if fp8 else None
+    pick = dict(op="fp8_path_pick", **key, policy=fp8_matmul.path(key["m"], w),
+                split=fp8_gemv.split_k(key["n"], key["k"]), ms_policy=ms,
+                rel_err_policy=rel(linear(x, w), want), ms_bf16=timed.get("bf16"), best=best,
+                ms_best=fp8.get(best))  # fmt: skip
+    if pick["ms_bf16"]:
+        pick["speedup_policy"] = pick["ms_bf16"] / ms
+    return [*out, pick]
+
+
+def run_fp8(out: dict, deadline: float = float("inf")) -> None:
+    """`--only fp8`: the FP8 GEMM and the FP8 / MXFP4 fused MoE checks, the V3 slice in FP8 and
+    a V4-Flash-shaped model in V4's FP8 + MXFP4 through the loader, the default set's paths by
+    row count (GEMV beside GEMM and bf16), then the GEMM's decode tiles."""
     import traceback
 
     rows = out.setdefault("fp8", [])
-    for fn in (check_fp8_linear, check_quantized_moe, check_fp8_model, time_fp8_decode_tiles):
+    for fn in (
+        check_fp8_linear,
+        check_quantized_moe,
+        check_fp8_model,
+        check_v4_quantized_model,
+        time_fp8_paths,
+        time_fp8_decode_tiles,
+    ):
+        if time.time() > deadline:  # the checks left are skipped, the rows so far kept
+            rows.append(dict(op=fn.__name__, error="skipped: out of time"))
+            continue
         try:
             fn(rows)
         except Exception as e:  # recorded; the job goes on
@@ -1024,8 +1103,9 @@ FP8_MOE_TOKENS = (1, 64, 1024)
 
 def check_quantized_moe(rows: list) -> None:
     """The fused MoE with FP8 and with MXFP4 experts against the float32 loop on their
-    dequantization (FP8: on e4m3 inputs too, as the kernel quantizes them), a row alone equal to
-    it in a batch under DECODE, and median ms beside the bf16 experts of the same values."""
+    dequantization (FP8: on e4m3 inputs too where the default config quantizes them), a row
+    alone equal to it in a batch under DECODE, and median ms beside the bf16 experts of the
+    same values (FP8 at decode sizes: the w8a8 DECODE scheme's ms too)."""
     import triton.testing
 
     from deepserve.kernels import block_quant
@@ -1054,10 +1134,12 @@ def check_quantized_moe(rows: list) -> None:
                 ),
                 return_mode="median",
             )
+            # the default config's FP8 scheme (w8a16 for decode-sized calls) is the reference's
+            fp8_inputs = fused_moe.default_config(t * k, e).fp8_inputs
             for fmt, (gu, dn) in formats.items():
                 checked = min(t, 8)  # the float32 loop is slow: the first rows
                 want = fused_moe.fused_moe_reference(
-                    x[:checked], gu, dn, w[:checked], ids[:checked]
+                    x[:checked], gu, dn, w[:checked], ids[:checked], fp8_inputs=fp8_inputs
                 )
                 got = fused_moe.fused_moe(x, gu, dn, w, ids)
                 full = fused_moe.fused_moe(x, gu, dn, w, ids, fused_moe.DECODE)
@@ -1071,6 +1153,13 @@ def check_quantized_moe(rows: list) -> None:
                            row_invariant=bool(torch.equal(full[:1], one)),
                            ms=ms, ms_bf16=ms_bf16, speedup=ms_bf16 / ms)  # fmt: skip
                 row["ok"] = row["rel_err"] < 2e-2 and not row["nan"]
+                if fmt == "fp8" and not fp8_inputs:  # the w8a8 scheme at the same tile, timed
+                    row["ms_w8a8_decode"] = triton.testing.do_bench(
+                        lambda x=x, ids=ids, w=w, gu=gu, dn=dn: fused_moe.fused_moe(
+                            x, gu, dn, w, ids, fused_moe.DECODE
+                        ),
+                        return_mode="median",
+                    )
                 rows.append(row)
                 print(row, flush=True)
         formats.clear()
@@ -1085,16 +1174,11 @@ def check_fp8_model(rows: list) -> None:
     import tempfile
     from pathlib import Path
 
-    from model_loop import SequenceLoop
-
     from deepserve.engine.config import EngineConfig
-    from deepserve.engine.loading.hf_loader import read_hf_folder
     from deepserve.engine.loading.loader import load_model
-    from deepserve.engine.models.common import WeightStore
     from deepserve.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
     from deepserve.engine.testmodels.model_shapes import write_shaped_model
     from deepserve.kernels.block_quant import Fp8Weight
-    from deepserve.kernels.registry import get_kernels
 
     folder = write_shaped_model(
         "deepseek-v3-slice", Path(tempfile.mkdtemp()) / "v3-fp8", device="cuda",
@@ -1113,13 +1197,25 @@ def check_fp8_model(rows: list) -> None:
     )
     del loaded
     torch.cuda.empty_cache()
+    _kept_against_dequantized(rows, folder, DeepseekV3ForCausalLM, "fp8_model_logits")
+
+
+def _kept_against_dequantized(rows: list, folder, model_cls, op: str) -> None:
+    """Last-position logits of a 64-token prompt with the checkpoint's formats kept (fast set,
+    then `--batch-invariant`'s) against its bf16 dequantization on the fast set."""
+    from model_loop import SequenceLoop
+
+    from deepserve.engine.loading.hf_loader import read_hf_folder
+    from deepserve.engine.models.common import WeightStore
+    from deepserve.kernels.registry import get_kernels
+
     prompt = list(range(100, 164))
 
     def last_logits(keep: bool, flag: bool) -> torch.Tensor:
         ckpt = read_hf_folder(folder, torch.bfloat16, keep_quantized=keep)
         store = WeightStore(ckpt.weights, torch.device("cuda"), torch.bfloat16)
         with torch.inference_mode():
-            model = DeepseekV3ForCausalLM(ckpt.config, store, get_kernels("cuda", flag), "fp8")
+            model = model_cls(ckpt.config, store, get_kernels("cuda", flag), "quantized")
         out = SequenceLoop(model, 128).logits(prompt).float()
         del model, store, ckpt
         torch.cuda.empty_cache()
@@ -1128,7 +1224,37 @@ def check_fp8_model(rows: list) -> None:
     want = last_logits(keep=False, flag=False)  # bf16 weights, the default set
     for flag in (False, True):
         got = last_logits(keep=True, flag=flag)
-        row = dict(op="fp8_model_logits", batch_invariant=flag, rel_err=rel(got, want),
+        row = dict(op=op, batch_invariant=flag, rel_err=rel(got, want),
                    top1_equal=bool(got.argmax() == want.argmax()))  # fmt: skip
         rows.append(row)
         print(row, flush=True)
+
+
+def check_v4_quantized_model(rows: list) -> None:
+    """The V4-Flash geometry (3 layers: sliding, CSA, HCA; 16 routed experts) written in V4's
+    published layout (FP8 dense projections with UE8M0 scales, MXFP4 routed experts), loaded
+    the engine's way: which weights stay quantized, and the last-position logits with the
+    formats kept against the bf16 dequantization, fast set and `--batch-invariant`'s."""
+    import tempfile
+    from pathlib import Path
+
+    from deepserve.engine.config import EngineConfig
+    from deepserve.engine.loading.loader import load_model
+    from deepserve.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from deepserve.engine.testmodels.model_shapes import v4_layer_schedule, write_shaped_model
+    from deepserve.kernels.block_quant import Fp8Weight, Mxfp4Weight
+
+    folder = write_shaped_model(
+        "deepseek-v4-flash", Path(tempfile.mkdtemp()) / "v4-mxfp4", device="cuda",
+        overrides=dict(v4_layer_schedule(3), n_routed_experts=16), quantization="mxfp4",
+    )  # fmt: skip
+    loaded = load_model(EngineConfig(model=str(folder), device="cuda", dtype="bfloat16")).model
+    attn, moe = loaded.layers[1].attn, loaded.layers[1].moe
+    formats = {"wq_b": attn.wq_b, "wo_b": attn.wo_b, "shared gate_up": moe.shared_gate_up,
+               "experts gate_up": moe.gate_up, "experts down": moe.down}  # fmt: skip
+    kinds = {Fp8Weight: "fp8", Mxfp4Weight: "mxfp4"}
+    rows.append(dict(op="v4_quantized_weights",
+                     **{k: kinds.get(type(v), "plain") for k, v in formats.items()}))  # fmt: skip
+    del loaded, attn, moe, formats
+    torch.cuda.empty_cache()
+    _kept_against_dequantized(rows, folder, DeepseekV4ForCausalLM, "v4_quantized_logits")

@@ -475,6 +475,13 @@ def main() -> int:
     )
     parser.add_argument("--v4-batches", nargs="*", type=int, default=[1, 32, 64])
     parser.add_argument("--v4-no-hf", action="store_true", help="section v4: deepserve only")
+    parser.add_argument(
+        "--v4-quantization",
+        nargs="*",
+        default=["bf16"],
+        choices=["bf16", "fp8-mxfp4"],
+        help="section v4: deepserve's slice in bf16 and/or V4's published FP8 dense + MXFP4 experts",
+    )
     args = parser.parse_args()
     sc = QUICK if args.quick_cpu else Scale()
     start = time.time()
@@ -513,7 +520,7 @@ def main() -> int:
         ("linear", lambda: section_kernel_invariance_and_speed(out)),
         ("models", write_models),
         ("invariant", lambda: kernel_checks.run_invariant(out, deadline - 240)),  # speed: ~130 s
-        ("fp8", lambda: kernel_checks.run_fp8(out)),
+        ("fp8", lambda: kernel_checks.run_fp8(out, deadline - 60)),
         (
             "speed",
             lambda: speed.section_speed(
@@ -540,7 +547,11 @@ def main() -> int:
         (
             "v4",
             lambda: v4_speed.section_v4_speed(
-                out, deadline - 20, args.v4_batches, with_hf=not args.v4_no_hf
+                out,
+                deadline - 20,
+                args.v4_batches,
+                with_hf=not args.v4_no_hf,
+                quantizations=tuple(args.v4_quantization),
             ),
         ),
     ]

@@ -11,8 +11,11 @@ its own `generate`), freed, then deepserve over tensors made one at a time on th
 slice is never held twice): decode tokens/s at batch 1 / 32 / 64 after 128-token prompts,
 2,000- and 8,192-token prefill, a profile of one decode step at batch 1 and 64, and one fresh
 32,768- and 131,072-token prompt each (TTFT, then batch-1 decode over that context), with the KV
-bytes a token costs beside a V3-architecture MLA layer's. Imported by run_all.py (sections
-`v4_parity`, `v4`).
+bytes a token costs beside a V3-architecture MLA layer's. With `quantizations` holding
+"fp8-mxfp4" (run_all.py `--v4-quantization`), the deepserve rows run again on the slice in V4's
+published format, made on the device tensor by tensor: FP8 dense projections (e4m3, UE8M0 scales
+per 128 x 128) and MXFP4 routed experts, as the loader keeps them for the CUDA sets. Imported by
+run_all.py (sections `v4_parity`, `v4`).
 """
 
 from __future__ import annotations
@@ -45,23 +48,49 @@ def slice_config(layers: int = SLICE_LAYERS, **overrides) -> dict:
     return dict(DEEPSEEK_V4_FLASH, **v4_layer_schedule(layers), **overrides)
 
 
+QUANTIZATIONS = ("bf16", "fp8-mxfp4")
+
+
 class LazyV4Weights(Mapping):
     """The V4 layout's tensors, each made on the device when the loader asks for it and not kept:
-    the model stacks a layer's experts from them and the per-expert tensors are freed."""
+    the model stacks a layer's experts from them and the per-expert tensors are freed. With
+    `quantization` "fp8-mxfp4", each matrix the published checkpoint quantizes comes as the
+    loader keeps it (`Fp8Weight` with UE8M0 scales as float32, `Mxfp4Weight` experts)."""
 
-    def __init__(self, config: dict, seed: int = 0) -> None:
+    def __init__(self, config: dict, seed: int = 0, quantization: str = "bf16") -> None:
         self.config = config
         self.specs = tensor_specs(config)
         self.gen = torch.Generator(device="cuda").manual_seed(seed)
+        self.quantization = quantization
 
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return v4_tensor(self.config, self.specs[name], "cuda", self.gen)
+    def __getitem__(self, name: str):
+        t = v4_tensor(self.config, self.specs[name], "cuda", self.gen)
+        if self.quantization == "bf16":
+            return t
+        return _published(name, t)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.specs)
 
     def __len__(self) -> int:
         return len(self.specs)
+
+
+def _published(name: str, t: torch.Tensor):
+    """`t` as V4's published checkpoint stores it, in the form the loader keeps it on a set
+    that runs FP8 / MXFP4 (engine/loading/quantized.py)."""
+    from deepserve.engine.loading.quantized import scale_to_float
+    from deepserve.engine.testmodels.quantize import published_format, quantize_fp8, quantize_mxfp4
+    from deepserve.kernels.block_quant import Fp8Weight, Mxfp4Weight
+
+    fmt = published_format(name, t, v4=True, method="mxfp4")
+    if fmt == "mxfp4":
+        values, scale = quantize_mxfp4(t)
+        return Mxfp4Weight(values.view(torch.uint8), scale)
+    if fmt == "fp8":
+        values, scale = quantize_fp8(t, ue8m0=True)
+        return Fp8Weight(values, scale_to_float(scale))
+    return t
 
 
 def _record(out: dict, key: str, row: dict) -> None:
@@ -155,26 +184,30 @@ def _kv_bytes(model) -> dict:
     return dict(kv_bytes_per_token=per_token, v3_mla_bytes_per_token=v3, ratio=per_token / v3)
 
 
-def _ours_rows(out: dict, config: dict, batches: list[int], tokens: int, deadline: float) -> None:
+def _ours_rows(
+    out: dict, config: dict, batches: list[int], tokens: int, deadline: float, quant: str
+) -> None:
     t0 = time.time()
-    llm = speed.build_llm_over(config, LazyV4Weights(config), False, max_model_len=CONTEXT,
+    weights = LazyV4Weights(config, quantization=quant)
+    llm = speed.build_llm_over(config, weights, False, quantization=quant, max_model_len=CONTEXT,
                                kv_cache_bytes=24 * 2**30, max_num_batched_tokens=8192)  # fmt: skip
-    out.setdefault("v4_build_s", {})["deepserve"] = round(time.time() - t0, 1)
+    out.setdefault("v4_build_s", {})[f"deepserve {quant}"] = round(time.time() - t0, 1)
     out["v4_kv"] = _kv_bytes(llm.engine.model)
     out["v4_graphs"] = getattr(llm.engine.runner, "graphs", None) is not None
-    rng, vocab = random.Random(3), config["vocab_size"]
+    out.setdefault("v4_allocated_bytes", {})[quant] = torch.cuda.memory_allocated()  # + KV pool
+    rng, vocab, key = random.Random(3), config["vocab_size"], dict(quantization=quant)
     for b in batches:
         if time.time() > deadline:
-            out["errors"].append(f"v4: deepserve batch {b}: out of time")
+            out["errors"].append(f"v4: deepserve {quant} batch {b}: out of time")
             break
         tok_s = speed.engine_decode_tok_s(llm, b, vocab, rng, tokens)
-        _record(out, "v4_speed", dict(system="deepserve", batch=b, decode_tok_s=tok_s))
+        _record(out, "v4_speed", dict(system="deepserve", **key, batch=b, decode_tok_s=tok_s))
     for n in (2000, 8192):
         tok_s = speed.engine_prefill_tok_s(llm, vocab, rng, n)
-        _record(out, "v4_speed", dict(system="deepserve", prefill_tokens=n, tok_s=tok_s))
+        _record(out, "v4_speed", dict(system="deepserve", **key, prefill_tokens=n, tok_s=tok_s))
     for b in (batches[0], batches[-1]):
-        _record(out, "v4_profile", speed.profile_decode_step(llm, b, vocab, rng))
-    _record(out, "v4_profile", speed.profile_prefill(llm, vocab, rng, 2000))
+        _record(out, "v4_profile", dict(**key, **speed.profile_decode_step(llm, b, vocab, rng)))
+    _record(out, "v4_profile", dict(**key, **speed.profile_prefill(llm, vocab, rng, 2000)))
     for n in LONG_LENGTHS:
         if time.time() > deadline:
             out["errors"].append(f"v4: long prompt {n}: out of time")
@@ -183,17 +216,28 @@ def _ours_rows(out: dict, config: dict, batches: list[int], tokens: int, deadlin
             row = long_prompts.prompt_row(llm, n, vocab, rng)
         except Exception:
             row = dict(prompt_tokens=n, error=traceback.format_exc()[-1200:])
-        _record(out, "v4_long", row)
+        _record(out, "v4_long", dict(**key, **row))
     llm.engine.runner.close()
     del llm
     torch.cuda.empty_cache()
 
 
 def section_v4_speed(
-    out: dict, deadline: float, batches=(1, 32, 64), tokens: int = 64, with_hf: bool = True
+    out: dict,
+    deadline: float,
+    batches=(1, 32, 64),
+    tokens: int = 64,
+    with_hf: bool = True,
+    quantizations: tuple[str, ...] = ("bf16",),
 ) -> None:
+    """transformers' rows (bf16), then deepserve's for each of `quantizations` in turn (the
+    slice built, measured and freed before the next)."""
     torch.backends.cuda.enable_cudnn_sdp(False)
     config = slice_config()
     if with_hf:
         _hf_rows(out, config, list(batches), min(tokens, 32), deadline - 240)
-    _ours_rows(out, config, list(batches), tokens, deadline)
+    for quant in quantizations:
+        if time.time() > deadline:
+            out["errors"].append(f"v4: deepserve {quant}: out of time")
+            continue
+        _ours_rows(out, config, list(batches), tokens, deadline, quant)

@@ -28,7 +28,10 @@ Every step, prefill, chunk, decode or a mix, runs one batched path: the keys eac
 are slot lists built on the device (deepseek_v4_cache.py's `StepPlan`, which also names the KV
 rows) and attended by the KernelSet's `sparse_attention` / `indexer_topk` / `compress_pool`, with
 no loop over sequences and no host sync, so decode steps may replay from CUDA graphs. Weights:
-the published layout (engine/testmodels/deepseek_v4_layout.py names it).
+the published layout (engine/testmodels/deepseek_v4_layout.py names it). Matmul weights are read
+as the KernelSet runs them (`WeightStore.get_linear`): a published V4 checkpoint (FP8 dense
+projections, MXFP4 routed experts) stays quantized on a set that runs those formats, and is
+dequantized at load on the others; `wo_a` is always dequantized (see `_load_attention`).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from deepserve.engine.models.deepseek_v4_config import (
 )
 from deepserve.engine.parallel.plan import ModelShard
 from deepserve.kernels.attention_metadata import AttentionMetadata
+from deepserve.kernels.block_quant import Matrix, stack
 from deepserve.kernels.kernel_set import KernelSet
 from deepserve.kernels.rope import apply_rope_interleaved, rope_inv_freq
 from deepserve.kernels.route_spec import RouteSpec
@@ -199,8 +203,8 @@ class _Compressor:
     """Gated pooling of `ratio` tokens into one entry; with `series` 2 (CSA) entry g pools group
     g-1's first series and group g's second. `kv`/`gate`/`out` are its cache columns."""
 
-    wkv: torch.Tensor  # [series * dim, hidden]
-    wgate: torch.Tensor
+    wkv: Matrix  # [series * dim, hidden]
+    wgate: Matrix
     ape: torch.Tensor  # [ratio, series * dim] float32, added to the gate by position in group
     norm: torch.Tensor  # [dim] float32
     ratio: int
@@ -212,8 +216,8 @@ class _Compressor:
 
 @dataclass
 class _Indexer:
-    wq_b: torch.Tensor  # [heads * dim, q_lora]
-    weights_proj: torch.Tensor  # [heads, hidden]
+    wq_b: Matrix  # [heads * dim, q_lora]
+    weights_proj: Matrix  # [heads, hidden]
     compressor: _Compressor
 
 
@@ -221,13 +225,13 @@ class _Indexer:
 class _Attention:
     kind: str
     row: KVRow
-    wq_a: torch.Tensor
+    wq_a: Matrix
     q_norm: torch.Tensor
-    wq_b: torch.Tensor
-    wkv: torch.Tensor
+    wq_b: Matrix
+    wkv: Matrix
     kv_norm: torch.Tensor
-    wo_a: torch.Tensor  # [groups, o_lora, heads * head_dim / groups]
-    wo_b: torch.Tensor
+    wo_a: torch.Tensor  # [groups, o_lora, heads * head_dim / groups], plain (a bmm's operand)
+    wo_b: Matrix
     sinks: torch.Tensor  # [heads] float32
     compressor: _Compressor | None
     indexer: _Indexer | None
@@ -238,10 +242,10 @@ class _MoE:
     gate: torch.Tensor  # [E, hidden] float32
     bias: torch.Tensor | None  # [E] float32 correction bias (learned routing)
     tid2eid: torch.Tensor | None  # [vocab, k] int64 (hash routing)
-    gate_up: torch.Tensor  # [E, 2 * I, hidden]
-    down: torch.Tensor  # [E, hidden, I]
-    shared_gate_up: torch.Tensor
-    shared_down: torch.Tensor
+    gate_up: Matrix  # [E, 2 * I, hidden]
+    down: Matrix  # [E, hidden, I]
+    shared_gate_up: Matrix
+    shared_down: Matrix
 
 
 @dataclass
@@ -259,8 +263,8 @@ class _MTP:
     embed: torch.Tensor
     enorm: torch.Tensor
     hnorm: torch.Tensor
-    e_proj: torch.Tensor
-    h_proj: torch.Tensor
+    e_proj: Matrix
+    h_proj: Matrix
     layer: _Layer
     hc_head: _HyperConnection
     norm: torch.Tensor
@@ -337,8 +341,8 @@ class DeepseekV4ForCausalLM:
             embed=w.get(own_embed) if w.has(own_embed) else self.embed,
             enorm=w.get(p + "enorm.weight", F32),
             hnorm=w.get(p + "hnorm.weight", F32),
-            e_proj=w.get(p + "e_proj.weight"),
-            h_proj=w.get(p + "h_proj.weight"),
+            e_proj=w.get_linear(p + "e_proj.weight"),
+            h_proj=w.get_linear(p + "h_proj.weight"),
             layer=self._load_block(w, p, self.args.mtp_layer_types[j], hashed=False),
             hc_head=self._load_hc(w, p + "hc_head_", self.args.hc_mult),
             norm=w.get(p + "norm.weight", F32),
@@ -363,23 +367,28 @@ class DeepseekV4ForCausalLM:
             )
         if kind == CSA:
             indexer = _Indexer(
-                wq_b=w.get(p + "indexer.wq_b.weight"),
-                weights_proj=w.get(p + "indexer.weights_proj.weight"),
+                wq_b=w.get_linear(p + "indexer.wq_b.weight"),
+                weights_proj=w.get_linear(p + "indexer.weights_proj.weight"),
                 compressor=self._load_compressor(
                     w, p + "indexer.compressor.", ratio, row.idx_kv, row.idx_gate, row.idx_key
                 ),
             )
+        # wo_a is viewed as [groups, o_lora, heads * head_dim / groups] and run as the set's
+        # batched matmul over the head groups (each group's heads against its own slice): the
+        # set's bmm takes plain tensors only and the FP8 kernels 2-D weights, so it is
+        # dequantized once at load (its decode read is bf16's bytes; a grouped FP8 kernel could
+        # halve that)
         wo_a = w.get(p + "wo_a.weight")
         return _Attention(
             kind=kind,
             row=row,
-            wq_a=w.get(p + "wq_a.weight"),
+            wq_a=w.get_linear(p + "wq_a.weight"),
             q_norm=w.get(p + "q_norm.weight", F32),
-            wq_b=w.get(p + "wq_b.weight"),
-            wkv=w.get(p + "wkv.weight"),
+            wq_b=w.get_linear(p + "wq_b.weight"),
+            wkv=w.get_linear(p + "wkv.weight"),
             kv_norm=w.get(p + "kv_norm.weight", F32),
             wo_a=wo_a.view(a.o_groups, a.o_lora_rank, -1),
-            wo_b=w.get(p + "wo_b.weight"),
+            wo_b=w.get_linear(p + "wo_b.weight"),
             sinks=w.get(p + "attn_sink", F32),
             compressor=compressor,
             indexer=indexer,
@@ -389,10 +398,10 @@ class DeepseekV4ForCausalLM:
     def _load_compressor(
         w: WeightStore, p: str, ratio: int, kv: slice, gate: slice, out: slice
     ) -> _Compressor:
-        wkv = w.get(p + "wkv.weight")
+        wkv = w.get_linear(p + "wkv.weight")
         norm = w.get(p + "norm.weight", F32)
         return _Compressor(
-            wkv=wkv, wgate=w.get(p + "wgate.weight"), ape=w.get(p + "ape", F32), norm=norm,
+            wkv=wkv, wgate=w.get_linear(p + "wgate.weight"), ape=w.get(p + "ape", F32), norm=norm,
             ratio=ratio, series=wkv.shape[0] // norm.shape[0], kv=kv, gate=gate, out=out,
         )  # fmt: skip
 
@@ -403,15 +412,16 @@ class DeepseekV4ForCausalLM:
             gate=w.get(p + "gate.weight", F32),
             bias=None if hashed else w.get(p + "gate.bias", F32),
             tid2eid=w.get(p + "gate.tid2eid", torch.long) if hashed else None,
-            gate_up=torch.stack([e[0] for e in experts]),
-            down=torch.stack([e[1] for e in experts]),
+            # one quantized stack where every expert kept its format (MXFP4 / FP8 for `k.moe`)
+            gate_up=stack([e[0] for e in experts], self.dtype),
+            down=stack([e[1] for e in experts], self.dtype),
             shared_gate_up=shared_gate_up,
             shared_down=shared_down,
         )
 
     @staticmethod
-    def _load_mlp(w: WeightStore, p: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return w.cat([p + "w1.weight", p + "w3.weight"]), w.get(p + "w2.weight")
+    def _load_mlp(w: WeightStore, p: str) -> tuple[Matrix, Matrix]:
+        return w.cat_linear([p + "w1.weight", p + "w3.weight"]), w.get_linear(p + "w2.weight")
 
     # ---- forward -------------------------------------------------------------------------------
 
@@ -666,7 +676,7 @@ class DeepseekV4ForCausalLM:
             return self.k.sigmoid(logits)
         return self.k.softmax(logits, -1)
 
-    def _swiglu(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    def _swiglu(self, x: torch.Tensor, gate_up: Matrix, down: Matrix) -> torch.Tensor:
         """down(silu(gate) * up) with gate clamped above and up on both sides at `swiglu_limit`."""
         gate, up = self.k.linear(x, gate_up).chunk(2, dim=-1)
         limit = self.args.swiglu_limit

@@ -45,21 +45,30 @@ def quantize_checkpoint(
     config = dict(config, quantization_config=qconfig)
     if method == "mxfp4":
         config["expert_dtype"] = "fp4"
-    keep = _V4_KEEP if v4 else _V3_KEEP
     out = {}
     for name, t in tensors.items():
-        # linear weights only: V4's 2-D mixing tensors (hc_*_fn, ape) are not `.weight`s
-        if t.dim() != 2 or not name.endswith(".weight") or keep.search(name):
-            out[name] = t
-            continue
+        fmt = published_format(name, t, v4, method)
         base = name.removesuffix(".weight")
-        if method == "mxfp4" and _V4_EXPERT.search(name):
+        if fmt is None:
+            out[name] = t
+        elif fmt == "mxfp4":
             out[name], out[base + ".scale"] = quantize_mxfp4(t)
         elif v4:
             out[name], out[base + ".scale"] = quantize_fp8(t, ue8m0=True)
         else:
             out[name], out[base + ".weight_scale_inv"] = quantize_fp8(t, ue8m0=False)
     return config, out
+
+
+def published_format(name: str, t: torch.Tensor, v4: bool, method: str) -> str | None:
+    """How the published checkpoint stores tensor `name`: "fp8", "mxfp4" (V4's routed experts
+    under `mxfp4`) or None (as it is). The GPU benchmark makes V4's published format on the
+    device by the same rule (benchmarks/gpu/v4_speed.py)."""
+    # linear weights only: V4's 2-D mixing tensors (hc_*_fn, ape) are not `.weight`s
+    keep = _V4_KEEP if v4 else _V3_KEEP
+    if t.dim() != 2 or not name.endswith(".weight") or keep.search(name):
+        return None
+    return "mxfp4" if method == "mxfp4" and _V4_EXPERT.search(name) else "fp8"
 
 
 def quantize_fp8(w: torch.Tensor, ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,9 +13,13 @@ DeepGEMM / vLLM `w8a8_block_fp8_matmul` scheme.
   by the weight alone (`--batch-invariant` takes `decode_config(N)` at every M) rows are batch
   invariant.
 
-Weights whose K block is not 128 are not this kernel's: `linear_or` sends them to their
-dequantized fallback. What does not live here: the weight type and its torch reference
-(kernels/block_quant.py), FP8 experts (fused_moe.py).
+Which path a set's `linear` takes (`linear_or`, `path`): the default set sends up to GEMV_ROWS
+rows to fp8_gemv.py's weight-streaming kernel (x unquantized, split-K where N is narrow) and more
+rows here; its rows' bits may change with the row count, as cuBLAS's do when it picks kernels by
+shape. `--batch-invariant` takes this GEMM at every M with the tile fixed by the weight: one
+scheme, so a row's bits never depend on the batch. Weights whose K block is not 128 are not this
+kernel's: `linear_or` sends them to their dequantized fallback. What does not live here: the
+weight type and its torch reference (kernels/block_quant.py), FP8 experts (fused_moe.py).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 
 from deepserve.kernels import block_quant
 from deepserve.kernels.block_quant import FP8_MAX, Fp8Weight
+from deepserve.kernels.triton import fp8_gemv
 from deepserve.kernels.triton.lang import cdiv, constexpr, jit, tl
 
 GROUP = 128  # activation group and weight K block: one scale pair per K step
@@ -37,6 +42,9 @@ FILL_PROGRAMS = 132  # programs of one H200 wave: what a decode launch's N tiles
 # the narrowest decode tile (tl.dot's least N); the GPU job times it beside wider ones
 # (kernel_checks `time_fp8_decode_tiles`)
 MIN_DECODE_BLOCK_N = 16
+# the default set's rows through fp8_gemv (the GPU job times both paths up to 64 rows:
+# kernel_checks `time_fp8_paths`)
+GEMV_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -204,17 +212,32 @@ def fp8_linear(
     return out.reshape(*lead, n)
 
 
+def path(rows: int, w: Fp8Weight, batch_invariant: bool = False) -> str:
+    """Which kernel a set's `linear` runs for `rows` rows of x against `w`: "gemv"
+    (fp8_gemv.py, default set, few rows), "gemm" (this module's), or "dequantized"."""
+    if not supports(w):
+        return "dequantized"
+    if not batch_invariant and rows <= GEMV_ROWS and fp8_gemv.supports(rows, w):
+        return "gemv"
+    return "gemm"
+
+
 def linear_or(
     base: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], batch_invariant: bool = False
 ) -> Callable[..., torch.Tensor]:
-    """A set's `linear`: `Fp8Weight`s through `fp8_linear` (tiles by M, or with
+    """A set's `linear`: `Fp8Weight`s by `path` (the GEMM's tiles by M, or with
     `batch_invariant` by the weight alone), other quantized weights dequantized, plain tensors
     through `base`."""
 
     def linear(x: torch.Tensor, w) -> torch.Tensor:
-        if isinstance(w, Fp8Weight) and supports(w):
-            cfg = decode_config(w.shape[0]) if batch_invariant else None
-            return fp8_linear(x, w, cfg)
+        if isinstance(w, Fp8Weight):
+            rows = x.numel() // max(x.shape[-1], 1)
+            kind = path(rows, w, batch_invariant)
+            if kind == "gemv":
+                return fp8_gemv.fp8_gemv(x, w)
+            if kind == "gemm":
+                cfg = decode_config(w.shape[0]) if batch_invariant else None
+                return fp8_linear(x, w, cfg)
         if isinstance(w, Fp8Weight | block_quant.Mxfp4Weight):
             return block_quant.linear(x, w)
         return base(x, w)

@@ -11,7 +11,9 @@ A row's result depends only on its own input, its expert and the fixed tile shap
 K walked in order), and the top-k outputs are summed in slot order: with a fixed `MoeConfig`
 the op is batch invariant (FP8 experts too: their activations are quantized per row). Experts
 come plain (bf16 / float32), as block-scaled FP8 (`Fp8Weight`: e4m3 dots scaled per 128-step of
-K, as fp8_matmul.py's GEMM) or as MXFP4 (`Mxfp4Weight`: e2m1 codes dequantized to the
+K, as fp8_matmul.py's GEMM; or, with a config's `fp8_inputs` off, the e4m3 tile widened to the
+activations' dtype and x left unquantized, as fp8_gemv.py: the default set's decode-sized calls,
+two quantize launches fewer and x's own values) or as MXFP4 (`Mxfp4Weight`: e2m1 codes dequantized to the
 activations' dtype in the K loop, since Hopper has no FP4 tensor cores). What does not live
 here: routing (the model's) and the shared experts (only their output is added, in the slot
 sum's launch).
@@ -40,9 +42,16 @@ class MoeConfig:
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 4
+    # FP8 experts: quantize the activations per 1 x 128 group for e4m3 dots (w8a8), or widen
+    # the weights to the activations' dtype (w8a16). Fixed per config: `--batch-invariant`'s
+    # one config keeps one scheme at every size.
+    fp8_inputs: bool = True
 
 
 DECODE = MoeConfig()
+# the default set's decode-sized calls: memory bound, so w8a16 costs nothing and saves the two
+# activation-quantize launches (the GPU job times both: kernel_checks `check_quantized_moe`)
+DECODE_W8A16 = MoeConfig(fp8_inputs=False)
 PREFILL = MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
 PREFILL_MIN_PAIRS = 1024  # from here on, the wide tile (tensor-core bound) wins over the narrow one
 # Once the experts average a full block of 128 rows each: V2-Lite's 2,000-token prefill (12,000
@@ -54,12 +63,12 @@ def default_config(pairs: int, num_experts: int) -> MoeConfig:
     """The tile for a call of `pairs` (token, slot) pairs when the caller fixes none."""
     if pairs >= LARGE.block_m * num_experts:
         return LARGE
-    return PREFILL if pairs >= PREFILL_MIN_PAIRS else DECODE
+    return PREFILL if pairs >= PREFILL_MIN_PAIRS else DECODE_W8A16
 
 
 # the expert weights' format, the GEMM kernel's WFMT (written as literals inside the kernel:
 # a jitted function may read no module global that is not a constexpr)
-PLAIN, FP8, MXFP4 = 0, 1, 2
+PLAIN, FP8, MXFP4, FP8_W8A16 = 0, 1, 2, 3
 
 
 @jit
@@ -83,7 +92,8 @@ def _moe_gemm_kernel(
     """WFMT PLAIN: a and w of one dtype. FP8: a e4m3 with one scale per (row, BLOCK_K = 128
     columns), w e4m3 with one per (SCALE_N rows, 128 columns); each K step's dot scaled by both.
     MXFP4: w's bytes hold two e2m1 codes along K (low nibble first), one scale per 32 of K
-    (E8M0 bytes or float32), dequantized to a's dtype in the loop (Hopper has no FP4 MMA)."""
+    (E8M0 bytes or float32), dequantized to a's dtype in the loop (Hopper has no FP4 MMA).
+    FP8_W8A16: w as FP8's, widened to a's dtype (exact), each K step's dot scaled by w's scale."""
     block, pn = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
@@ -122,6 +132,11 @@ def _moe_gemm_kernel(
                 sa = tl.load(as_ptr + rows * s_asm + kb, mask=ok, other=0.0)
                 sb = tl.load(ws_base + (rn // SCALE_N) * s_wsn + kb * s_wsk, mask=rn < N, other=0.0)
                 acc += tl.dot(a, b, out_dtype=tl.float32) * sa[:, None] * sb[None, :]
+            elif WFMT == 3:  # FP8 weights, a as it is
+                kb = k0 // BLOCK_K
+                sb = tl.load(ws_base + (rn // SCALE_N) * s_wsn + kb * s_wsk, mask=rn < N, other=0.0)
+                d = tl.dot(a, b.to(a.dtype), out_dtype=tl.float32, input_precision=PRECISION)
+                acc += d * sb[None, :]
             else:
                 acc = tl.dot(a, b, acc, input_precision=PRECISION)
     if SCALE:
@@ -228,12 +243,13 @@ def _grouped_gemm(
     cfg: MoeConfig,
 ) -> None:
     """out[pair] = a[pair // a_div] @ w[expert].T (times `scale[pair]`), per block of the table;
-    FP8 experts quantize `a` per 1 x 128 group first and walk K in 128-steps."""
+    FP8 experts walk K in 128-steps, `a` quantized per 1 x 128 group first if `cfg.fp8_inputs`."""
     n, k = w.shape[1], w.shape[2]
     fmt, data, w_scale, a_scale = PLAIN, w, out, out  # stand-ins where a format has no scales
     if isinstance(w, Fp8Weight):
-        fmt, data, w_scale = FP8, w.data, w.scale
-        a, a_scale = quantize_groups(a)
+        fmt, data, w_scale = (FP8 if cfg.fp8_inputs else FP8_W8A16), w.data, w.scale
+        if cfg.fp8_inputs:
+            a, a_scale = quantize_groups(a)
         cfg = replace(cfg, block_k=GROUP)
     elif isinstance(w, Mxfp4Weight):
         fmt, data, w_scale = MXFP4, w.data.view(torch.uint8), w.scale
@@ -246,7 +262,7 @@ def _grouped_gemm(
         out.stride(0), a_scale.stride(0), *(w_scale.stride() if fmt else (0, 0, 0)),
         A_DIV=a_div, SCALE=scale is not None,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",  # tf32: unused by 16-bit inputs
-        WFMT=fmt, SCALE_N=w.block[0] if fmt == FP8 else 1, E8M0=w_scale.dtype == torch.uint8,
+        WFMT=fmt, SCALE_N=w.block[0] if fmt in (FP8, FP8_W8A16) else 1, E8M0=w_scale.dtype == torch.uint8,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -304,12 +320,13 @@ def fused_moe_reference(
     weights: torch.Tensor,
     ids: torch.Tensor,
     swiglu_limit: float | None = None,
+    fp8_inputs: bool = True,
 ) -> torch.Tensor:
     """The same function as a loop over (token, slot) in float32: the tests' oracle. Quantized
     experts are dequantized; FP8 ones also see their inputs as e4m3 per 1 x 128 group, as the
-    kernel does."""
+    kernel does under a config's `fp8_inputs`."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    quantized = isinstance(gate_up, Fp8Weight)
+    quantized = isinstance(gate_up, Fp8Weight) and fp8_inputs
     for t in range(ids.shape[0]):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
