@@ -506,6 +506,9 @@ class DeepseekV4ForCausalLM:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Streams `h [T, n, hidden]` -> (post [T, n], comb [T, n, n], the block's input [T, hidden])."""
         n, eps = self.args.hc_mult, self.args.hc_eps
+        if self.k.hc_collapse is not None:  # one launch for the ~90 ops below
+            mixes = self._hc_mixes(w, h)
+            return self.k.hc_collapse(mixes, w.scale, w.base, h, self.args.hc_sinkhorn_iters, eps)
         mixes = self._hc_mixes(w, h) * w.scale + w.base
         gates = self.k.sigmoid(mixes[:, : 2 * n])
         pre, post = gates[:, :n] + eps, 2 * gates[:, n:]
@@ -513,12 +516,13 @@ class DeepseekV4ForCausalLM:
         comb = _sinkhorn(comb, self.args.hc_sinkhorn_iters, eps)
         return post, comb, (pre[..., None] * h).sum(dim=1).to(h.dtype)
 
-    @staticmethod
     def _hc_expand(
-        h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+        self, h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
     ) -> torch.Tensor:
         """Stream j of the result: `post[j] * out + sum_i comb[i, j] * h[i]`, the sum over the
         few streams in one fixed order (a batched matmul's order may change with the batch)."""
+        if self.k.hc_expand is not None:
+            return self.k.hc_expand(h, out, post, comb)
         comb = comb.to(h.dtype)
         mixed = comb[:, 0, :, None] * h[:, :1]
         for i in range(1, h.shape[1]):
@@ -526,6 +530,8 @@ class DeepseekV4ForCausalLM:
         return post.to(h.dtype)[..., None] * out[:, None, :] + mixed
 
     def _hyper_head(self, h: torch.Tensor, w: _HyperConnection) -> torch.Tensor:
+        if self.k.hc_head is not None:
+            return self.k.hc_head(self._hc_mixes(w, h), w.scale, w.base, h, self.args.hc_eps)
         pre = self.k.sigmoid(self._hc_mixes(w, h) * w.scale + w.base) + self.args.hc_eps
         return (pre[..., None] * h).sum(dim=1).to(h.dtype)
 
@@ -645,15 +651,16 @@ class DeepseekV4ForCausalLM:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         a, k = self.args, self.k
         logits = k.linear(x.float(), w.gate)
-        if w.tid2eid is None:
-            spec = RouteSpec(
-                a.scoring_func, 1, 1, a.num_experts_per_tok, True, a.routed_scaling_factor
-            )
-            # the composed routing: the fused kernels know sigmoid and softmax scores only
+        spec = RouteSpec(a.scoring_func, 1, 1, a.num_experts_per_tok, True, a.routed_scaling_factor)
+        experts = None if w.tid2eid is None else w.tid2eid[input_ids]
+        # one launch where the set has the routing op (hash routing: the weights of `experts`)
+        fused = None if k.moe_route is None else k.moe_route(logits, w.bias, spec, ids=experts)
+        if fused is not None:
+            return fused
+        if experts is None:
             return k.moe_route_composed(
                 logits, w.bias, spec, k.sigmoid, k.softmax, softplus=k.softplus
             )
-        experts = w.tid2eid[input_ids]
         weights = self._scores(logits).gather(1, experts)
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return weights * a.routed_scaling_factor, experts

@@ -1,0 +1,168 @@
+"""DeepSeek-V4's fused decode-step ops against the model's torch composition: the hyper-connection
+kernels (kernels/triton/hyper_connections.py) and sqrtsoftplus / hash routing in the routing
+kernel (kernels/triton/routing.py), each token's result alone vs in its batch, and
+tiny-deepseek-v4's logits with a set that has these ops against the set without. Runs on CUDA
+when there is one, else in Triton's interpreter (float32: its bf16 dot is broken); skipped
+without triton."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
+pytest.importorskip("triton")
+
+import test_kernels_invariant_triton  # noqa: E402,F401  (patches the interpreter when used)
+from model_loop import SequenceLoop  # noqa: E402
+
+from deepserve.engine.config import EngineConfig  # noqa: E402
+from deepserve.engine.loading.loader import load_model  # noqa: E402
+from deepserve.engine.testmodels.tiny_deepseek_v4 import write_tiny_deepseek_v4  # noqa: E402
+from deepserve.kernels.reference import moe_routing  # noqa: E402
+from deepserve.kernels.route_spec import RouteSpec  # noqa: E402
+from deepserve.kernels.triton import hyper_connections as hc  # noqa: E402
+from deepserve.kernels.triton import routing  # noqa: E402
+
+TOL = dict(rtol=1e-6, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    torch.set_num_threads(1)
+    folder = write_tiny_deepseek_v4(tmp_path_factory.mktemp("tiny-deepseek-v4"), seed=0)
+    return load_model(EngineConfig(model=str(folder))).model
+
+
+def _streams(model, tokens: int, seed: int = 0) -> torch.Tensor:
+    a = model.args
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(tokens, a.hc_mult, a.hidden_size, generator=g)
+
+
+def _collapse(model, w, h):
+    a = model.args
+    return hc.hc_collapse(model._hc_mixes(w, h), w.scale, w.base, h, a.hc_sinkhorn_iters, a.hc_eps)
+
+
+# ---- hyper-connections ---------------------------------------------------------------------
+
+
+def test_collapse_matches_the_models_composition(model):
+    h = _streams(model, 5)
+    for w in (model.layers[0].attn_hc, model.layers[3].ffn_hc):
+        for got, want in zip(_collapse(model, w, h), model._hc_collapse(w, h), strict=True):
+            torch.testing.assert_close(got, want, **TOL)
+
+
+def test_collapse_comb_is_doubly_stochastic_after_sinkhorn(model):
+    _, comb, _ = _collapse(model, model.layers[1].attn_hc, _streams(model, 3))
+    ones = torch.ones(comb.shape[:2])
+    torch.testing.assert_close(comb.sum(1), ones, rtol=0, atol=1e-4)
+    torch.testing.assert_close(comb.sum(2), ones, rtol=0, atol=1e-4)
+
+
+def test_expand_matches_the_models_composition(model):
+    h, g = _streams(model, 5), torch.Generator().manual_seed(1)
+    out = torch.randn(5, model.args.hidden_size, generator=g)
+    post, comb, _ = model._hc_collapse(model.layers[2].ffn_hc, h)
+    want = model._hc_expand(h, out, post, comb)
+    torch.testing.assert_close(hc.hc_expand(h, out, post, comb), want, rtol=0, atol=1e-6)
+
+
+def test_hyper_head_matches_the_models_composition(model):
+    h = _streams(model, 4)
+    w = model.hc_head
+    got = hc.hc_head(model._hc_mixes(w, h), w.scale, w.base, h, model.args.hc_eps)
+    torch.testing.assert_close(got, model._hyper_head(h, w), **TOL)
+
+
+def test_a_tokens_hyper_connection_does_not_depend_on_the_batch(model):
+    a, h, w = model.args, _streams(model, 6), model.layers[0].attn_hc
+    mixes = model._hc_mixes(w, h)  # the kernels' input (a GEMM outside them)
+    full = hc.hc_collapse(mixes, w.scale, w.base, h, a.hc_sinkhorn_iters, a.hc_eps)
+    out = torch.randn(6, model.args.hidden_size, generator=torch.Generator().manual_seed(2))
+    expanded = hc.hc_expand(h, out, full[0], full[1])
+    for t in (0, 5):
+        r = slice(t, t + 1)
+        alone = hc.hc_collapse(mixes[r], w.scale, w.base, h[r], a.hc_sinkhorn_iters, a.hc_eps)
+        for one, batched in zip(alone, full, strict=True):
+            assert torch.equal(one, batched[r])
+        assert torch.equal(hc.hc_expand(h[r], out[r], full[0][r], full[1][r]), expanded[r])
+
+
+def test_hidden_wider_than_a_block_spreads_over_programs():
+    g = torch.Generator().manual_seed(3)
+    hidden, n, tokens = hc.BLOCK + 100, 4, 2
+    h = torch.randn(tokens, n, hidden, generator=g)
+    mixes = torch.randn(tokens, (2 + n) * n, generator=g)
+    scale, base = torch.rand((2 + n) * n, generator=g), torch.randn((2 + n) * n, generator=g)
+    post, comb, x = hc.hc_collapse(mixes, scale, base, h, 20, 1e-6)
+    pre = torch.sigmoid(mixes[:, :n] * scale[:n] + base[:n]) + 1e-6
+    torch.testing.assert_close(x, (pre[..., None] * h).sum(1), **TOL)
+    out = torch.randn(tokens, hidden, generator=g)
+    want = post[..., None] * out[:, None] + torch.einsum("tij,tih->tjh", comb, h)
+    torch.testing.assert_close(hc.hc_expand(h, out, post, comb), want, rtol=1e-5, atol=1e-5)
+
+
+# ---- routing -------------------------------------------------------------------------------
+
+
+def _logits(tokens: int, experts: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, experts, generator=g) * 4
+    logits[0, :4] = torch.tensor([-30.0, -17.0, 20.5, 25.0])  # softplus' tails and threshold
+    return logits
+
+
+@pytest.mark.parametrize("experts,top_k", [(8, 2), (256, 6)])
+def test_sqrtsoftplus_routing_matches_the_reference(experts, top_k):
+    logits = _logits(5, experts, seed=experts)
+    bias = torch.randn(experts, generator=torch.Generator().manual_seed(4)) * 0.1
+    spec = RouteSpec("sqrtsoftplus", 1, 1, top_k, True, 1.5)
+    got_w, got_ids = routing.route(logits, bias, spec)
+    want_w, want_ids = moe_routing.route(logits, bias, spec)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, **TOL)
+
+
+def test_sqrtsoftplus_scores_match_torch_softplus_across_its_range():
+    logits = torch.linspace(-40, 40, 64)[None, :]
+    spec = RouteSpec("sqrtsoftplus", 1, 1, 64, False, 1.0)
+    weights, ids = routing.route(logits, None, spec)
+    want = torch.nn.functional.softplus(logits).sqrt()[0, ids[0]]
+    torch.testing.assert_close(weights[0], want, rtol=1e-6, atol=0)
+
+
+def test_given_experts_get_the_models_hash_routing_weights(model):
+    moe, ids = model.layers[0].moe, torch.tensor([3, 17, 99000, 5])
+    x = torch.randn(4, model.args.hidden_size, generator=torch.Generator().manual_seed(5))
+    fused = copy.copy(model)
+    fused.k = dataclasses.replace(model.k, moe_route=routing.route)
+    got_w, got_ids = fused._route(moe, x, ids)
+    want_w, want_ids = model._route(moe, x, ids)
+    assert moe.tid2eid is not None and torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, **TOL)
+
+
+# ---- the model -----------------------------------------------------------------------------
+
+
+def test_tiny_v4_logits_with_the_fused_ops_match_the_composed_ones(model):
+    fused = copy.copy(model)
+    fused.k = dataclasses.replace(
+        model.k, hc_collapse=hc.hc_collapse, hc_expand=hc.hc_expand, hc_head=hc.hc_head,
+        moe_route=routing.route,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(6)
+    prompt = torch.randint(0, model.vocab_size, (40,), generator=g).tolist()
+    decoded = torch.randint(0, model.vocab_size, (3,), generator=g).tolist()
+    loops = [SequenceLoop(m, 48) for m in (model, fused)]
+    for step in [prompt] + [[t] for t in decoded]:  # a prefill, then decode steps
+        want, got = (loop.logits(step) for loop in loops)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
