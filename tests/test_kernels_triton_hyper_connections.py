@@ -171,3 +171,46 @@ def test_tiny_v4_logits_with_the_fused_ops_match_the_composed_ones(model):
     for step in [prompt] + [[t] for t in decoded]:  # a prefill, then decode steps
         want, got = (loop.logits(step) for loop in loops)
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+# ---- the compiler --------------------------------------------------------------------------
+
+_SM90_BUILD = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from deepserve.kernels.triton import hyper_connections as hc, routing
+
+def build(fn, names, types, consts):
+    sig = dict(zip(names.split(), types), **{k: "constexpr" for k in consts})
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts)
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+collapse = "mix_ptr scale_ptr base_ptr h_ptr post_ptr comb_ptr x_ptr HIDDEN s_m s_ht s_hn s_xt iters eps"
+for mix in (True, False):
+    types = ["*fp32"] * 3 + ["*bf16", "*fp32", "*fp32", "*bf16"] + ["i32"] * 6 + ["fp32"]
+    build(hc._collapse_kernel, collapse, types, dict(N=4, N_P2=4, MIX=mix, BLOCK=1024))
+expand = "h_ptr out_ptr post_ptr comb_ptr y_ptr HIDDEN s_ht s_hn s_ot s_yt s_yn"
+types = ["*bf16", "*bf16", "*fp32", "*fp32", "*bf16"] + ["i32"] * 6
+build(hc._expand_kernel, expand, types, dict(N=4, N_P2=4, BLOCK=256))
+route = "logits_ptr bias_ptr fixed_ptr w_ptr ids_ptr E s_l scale"
+types = ["*fp32", "*fp32", "*i64", "*fp32", "*i64", "i32", "i32", "fp32"]
+for fixed in (True, False):
+    consts = dict(E_P2=256, HAS_BIAS=not fixed, SCORING=2, N_GROUP=1, TOPK_GROUP=1, K=6, K_P2=8,
+                  NORMALIZE=True, FIXED=fixed)
+    build(routing._route_kernel, route, types, consts)
+"""
+
+
+def test_the_kernels_build_for_hopper():
+    """The interpreter runs kernels as Python and misses what only the compiler refuses: the
+    hyper-connection kernels (with and without the Sinkhorn branch) and the routing kernel's
+    sqrtsoftplus and given-experts variants compiled for sm90, without the interpreter."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", _SM90_BUILD], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
