@@ -173,6 +173,21 @@ def test_tiny_v4_logits_with_the_fused_ops_match_the_composed_ones(model):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
+# ---- registration --------------------------------------------------------------------------
+
+
+def test_both_cuda_sets_take_the_hyper_connection_and_routing_kernels():
+    from deepserve.kernels import reference
+    from deepserve.kernels.triton import kernelset
+
+    for cuda_set in (kernelset.fast_kernels(reference.KERNELS), kernelset.triton_kernels(reference.KERNELS)):  # fmt: skip
+        assert (cuda_set.hc_collapse, cuda_set.hc_expand, cuda_set.hc_head) == (
+            hc.hc_collapse, hc.hc_expand, hc.hc_head,
+        )  # fmt: skip
+        assert cuda_set.moe_route is routing.route
+    assert reference.KERNELS.hc_collapse is None  # the CPU composes them
+
+
 # ---- the compiler --------------------------------------------------------------------------
 
 _SM90_BUILD = """
