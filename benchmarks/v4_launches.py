@@ -42,7 +42,7 @@ FREE = {
 }  # fmt: skip
 # KernelSet fields the CUDA sets run as one Triton kernel or cuBLAS call each
 OPAQUE = ("linear", "rms_norm", "bmm", "sparse_attention", "indexer_topk", "compress_pool", "moe")
-FUSED = ("hc_collapse", "hc_expand", "hc_head", "moe_route")
+FUSED = ("hc_collapse", "hc_expand", "hc_head", "moe_route", "rope_interleaved")
 
 
 class LaunchCount(TorchDispatchMode):
@@ -88,10 +88,10 @@ def _kernels(counter: LaunchCount, fused: tuple[str, ...]):
     ops["moe"] = _moe_by_pairs
     if fused:
         from deepserve.kernels.triton import hyper_connections as hc
-        from deepserve.kernels.triton import routing
+        from deepserve.kernels.triton import rope, routing
 
         kernels = dict(hc_collapse=hc.hc_collapse, hc_expand=hc.hc_expand, hc_head=hc.hc_head)
-        kernels["moe_route"] = routing.route
+        kernels.update(moe_route=routing.route, rope_interleaved=rope.rope_interleaved)
         ops.update({name: kernels[name] for name in fused})
     wrapped = {name: counter.opaque(name, fn) for name, fn in ops.items()}
     return dataclasses.replace(reference.KERNELS, **wrapped)

@@ -96,3 +96,6 @@ class KernelSet:
     hc_collapse: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = None
     hc_expand: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
     hc_head: Callable[..., Tensor] | None = None
+    # DeepSeek-V4's interleaved rope, kernels/rope.py's `apply_rope_interleaved` (x [N, H, D],
+    # cos/sin [N, 1, rot / 2]) in one op, or None when it does not cover the call.
+    rope_interleaved: Callable[[Tensor, Tensor, Tensor], Tensor | None] | None = None

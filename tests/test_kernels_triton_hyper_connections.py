@@ -25,13 +25,14 @@ from deepserve.engine.config import EngineConfig  # noqa: E402
 from deepserve.engine.loading.loader import load_model  # noqa: E402
 from deepserve.engine.testmodels.tiny_deepseek_v4 import write_tiny_deepseek_v4  # noqa: E402
 from deepserve.kernels.reference import moe_routing  # noqa: E402
+from deepserve.kernels.rope import apply_rope_interleaved  # noqa: E402
 from deepserve.kernels.route_spec import RouteSpec  # noqa: E402
 from deepserve.kernels.triton import hyper_connections as hc  # noqa: E402
-from deepserve.kernels.triton import routing  # noqa: E402
+from deepserve.kernels.triton import rope, routing  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = dict(rtol=1e-6, atol=1e-6)
-FUSED = ("hc_collapse", "hc_expand", "hc_head", "moe_route")
+FUSED = ("hc_collapse", "hc_expand", "hc_head", "moe_route", "rope_interleaved")
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +154,26 @@ def test_given_experts_get_the_models_hash_routing_weights(model):
     torch.testing.assert_close(got_w, want_w, **TOL)
 
 
+# ---- rope ----------------------------------------------------------------------------------
+
+
+# the interpreter truncates float32 to bfloat16 where CUDA rounds to nearest: bf16 on CUDA only
+ROPE_DTYPES = [torch.float32] + [torch.bfloat16] * (DEVICE == "cuda")
+
+
+@pytest.mark.parametrize("dtype", ROPE_DTYPES)
+def test_interleaved_rope_is_bitwise_the_composition(dtype):
+    x = _randn(5, 3, 40, seed=8).to(dtype)[:, :, :36]  # strided rows, 20 dims passed through
+    cos, sin = _randn(5, 1, 8, seed=9).to(dtype), _randn(5, 1, 8, seed=10).to(dtype)
+    assert torch.equal(rope.rope_interleaved(x, cos, sin), apply_rope_interleaved(x, cos, sin))
+    assert torch.equal(rope.rope_interleaved(x, cos, -sin), apply_rope_interleaved(x, cos, -sin))
+
+
+def test_interleaved_rope_declines_other_layouts():
+    x, cos = _randn(5, 3, 16, seed=11), _randn(5, 3, 4, seed=12)  # cos per head
+    assert rope.rope_interleaved(x, cos, cos) is None
+
+
 # ---- the model -----------------------------------------------------------------------------
 
 
@@ -162,7 +183,7 @@ def test_tiny_v4_logits_with_the_fused_ops_match_the_composed_ones(model):
     fused = copy.copy(model)
     fused.k = dataclasses.replace(
         model.k, hc_collapse=hc.hc_collapse, hc_expand=hc.hc_expand, hc_head=hc.hc_head,
-        moe_route=routing.route,
+        moe_route=routing.route, rope_interleaved=rope.rope_interleaved,
     )  # fmt: skip
     g = torch.Generator().manual_seed(6)
     prompt = torch.randint(0, model.vocab_size, (40,), generator=g).tolist()
@@ -185,6 +206,7 @@ def test_both_cuda_sets_take_the_hyper_connection_and_routing_kernels():
             hc.hc_collapse, hc.hc_expand, hc.hc_head,
         )  # fmt: skip
         assert cuda_set.moe_route is routing.route
+        assert cuda_set.rope_interleaved is rope.rope_interleaved
     assert reference.KERNELS.hc_collapse is None  # the CPU composes them
 
 
@@ -194,7 +216,7 @@ _SM90_BUILD = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from deepserve.kernels.triton import hyper_connections as hc, routing
+from deepserve.kernels.triton import hyper_connections as hc, rope, routing
 
 def build(fn, names, types, consts):
     sig = dict(zip(names.split(), types), **{k: "constexpr" for k in consts})
@@ -214,13 +236,18 @@ for fixed in (True, False):
     consts = dict(E_P2=256, HAS_BIAS=not fixed, SCORING=2, N_GROUP=1, TOPK_GROUP=1, K=6, K_P2=8,
                   NORMALIZE=True, FIXED=fixed)
     build(routing._route_kernel, route, types, consts)
+names = "x_ptr cos_ptr sin_ptr y_ptr H s_xn s_xh s_cn s_sn s_yn s_yh"
+types = ["*bf16"] * 4 + ["i32"] * 7
+consts = dict(PASS=448, PASS_P2=512, HALF=32, HALF_P2=32)
+build(rope._rope_interleaved_kernel, names, types, consts)
 """
 
 
 def test_the_kernels_build_for_hopper():
     """The interpreter runs kernels as Python and misses what only the compiler refuses: the
-    hyper-connection kernels (with and without the Sinkhorn branch) and the routing kernel's
-    sqrtsoftplus and given-experts variants compiled for sm90, without the interpreter."""
+    hyper-connection kernels (with and without the Sinkhorn branch), the routing kernel's
+    sqrtsoftplus and given-experts variants and the interleaved rope compiled for sm90, without
+    the interpreter."""
     import subprocess
     import sys
 

@@ -495,6 +495,11 @@ class DeepseekV4ForCausalLM:
             weight = self._ones[key]
         return self.k.rms_norm(x, weight, self.args.rms_norm_eps).to(x.dtype)
 
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`apply_rope_interleaved`, in one launch where the set has the op."""
+        rotated = None if self.k.rope_interleaved is None else self.k.rope_interleaved(x, cos, sin)
+        return apply_rope_interleaved(x, cos, sin) if rotated is None else rotated
+
     # ---- hyper-connections ---------------------------------------------------------------------
 
     def _hc_mixes(self, w: _HyperConnection, h: torch.Tensor) -> torch.Tensor:
@@ -545,7 +550,7 @@ class DeepseekV4ForCausalLM:
         cos, sin = ropes[w.kind]
         q_lora = self._norm(k.linear(x, w.wq_a), w.q_norm)
         q = self._norm(k.linear(q_lora, w.wq_b).view(tokens, a.num_heads, a.head_dim))
-        q = apply_rope_interleaved(q, cos, sin)
+        q = self._rotate(q, cos, sin)
         self._write_rows(w, x, cos, sin, plan, cache)
         for c in (w.compressor, w.indexer and w.indexer.compressor):
             if c is not None:
@@ -562,7 +567,7 @@ class DeepseekV4ForCausalLM:
         out = k.sparse_attention(
             q, window_kv, plan.window_slots(), entry_kv, entry_slots, w.sinks, scale
         )
-        out = apply_rope_interleaved(out, cos, -sin)  # K = V: undo the rotation the values carried
+        out = self._rotate(out, cos, -sin)  # K = V: undo the rotation the values carried
         return self._output(w, out)
 
     def _write_rows(
@@ -577,7 +582,7 @@ class DeepseekV4ForCausalLM:
         """This step's tokens' own columns: the window latent and the compressors' inputs."""
         k = self.k
         latent = self._norm(k.linear(x, w.wkv), w.kv_norm)
-        parts = [apply_rope_interleaved(latent[:, None], cos, sin)[:, 0]]
+        parts = [self._rotate(latent[:, None], cos, sin)[:, 0]]
         for c in (w.compressor, w.indexer and w.indexer.compressor):
             if c is not None:
                 parts += [k.linear(x, c.wkv), k.linear(x, c.wgate)]
@@ -596,9 +601,7 @@ class DeepseekV4ForCausalLM:
         )  # fmt: skip
         cos, sin = self.ropes[CSA].at(groups.first_position, plan.max_len, self.dtype)
         entry = self._norm(pooled.to(self.dtype), c.norm)[:, None]
-        self.k.write_kv(
-            cache[..., c.out], groups.last, apply_rope_interleaved(entry, cos, sin)[:, 0]
-        )
+        self.k.write_kv(cache[..., c.out], groups.last, self._rotate(entry, cos, sin)[:, 0])
 
     def _chosen(
         self,
@@ -613,7 +616,7 @@ class DeepseekV4ForCausalLM:
         a = self.args
         q = self.k.linear(q_lora, w.wq_b).view(x.shape[0], a.index_heads, a.index_head_dim)
         weights = self.k.linear(x, w.weights_proj).float() * a.index_heads**-0.5
-        q = apply_rope_interleaved(q, *rope)
+        q = self._rotate(q, *rope)
         slots, visible = plan.entries(w.compressor.ratio)
         keys, scale = rows[:, w.compressor.out], a.index_head_dim**-0.5
         ids = self.k.indexer_topk(

@@ -58,6 +58,7 @@ def _with_v4_ops(kernels: KernelSet) -> KernelSet:
         "hc_collapse": hyper_connections.hc_collapse,
         "hc_expand": hyper_connections.hc_expand,
         "hc_head": hyper_connections.hc_head,
+        "rope_interleaved": rope.rope_interleaved,  # per (token, head), bitwise torch's ops
     }
     return replace(kernels, **{name: op for name, op in ops.items() if hasattr(kernels, name)})
 
