@@ -7,8 +7,9 @@ against eager ones; the decompressed MLA prefill's flash attention against torch
 geometry: a 2,000-token prompt, an 8,192-token chunk over 32,768), and V2-Lite prefill's
 fused-MoE tiles, attention row tiles and long-context decode splits, timed. `run_v4`
 (section v4_checks): DeepSeek-V4's sparse attention, indexer top-k, compressor pooling,
-hyper-connections and sqrtsoftplus / hash routing at V4-Flash sizes against float32 torch,
-bitwise batch invariance, graph replay, ms and GB/s.
+hyper-connections, sqrtsoftplus / hash routing and interleaved rope at V4-Flash sizes against
+float32 torch (the rope bitwise against its composition), bitwise batch invariance, graph
+replay, ms and GB/s.
 `run_fp8` (`--only fp8`): the block-scaled FP8 GEMM on V3 / V4 / V2-Lite projection shapes and
 the FP8 / MXFP4 fused MoE against dequantized references, timed beside bf16. Imported by
 run_all.py; returns rows of max relative errors."""
@@ -975,6 +976,37 @@ def _v4_routing_row(tokens: int, g) -> dict:
     return row
 
 
+def check_v4_rope(rows: list) -> None:
+    """The interleaved rope on V4-Flash's queries (64 heads of 512, the last 64 rotated, bf16):
+    bitwise kernels/rope.py's composition, with its -sin (the output's rotation back); median
+    ms beside the composition."""
+    g = torch.Generator(device="cuda").manual_seed(33)
+    for tokens in (1, 64, 2048):
+        row = _v4_rope_row(tokens, g)
+        rows.append(row)
+        print(row, flush=True)
+
+
+def _v4_rope_row(tokens: int, g) -> dict:
+    import triton.testing
+
+    from deepserve.kernels.rope import apply_rope_interleaved
+    from deepserve.kernels.triton.rope import rope_interleaved
+
+    q = torch.randn(tokens, V4_HEADS, V4_DIM, device="cuda", generator=g, dtype=torch.bfloat16)
+    cos, sin = torch.randn(2, tokens, 1, 32, device="cuda", generator=g, dtype=torch.bfloat16)
+    equal = all(
+        torch.equal(rope_interleaved(q, cos, s), apply_rope_interleaved(q, cos, s))
+        for s in (sin, -sin)
+    )
+    row = dict(op="v4_rope", tokens=tokens, equal=equal)
+    fns = {"": lambda: rope_interleaved(q, cos, sin),
+           "_composed": lambda: apply_rope_interleaved(q, cos, sin)}  # fmt: skip
+    for name, fn in fns.items():
+        row[f"ms{name}"] = round(triton.testing.do_bench(fn, return_mode="median"), 4)
+    return row
+
+
 V4_TESTS = ("test_kernels_triton_sparse_attention", "test_kernels_triton_hyper_connections")
 
 
@@ -999,7 +1031,7 @@ def run_v4(out: dict) -> None:
 
     rows = out.setdefault("v4_checks", [])
     checks = (check_v4_tests, check_v4_sparse_attention, check_v4_indexer, check_v4_compress_pool,
-              check_v4_hyper_connections, check_v4_routing)  # fmt: skip
+              check_v4_hyper_connections, check_v4_routing, check_v4_rope)  # fmt: skip
     for fn in checks:
         try:
             fn(rows)
