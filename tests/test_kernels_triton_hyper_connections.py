@@ -1,6 +1,7 @@
 """DeepSeek-V4's fused decode-step ops against the model's torch composition: the hyper-connection
-kernels (kernels/triton/hyper_connections.py) and sqrtsoftplus / hash routing in the routing
-kernel (kernels/triton/routing.py), each token's result alone vs in its batch, and
+kernels (kernels/triton/hyper_connections.py), sqrtsoftplus / hash routing in the routing
+kernel (kernels/triton/routing.py) and the interleaved rope (kernels/triton/rope.py), each
+token's result alone vs in its batch, their sm90 builds, and
 tiny-deepseek-v4's logits with a set that has these ops against the set without. Runs on CUDA
 when there is one, else in Triton's interpreter (float32: its bf16 dot is broken); skipped
 without triton."""
