@@ -66,7 +66,8 @@ class KernelSet:
     # the whole absorbed query, [latent | rope(q_pe)], in one op (kernels/triton/mla.py)
     absorbed_query_: Callable[..., bool] | None = None
     # MoE routing in one op, (logits, bias, RouteSpec) -> (weights, ids) or None when it does not
-    # cover the call (`moe_route_composed` is the composition it replaces).
+    # cover the call (`moe_route_composed` is the composition it replaces); with `ids=` [T, k]
+    # (hash routing) the weights of the given experts, scored and normalised the same way.
     moe_route: Callable[..., tuple[Tensor, Tensor] | None] | None = None
     # DeepSeek-V4's ops over slot lists of the flattened cache (kernels/reference/sparse_attention.py
     # states the contracts): (q, window_kv, window_slots, entry_kv, entry_slots, sinks, scale) ->
@@ -88,3 +89,13 @@ class KernelSet:
     # prefills in the absorbed form through `paged_attention`, as decode does. Prefill chunks
     # only, which are never captured in a graph: it may build its tile layout on the host.
     flash_prefill: Callable[..., Tensor] | None = None
+    # DeepSeek-V4's hyper-connections (kernels/triton/hyper_connections.py states the contracts):
+    # (mixes, scale, base, h, iters, eps) -> (post, comb, the block's input), the Sinkhorn mix
+    # included; (h, out, post, comb) -> the expanded streams; (mixes, scale, base, h, eps) -> the
+    # hyper head's collapse. None: the model composes them from torch ops.
+    hc_collapse: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = None
+    hc_expand: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
+    hc_head: Callable[..., Tensor] | None = None
+    # DeepSeek-V4's interleaved rope, kernels/rope.py's `apply_rope_interleaved` (x [N, H, D],
+    # cos/sin [N, 1, rot / 2]) in one op, or None when it does not cover the call.
+    rope_interleaved: Callable[[Tensor, Tensor, Tensor], Tensor | None] | None = None

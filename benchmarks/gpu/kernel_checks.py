@@ -6,8 +6,10 @@ device-side decode layout against its host layout (bitwise), and graph-replayed 
 against eager ones; the decompressed MLA prefill's flash attention against torch's SDPA (V2-Lite
 geometry: a 2,000-token prompt, an 8,192-token chunk over 32,768), and V2-Lite prefill's
 fused-MoE tiles, attention row tiles and long-context decode splits, timed. `run_v4`
-(section v4_checks): DeepSeek-V4's sparse attention, indexer top-k and compressor pooling at
-V4-Flash sizes against float32 torch, bitwise batch invariance, graph replay, ms and GB/s.
+(section v4_checks): DeepSeek-V4's sparse attention, indexer top-k, compressor pooling,
+hyper-connections, sqrtsoftplus / hash routing and interleaved rope at V4-Flash sizes against
+float32 torch (the rope bitwise against its composition), bitwise batch invariance, graph
+replay, ms and GB/s.
 `run_fp8` (`--only fp8`): the block-scaled FP8 GEMM on V3 / V4 / V2-Lite projection shapes and
 the FP8 / MXFP4 fused MoE against dequantized references, timed beside bf16, V3 / V4 models on
 kept FP8 / MXFP4 weights, and the default set's few-row FP8 path (GEMV) against the GEMM and
@@ -862,8 +864,158 @@ def _v4_pool_row(ratio: int, series: int, groups: int, g) -> dict:
     return row
 
 
+V4_HC, V4_HIDDEN, V4_EXPERTS, V4_TOP_K = 4, 4096, 256, 6  # V4-Flash's streams and router
+
+
+def _v4_hc_oracle(mixes, scale, base, h, iters, eps):
+    """DeepseekV4ForCausalLM._hc_collapse's maths in float32 torch (its `_sinkhorn` itself)."""
+    from deepserve.engine.models.deepseek_v4 import _sinkhorn
+
+    n = h.shape[1]
+    mixes = mixes * scale + base
+    gates = torch.sigmoid(mixes[:, : 2 * n])
+    pre, post = gates[:, :n] + eps, 2 * gates[:, n:]
+    comb = _sinkhorn(torch.softmax(mixes[:, 2 * n :].reshape(-1, n, n), -1) + eps, iters, eps)
+    return post, comb, (pre[..., None] * h.float()).sum(dim=1)
+
+
+def _v4_expand_composed(h, out, post, comb):
+    """DeepseekV4ForCausalLM._hc_expand's torch composition (in h's dtype, as the model runs)."""
+    comb = comb.to(h.dtype)
+    mixed = comb[:, 0, :, None] * h[:, :1]
+    for i in range(1, h.shape[1]):
+        mixed = mixed + comb[:, i, :, None] * h[:, i : i + 1]
+    return post.to(h.dtype)[..., None] * out[:, None, :] + mixed
+
+
+def check_v4_hyper_connections(rows: list) -> None:
+    """hc_collapse (Sinkhorn included) and hc_expand at V4-Flash sizes (4 streams of 4096, bf16)
+    against float32 torch; a token alone vs in its batch (bitwise); graph replay; median ms
+    beside the torch composition the model runs without them (launch-bound at decode sizes)."""
+    g = torch.Generator(device="cuda").manual_seed(31)
+    for tokens in (1, 64, 2048):
+        row = _v4_hc_row(tokens, g)
+        rows.append(row)
+        print(row, flush=True)
+
+
+def _v4_hc_row(tokens: int, g) -> dict:
+    import triton.testing
+
+    from deepserve.kernels.triton import hyper_connections as hc
+
+    n, iters, eps = V4_HC, 20, 1e-6
+    h = torch.randn(tokens, n, V4_HIDDEN, device="cuda", generator=g, dtype=torch.bfloat16)
+    out = torch.randn(tokens, V4_HIDDEN, device="cuda", generator=g, dtype=torch.bfloat16)
+    mixes = torch.randn(tokens, (2 + n) * n, device="cuda", generator=g)
+    scale = torch.rand((2 + n) * n, device="cuda", generator=g)
+    base = torch.randn((2 + n) * n, device="cuda", generator=g)
+    post, comb, x = hc.hc_collapse(mixes, scale, base, h, iters, eps)
+    want = _v4_hc_oracle(mixes, scale, base, h, iters, eps)
+    row = dict(op="v4_hyper_connections", tokens=tokens, rel_err_post=rel(post, want[0]),
+               rel_err_comb=rel(comb, want[1]), rel_err_x=rel(x, want[2]))  # fmt: skip
+    y = hc.hc_expand(h, out, post, comb)
+    want_y = _v4_expand_composed(h.float(), out.float(), post, comb)
+    row["rel_err_expand"] = rel(y, want_y)
+    row["rel_err_expand_composed_bf16"] = rel(_v4_expand_composed(h, out, post, comb), want_y)
+    last = slice(tokens - 1, tokens)
+    alone = hc.hc_collapse(mixes[last], scale, base, h[last], iters, eps)
+    same = all(torch.equal(a, b[last]) for a, b in zip(alone, (post, comb, x), strict=True))
+    same_y = torch.equal(hc.hc_expand(h[last], out[last], post[last], comb[last]), y[last])
+    row["equal_alone"] = bool(same and same_y)
+    fns = {
+        "collapse": lambda: hc.hc_collapse(mixes, scale, base, h, iters, eps),
+        "collapse_torch": lambda: _v4_hc_oracle(mixes, scale, base, h, iters, eps),
+        "expand": lambda: hc.hc_expand(h, out, post, comb),
+        "expand_torch": lambda: _v4_expand_composed(h, out, post, comb),
+    }
+    for name, fn in fns.items():
+        row[f"ms_{name}"] = round(triton.testing.do_bench(fn, return_mode="median"), 4)
+    if tokens <= 64:
+        flat = lambda: torch.cat([t.float().flatten() for t in fns["collapse"]()])  # noqa: E731
+        fresh = [torch.randn_like(mixes), torch.randn_like(h)]
+        row["graph_ok"] = _graph_replays_like_eager(flat, [mixes, h], fresh)
+    return row
+
+
+def check_v4_routing(rows: list) -> None:
+    """The routing kernel with V4's sqrtsoftplus scores (256 experts, top 6, correction bias,
+    scale 1.5) against kernels/reference/moe_routing.py, and with given experts (hash routing)
+    against the model's gather-and-normalise; median ms beside the composed routing."""
+    g = torch.Generator(device="cuda").manual_seed(32)
+    for tokens in (1, 64, 2048):
+        row = _v4_routing_row(tokens, g)
+        rows.append(row)
+        print(row, flush=True)
+
+
+def _v4_routing_row(tokens: int, g) -> dict:
+    import triton.testing
+
+    from deepserve.kernels.reference import moe_routing
+    from deepserve.kernels.route_spec import RouteSpec
+    from deepserve.kernels.triton import routing
+
+    spec = RouteSpec("sqrtsoftplus", 1, 1, V4_TOP_K, True, 1.5)
+    logits = torch.randn(tokens, V4_EXPERTS, device="cuda", generator=g) * 3
+    bias = torch.randn(V4_EXPERTS, device="cuda", generator=g) * 0.1
+    weights, ids = routing.route(logits, bias, spec)
+    want_w, want_ids = moe_routing.route(logits, bias, spec)
+    row = dict(op="v4_routing", tokens=tokens, experts=V4_EXPERTS, top_k=V4_TOP_K,
+               ids_equal_share=float((ids == want_ids).float().mean()),
+               rel_err=rel(weights, want_w))  # fmt: skip
+    given = torch.rand(tokens, V4_EXPERTS, device="cuda", generator=g).argsort(-1)[:, :V4_TOP_K]
+    hash_w, hash_ids = routing.route(logits, None, spec, ids=given)
+    scores = torch.nn.functional.softplus(logits).sqrt().gather(1, given)
+    want_hash = scores / (scores.sum(-1, keepdim=True) + 1e-20) * spec.scale
+    row["rel_err_hash"] = rel(hash_w, want_hash)
+    row["hash_ids_kept"] = bool(torch.equal(hash_ids, given))
+    last = slice(tokens - 1, tokens)
+    alone = routing.route(logits[last], bias, spec)
+    row["equal_alone"] = bool(torch.equal(alone[0], weights[last]) and torch.equal(alone[1], ids[last]))  # fmt: skip
+    fns = {"": lambda: routing.route(logits, bias, spec),
+           "_composed": lambda: moe_routing.route(logits, bias, spec)}  # fmt: skip
+    for name, fn in fns.items():
+        row[f"ms{name}"] = round(triton.testing.do_bench(fn, return_mode="median"), 4)
+    return row
+
+
+def check_v4_rope(rows: list) -> None:
+    """The interleaved rope on V4-Flash's queries (64 heads of 512, the last 64 rotated, bf16):
+    bitwise kernels/rope.py's composition, with its -sin (the output's rotation back); median
+    ms beside the composition."""
+    g = torch.Generator(device="cuda").manual_seed(33)
+    for tokens in (1, 64, 2048):
+        row = _v4_rope_row(tokens, g)
+        rows.append(row)
+        print(row, flush=True)
+
+
+def _v4_rope_row(tokens: int, g) -> dict:
+    import triton.testing
+
+    from deepserve.kernels.rope import apply_rope_interleaved
+    from deepserve.kernels.triton.rope import rope_interleaved
+
+    q = torch.randn(tokens, V4_HEADS, V4_DIM, device="cuda", generator=g, dtype=torch.bfloat16)
+    cos, sin = torch.randn(2, tokens, 1, 32, device="cuda", generator=g, dtype=torch.bfloat16)
+    equal = all(
+        torch.equal(rope_interleaved(q, cos, s), apply_rope_interleaved(q, cos, s))
+        for s in (sin, -sin)
+    )
+    row = dict(op="v4_rope", tokens=tokens, equal=equal)
+    fns = {"": lambda: rope_interleaved(q, cos, sin),
+           "_composed": lambda: apply_rope_interleaved(q, cos, sin)}  # fmt: skip
+    for name, fn in fns.items():
+        row[f"ms{name}"] = round(triton.testing.do_bench(fn, return_mode="median"), 4)
+    return row
+
+
+V4_TESTS = ("test_kernels_triton_sparse_attention", "test_kernels_triton_hyper_connections")
+
+
 def check_v4_tests(rows: list) -> None:
-    """tests/test_kernels_triton_sparse_attention.py on CUDA (its bitwise invariance asserts
+    """V4_TESTS (tests/test_kernels_triton_*.py) on CUDA (their bitwise invariance asserts
     against real tensor-core products); without conftest.py, whose server fixtures import
     packages the device image may lack."""
     import subprocess
@@ -872,17 +1024,19 @@ def check_v4_tests(rows: list) -> None:
 
     repo = Path(__file__).resolve().parents[2]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest"]
-    cmd += [str(repo / "tests/test_kernels_triton_sparse_attention.py")]
+    cmd += [str(repo / f"tests/{name}.py") for name in V4_TESTS]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=repo, timeout=300)
     rows.append(dict(op="v4_pytest", rc=proc.returncode, tail=proc.stdout[-1500:] + proc.stderr[-500:]))  # fmt: skip
 
 
 def run_v4(out: dict) -> None:
-    """`--only v4_checks`: DeepSeek-V4's three kernels at V4-Flash sizes."""
+    """`--only v4_checks`: DeepSeek-V4's kernels at V4-Flash sizes."""
     import traceback
 
     rows = out.setdefault("v4_checks", [])
-    for fn in (check_v4_tests, check_v4_sparse_attention, check_v4_indexer, check_v4_compress_pool):  # fmt: skip
+    checks = (check_v4_tests, check_v4_sparse_attention, check_v4_indexer, check_v4_compress_pool,
+              check_v4_hyper_connections, check_v4_routing, check_v4_rope)  # fmt: skip
+    for fn in checks:
         try:
             fn(rows)
         except Exception as e:  # recorded; the job goes on

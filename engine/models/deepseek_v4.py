@@ -505,6 +505,11 @@ class DeepseekV4ForCausalLM:
             weight = self._ones[key]
         return self.k.rms_norm(x, weight, self.args.rms_norm_eps).to(x.dtype)
 
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`apply_rope_interleaved`, in one launch where the set has the op."""
+        rotated = None if self.k.rope_interleaved is None else self.k.rope_interleaved(x, cos, sin)
+        return apply_rope_interleaved(x, cos, sin) if rotated is None else rotated
+
     # ---- hyper-connections ---------------------------------------------------------------------
 
     def _hc_mixes(self, w: _HyperConnection, h: torch.Tensor) -> torch.Tensor:
@@ -516,6 +521,9 @@ class DeepseekV4ForCausalLM:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Streams `h [T, n, hidden]` -> (post [T, n], comb [T, n, n], the block's input [T, hidden])."""
         n, eps = self.args.hc_mult, self.args.hc_eps
+        if self.k.hc_collapse is not None:  # one launch for the ~90 ops below
+            mixes = self._hc_mixes(w, h)
+            return self.k.hc_collapse(mixes, w.scale, w.base, h, self.args.hc_sinkhorn_iters, eps)
         mixes = self._hc_mixes(w, h) * w.scale + w.base
         gates = self.k.sigmoid(mixes[:, : 2 * n])
         pre, post = gates[:, :n] + eps, 2 * gates[:, n:]
@@ -523,12 +531,13 @@ class DeepseekV4ForCausalLM:
         comb = _sinkhorn(comb, self.args.hc_sinkhorn_iters, eps)
         return post, comb, (pre[..., None] * h).sum(dim=1).to(h.dtype)
 
-    @staticmethod
     def _hc_expand(
-        h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+        self, h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
     ) -> torch.Tensor:
         """Stream j of the result: `post[j] * out + sum_i comb[i, j] * h[i]`, the sum over the
         few streams in one fixed order (a batched matmul's order may change with the batch)."""
+        if self.k.hc_expand is not None:
+            return self.k.hc_expand(h, out, post, comb)
         comb = comb.to(h.dtype)
         mixed = comb[:, 0, :, None] * h[:, :1]
         for i in range(1, h.shape[1]):
@@ -536,6 +545,8 @@ class DeepseekV4ForCausalLM:
         return post.to(h.dtype)[..., None] * out[:, None, :] + mixed
 
     def _hyper_head(self, h: torch.Tensor, w: _HyperConnection) -> torch.Tensor:
+        if self.k.hc_head is not None:
+            return self.k.hc_head(self._hc_mixes(w, h), w.scale, w.base, h, self.args.hc_eps)
         pre = self.k.sigmoid(self._hc_mixes(w, h) * w.scale + w.base) + self.args.hc_eps
         return (pre[..., None] * h).sum(dim=1).to(h.dtype)
 
@@ -549,7 +560,7 @@ class DeepseekV4ForCausalLM:
         cos, sin = ropes[w.kind]
         q_lora = self._norm(k.linear(x, w.wq_a), w.q_norm)
         q = self._norm(k.linear(q_lora, w.wq_b).view(tokens, a.num_heads, a.head_dim))
-        q = apply_rope_interleaved(q, cos, sin)
+        q = self._rotate(q, cos, sin)
         self._write_rows(w, x, cos, sin, plan, cache)
         for c in (w.compressor, w.indexer and w.indexer.compressor):
             if c is not None:
@@ -566,7 +577,7 @@ class DeepseekV4ForCausalLM:
         out = k.sparse_attention(
             q, window_kv, plan.window_slots(), entry_kv, entry_slots, w.sinks, scale
         )
-        out = apply_rope_interleaved(out, cos, -sin)  # K = V: undo the rotation the values carried
+        out = self._rotate(out, cos, -sin)  # K = V: undo the rotation the values carried
         return self._output(w, out)
 
     def _write_rows(
@@ -581,7 +592,7 @@ class DeepseekV4ForCausalLM:
         """This step's tokens' own columns: the window latent and the compressors' inputs."""
         k = self.k
         latent = self._norm(k.linear(x, w.wkv), w.kv_norm)
-        parts = [apply_rope_interleaved(latent[:, None], cos, sin)[:, 0]]
+        parts = [self._rotate(latent[:, None], cos, sin)[:, 0]]
         for c in (w.compressor, w.indexer and w.indexer.compressor):
             if c is not None:
                 parts += [k.linear(x, c.wkv), k.linear(x, c.wgate)]
@@ -600,9 +611,7 @@ class DeepseekV4ForCausalLM:
         )  # fmt: skip
         cos, sin = self.ropes[CSA].at(groups.first_position, plan.max_len, self.dtype)
         entry = self._norm(pooled.to(self.dtype), c.norm)[:, None]
-        self.k.write_kv(
-            cache[..., c.out], groups.last, apply_rope_interleaved(entry, cos, sin)[:, 0]
-        )
+        self.k.write_kv(cache[..., c.out], groups.last, self._rotate(entry, cos, sin)[:, 0])
 
     def _chosen(
         self,
@@ -617,7 +626,7 @@ class DeepseekV4ForCausalLM:
         a = self.args
         q = self.k.linear(q_lora, w.wq_b).view(x.shape[0], a.index_heads, a.index_head_dim)
         weights = self.k.linear(x, w.weights_proj).float() * a.index_heads**-0.5
-        q = apply_rope_interleaved(q, *rope)
+        q = self._rotate(q, *rope)
         slots, visible = plan.entries(w.compressor.ratio)
         keys, scale = rows[:, w.compressor.out], a.index_head_dim**-0.5
         ids = self.k.indexer_topk(
@@ -655,15 +664,16 @@ class DeepseekV4ForCausalLM:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         a, k = self.args, self.k
         logits = k.linear(x.float(), w.gate)
-        if w.tid2eid is None:
-            spec = RouteSpec(
-                a.scoring_func, 1, 1, a.num_experts_per_tok, True, a.routed_scaling_factor
-            )
-            # the composed routing: the fused kernels know sigmoid and softmax scores only
+        spec = RouteSpec(a.scoring_func, 1, 1, a.num_experts_per_tok, True, a.routed_scaling_factor)
+        experts = None if w.tid2eid is None else w.tid2eid[input_ids]
+        # one launch where the set has the routing op (hash routing: the weights of `experts`)
+        fused = None if k.moe_route is None else k.moe_route(logits, w.bias, spec, ids=experts)
+        if fused is not None:
+            return fused
+        if experts is None:
             return k.moe_route_composed(
                 logits, w.bias, spec, k.sigmoid, k.softmax, softplus=k.softplus
             )
-        experts = w.tid2eid[input_ids]
         weights = self._scores(logits).gather(1, experts)
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return weights * a.routed_scaling_factor, experts

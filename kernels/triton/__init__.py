@@ -14,6 +14,8 @@ configuration per op, so a row's result never depends on how many rows share the
   invariant set's head-grouped decode path
 - `sparse_attention.py`: DeepSeek-V4's batched sink attention over slot lists, lightning-indexer
   top-k and compressor pooling
+- `hyper_connections.py`: DeepSeek-V4's hyper-connections (collapse with the Sinkhorn mix,
+  expand, hyper head), one launch each
 - `fused_moe.py`: every routed expert in two grouped GEMMs, pairs sorted by expert on the device
 - `kernelset.py`: `fast_kernels(base)` (the CUDA default) and `triton_kernels(base)`
   (`--batch-invariant`), over the base set kernels/registry.py passes in

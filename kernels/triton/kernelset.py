@@ -17,6 +17,7 @@ from deepserve.kernels.triton import (
     attention,
     fp8_matmul,
     fused_moe,
+    hyper_connections,
     matmul,
     mla,
     rope,
@@ -53,6 +54,11 @@ def _with_v4_ops(kernels: KernelSet) -> KernelSet:
         "sparse_attention": sparse_attention.sparse_attention,
         "indexer_topk": sparse_attention.indexer_topk,
         "compress_pool": sparse_attention.compress_pool,
+        # a program per token (and block of columns), streams summed in order: invariant too
+        "hc_collapse": hyper_connections.hc_collapse,
+        "hc_expand": hyper_connections.hc_expand,
+        "hc_head": hyper_connections.hc_head,
+        "rope_interleaved": rope.rope_interleaved,  # per (token, head), bitwise torch's ops
     }
     return replace(kernels, **{name: op for name, op in ops.items() if hasattr(kernels, name)})
 

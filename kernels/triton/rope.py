@@ -7,6 +7,10 @@ index copies), which is most of a small model's decode step at batch 1.
 Every product and sum is rounded to the tensor's dtype as torch's elementwise ops round them
 (and launched without FMA contraction), so the values are bitwise torch's `apply_rope` +
 `write_kv`. One program per token, nothing reduced: batch invariant.
+
+`rope_interleaved`: DeepSeek-V4's interleaved-pair rotation of the trailing dims
+(kernels/rope.py's `apply_rope_interleaved`, about twelve launches composed) in one, bitwise
+the same; one program per (token, head).
 """
 
 from __future__ import annotations
@@ -84,3 +88,50 @@ def rope_qk_write_kv_(
             enable_fp_fusion=False,
         )  # fmt: skip
     return True
+
+
+@jit
+def _rope_interleaved_kernel(
+    x_ptr, cos_ptr, sin_ptr, y_ptr, H, s_xn, s_xh, s_cn, s_sn, s_yn, s_yh,
+    PASS: constexpr, PASS_P2: constexpr, HALF: constexpr, HALF_P2: constexpr,
+):  # fmt: skip
+    r = tl.program_id(0)
+    n, h = (r // H).to(tl.int64), (r % H).to(tl.int64)
+    x_row, y_row = x_ptr + n * s_xn + h * s_xh, y_ptr + n * s_yn + h * s_yh
+    p = tl.arange(0, PASS_P2)
+    tl.store(y_row + p, tl.load(x_row + p, mask=p < PASS), mask=p < PASS)
+    k = tl.arange(0, HALF_P2)
+    valid = k < HALF
+    f32 = tl.float32
+    a = tl.load(x_row + PASS + 2 * k, mask=valid, other=0.0).to(f32)
+    b = tl.load(x_row + PASS + 2 * k + 1, mask=valid, other=0.0).to(f32)
+    c = tl.load(cos_ptr + n * s_cn + k, mask=valid, other=0.0).to(f32)
+    s = tl.load(sin_ptr + n * s_sn + k, mask=valid, other=0.0).to(f32)
+    dt = y_ptr.dtype.element_ty
+    tl.store(y_row + PASS + 2 * k, (a * c - b * s).to(dt), mask=valid)
+    tl.store(y_row + PASS + 2 * k + 1, (b * c + a * s).to(dt), mask=valid)
+
+
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """kernels/rope.py's `apply_rope_interleaved` in one launch for `x [N, H, D]` and cos/sin
+    `[N, 1, rot / 2]` (DeepSeek-V4's layout): a new tensor, the rotation in float32 with each
+    product and sum rounded as torch's ops round them (no FMA contraction), so the values are
+    bitwise the composition's; None for other layouts."""
+    half = cos.shape[-1]
+    usable = (
+        x.dim() == 3 and cos.dim() == 3 and cos.shape == sin.shape
+        and cos.shape[:2] == (x.shape[0], 1) and 2 * half <= x.shape[2]
+        and x.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1
+    )  # fmt: skip
+    if not usable:
+        return None
+    n, h, d = x.shape
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if x.numel():
+        passed = d - 2 * half
+        _rope_interleaved_kernel[(n * h,)](
+            x, cos, sin, y, h, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
+            y.stride(0), y.stride(1), PASS=passed, PASS_P2=next_power_of_2(max(passed, 1)),
+            HALF=half, HALF_P2=next_power_of_2(half), num_warps=1, enable_fp_fusion=False,
+        )  # fmt: skip
+    return y
