@@ -4,10 +4,11 @@ flag without speculation, greedy and seeded at temperature 0.8, alone and among 
 (chunked prefill, prefix-cache hits, preemption).
 
 Drafters: n-gram on SmolLM2 (real weights; the prompts ask for copied text, so drafts are
-accepted), MTP on tiny-deepseek (random MTP weights: nearly every draft is rejected, and the output
-must still be plain decoding's), and on tiny-deepseek a drafter (test only) that proposes the
-reference continuation, so every draft is accepted and every emitted token after the first comes
-from a verification step. The slow audit runs 40 prompts x 10 times among random traffic.
+accepted), MTP on tiny-deepseek and tiny-deepseek-v4 (slow to load: marked slow) (random MTP
+weights: nearly every draft is rejected, and the output must still be plain decoding's), and on
+tiny-deepseek a drafter (test only) that proposes the reference continuation, so every draft is
+accepted and every emitted token after the first comes from a verification step. The slow audit
+runs 40 prompts x 10 times among random traffic.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ SETUPS = [
           TINY_NOISE),
     Setup("tiny-deepseek-accepted", "tiny-deepseek", SpeculativeConfig("ngram", 3), TINY_PROMPTS,
           TINY_NOISE, reference_drafts=True),
+    pytest.param(Setup("tiny-deepseek-v4-mtp", "tiny-deepseek-v4", SpeculativeConfig("mtp", 3),
+                       TINY_PROMPTS, TINY_NOISE), marks=pytest.mark.slow),
 ]  # fmt: skip
 TEMPERATURES = [0.0, 0.8]
 MAX_TOKENS = 20
