@@ -126,6 +126,7 @@ def _metric(base_url: str, name: str) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 880 requests of 10 tokens, on a shared CPU
 def test_listing_audit_with_ngram_speculation_equals_the_flag_without_it():
     """The reference is each prompt's output from a server with the flag alone, asked one at a
     time; the audit then runs on a server with the flag and n-gram speculation."""

@@ -306,6 +306,7 @@ AUDITS = [
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 400 requests and their references, on a shared CPU
 @pytest.mark.parametrize("temperature", TEMPERATURES)
 @pytest.mark.parametrize("name, model, spec, texts, noise", AUDITS, ids=[a[0] for a in AUDITS])
 def test_listing_audit_with_speculation_no_output_differs(
