@@ -173,12 +173,16 @@ def among_traffic(
     params: list[SamplingParams],
     noise: list[list[int]],
     rng: random.Random,
+    num_noise: int | None = None,
 ) -> list[Result]:
-    """Run `prompts` while unseeded requests of `noise` arrive and leave: every request (audited
-    or noise) joins at a random step, noise stops after a random number of tokens."""
+    """Run `prompts` while `num_noise` (default: 1-2 per prompt) unseeded requests of `noise`
+    arrive and leave: every request (audited or noise) joins at a random step, noise stops after
+    a random number of tokens."""
     engine = llm.engine
     arrivals = [(f"a{i}", p, q) for i, (p, q) in enumerate(zip(prompts, params, strict=True))]
-    for j in range(len(prompts) + rng.randint(0, len(prompts))):
+    if num_noise is None:
+        num_noise = len(prompts) + rng.randint(0, len(prompts))
+    for j in range(num_noise):
         loud = SamplingParams(temperature=1.0, max_tokens=rng.randint(1, 24), ignore_eos=True)
         arrivals.append((f"n{j}", rng.choice(noise), loud))
     rng.shuffle(arrivals)
@@ -289,9 +293,8 @@ def audit(
     for _ in range(RUNS):
         order = list(range(len(prompts)))
         rng.shuffle(order)
-        got = among_traffic(
-            llm, [prompts[i] for i in order], [params[i] for i in order], noise, rng
-        )
+        audited = [prompts[i] for i in order], [params[i] for i in order]
+        got = among_traffic(llm, *audited, noise, rng, num_noise=rng.randint(5, 20))
         differ += sum(g != reference[i] for g, i in zip(got, order, strict=True))
         total += len(got)
     return differ, total
