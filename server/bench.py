@@ -4,7 +4,9 @@ Sends `num_prompts` streaming requests (chat or completions) with at most `concu
 each asking for exactly `output_len` tokens (ignore_eos), and prints JSON: request and output
 token throughput, and mean / p50 / p90 / p99 of TTFT, TPOT, ITL and end-to-end latency in ms.
 Prompts are `input_len` words each, or, with `min_input_len`, of lengths drawn uniformly from
-`min_input_len..input_len` (prefills of different lengths arriving together, as real traffic has).
+`min_input_len..input_len` (prefills of different lengths arriving together, as real traffic has),
+or the prompts of `prompts_file` (one JSON string per line, used in turn), for traffic of a given
+kind, such as rewrite prompts whose answers repeat them (where n-gram speculation pays).
 
 The client is aiohttp, as `vllm bench serve`'s: on httpx the client itself was the bottleneck (its
 connection pool walks every connection for each body chunk: 530 us of client CPU per streamed
@@ -68,6 +70,7 @@ class BenchConfig:
     api_key: str | None = None
     json_schema_path: str | None = None
     result_file: str | None = None
+    prompts_file: str | None = None  # one JSON string per line; None: generated word prompts
 
 
 @dataclass
@@ -89,6 +92,17 @@ def make_prompts(n: int, words: int, seed: int, min_words: int | None = None) ->
         f"Request {i}: " + " ".join(rng.choice(WORDS) for _ in range(k))
         for i, k in enumerate(lengths)
     ]
+
+
+def bench_prompts(cfg: BenchConfig) -> list[str]:
+    """The `num_prompts` prompts to send: the file's, in turn, or generated ones."""
+    if cfg.prompts_file is None:
+        return make_prompts(cfg.num_prompts, cfg.input_len, cfg.seed, cfg.min_input_len)
+    lines = Path(cfg.prompts_file).read_text().splitlines()
+    prompts = [json.loads(line) for line in lines if line.strip()]
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"{cfg.prompts_file}: expected one JSON string per line")
+    return [prompts[i % len(prompts)] for i in range(cfg.num_prompts)]
 
 
 def request_body(cfg: BenchConfig, model: str, prompt: str, schema: dict | None) -> dict:
@@ -218,7 +232,7 @@ async def bench(cfg: BenchConfig) -> dict:
     ) as session:
         model = cfg.model or await _first_model(session, base)
         url = base + ("/v1/chat/completions" if cfg.endpoint == "chat" else "/v1/completions")
-        prompts = make_prompts(cfg.num_prompts, cfg.input_len, cfg.seed, cfg.min_input_len)
+        prompts = bench_prompts(cfg)
         gate = asyncio.Semaphore(cfg.concurrency)
 
         async def run(prompt: str) -> RequestResult:

@@ -503,6 +503,11 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--api-key", default=env_secret("DEEPSERVE_API_KEY"))
     b.add_argument("--json-schema", default=None, help="constrain chat output (file path)")
     b.add_argument("--result-file", default=None)
+    b.add_argument(
+        "--prompts-file",
+        default=None,
+        help="prompts to send, one JSON string per line, in turn (default: generated words)",
+    )
 
 
 def bench_config_from_args(args: argparse.Namespace):
@@ -521,6 +526,7 @@ def bench_config_from_args(args: argparse.Namespace):
         api_key=args.api_key,
         json_schema_path=args.json_schema,
         result_file=args.result_file,
+        prompts_file=args.prompts_file,
     )
 
 

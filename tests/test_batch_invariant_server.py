@@ -2,7 +2,10 @@
 40 saved prompts, each
 run 10 times while random concurrent traffic comes and goes, at temperature 0 and at 0.8 with a
 fixed seed. With `--batch-invariant` no output (text and per-token logprobs) may differ from its
-prompt's first run; without it the same audit finds differences (the count is printed)."""
+prompt's first run; without it the same audit finds differences (the count is printed). With
+`--batch-invariant --speculative ngram` (rewrite-style prompts, so drafts are accepted) no output
+may differ from the same request's output under the flag without speculation, and /metrics
+reports the accepted drafts."""
 
 from __future__ import annotations
 
@@ -12,8 +15,10 @@ import random
 import httpx
 import pytest
 from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
 from server_harness import engine_for, running_server
 
+from deepserve.engine.config import SpeculativeConfig
 from deepserve.kernels.cpu import packed
 
 MODEL = "smollm2-135m"
@@ -23,8 +28,14 @@ PROMPTS = [
     for verb in ("Describe", "Praise", "Explain", "Name facts about")
     for subject in SUBJECTS
 ]
+COPY_PROMPTS = [
+    f"{verb} this sentence: The {subject} by the old harbour are quiet in the morning."
+    for verb in ("Repeat", "Copy exactly", "Rewrite with better words", "Say again")
+    for subject in SUBJECTS
+]
 NOISE = [f"Write a list of {k} colours and say why each is nice." for k in range(2, 12)]
 RUNS = 10
+TEMPERATURES = (0.0, 0.8)
 
 
 def _ask(
@@ -44,20 +55,30 @@ def _ask(
 
 
 def _audit(
-    client: OpenAI, model: str, temperature: float, seed: int | None, rng: random.Random
+    client: OpenAI,
+    model: str,
+    temperature: float,
+    seed: int | None,
+    rng: random.Random,
+    prompts: list[str] = PROMPTS,
+    max_tokens: int = 3,
+    reference: dict[str, tuple] | None = None,
 ) -> int:
-    """Outputs that differ from their prompt's first run, over len(PROMPTS) * RUNS requests."""
-    first: dict[str, tuple] = {}
+    """Outputs that differ from their prompt's first run (or from `reference[prompt]`), over
+    len(prompts) * RUNS requests."""
+    first: dict[str, tuple] = dict(reference or {})
     differ = 0
     with cf.ThreadPoolExecutor(max_workers=12) as pool:
         for _ in range(RUNS):
-            order = PROMPTS[:]
+            order = prompts[:]
             rng.shuffle(order)
             noise = [
                 pool.submit(_ask, client, model, rng.choice(NOISE), 1.0, None, rng.randint(2, 12))
                 for _ in range(rng.randint(0, 10))
             ]
-            futures = {p: pool.submit(_ask, client, model, p, temperature, seed, 3) for p in order}
+            futures = {
+                p: pool.submit(_ask, client, model, p, temperature, seed, max_tokens) for p in order
+            }
             for p, f in futures.items():
                 out = f.result()
                 if p not in first:
@@ -77,7 +98,7 @@ def _run_audit(batch_invariant: bool, model: str = MODEL) -> dict[float, int]:
     ):
         assert httpx.get(srv.base_url + "/health").json()["batch_invariant"] is batch_invariant
         client = OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0, timeout=300)
-        return {t: _audit(client, model, t, 1234 if t else None, rng) for t in (0.0, 0.8)}
+        return {t: _audit(client, model, t, 1234 if t else None, rng) for t in TEMPERATURES}
 
 
 @pytest.mark.slow
@@ -96,3 +117,50 @@ def test_listing_audit_without_the_flag_finds_differences(record_property, monke
     record_property("differing_of_400", counts)
     print(f"flag off: outputs differing from their first run, of 400 each: {counts}")
     assert sum(counts.values()) > 0
+
+
+def _metric(base_url: str, name: str) -> float:
+    text = httpx.get(base_url + "/metrics").text
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    return sum(s.value for s in samples if s.name == name)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # 880 requests of 10 tokens, on a shared CPU
+def test_listing_audit_with_ngram_speculation_equals_the_flag_without_it():
+    """The reference is each prompt's output from a server with the flag alone, asked one at a
+    time; the audit then runs on a server with the flag and n-gram speculation."""
+    spec_tokens = 10
+    with (
+        engine_for(MODEL, batch_invariant=True) as engine,
+        running_server(engine, MODEL) as srv,
+    ):
+        client = OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0, timeout=300)
+        reference = {
+            t: {
+                p: _ask(client, MODEL, p, t, 1234 if t else None, spec_tokens) for p in COPY_PROMPTS
+            }
+            for t in TEMPERATURES
+        }
+    rng = random.Random(7)
+    with (
+        engine_for(
+            MODEL,
+            batch_invariant=True,
+            max_num_batched_tokens=64,
+            speculative=SpeculativeConfig("ngram", 4),
+        ) as engine,
+        running_server(engine, MODEL) as srv,
+    ):
+        client = OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0, timeout=300)
+        counts = {
+            t: _audit(
+                client, MODEL, t, 1234 if t else None, rng, COPY_PROMPTS, spec_tokens, reference[t]
+            )
+            for t in TEMPERATURES
+        }
+        drafted = _metric(srv.base_url, "deepserve:spec_decode_num_draft_tokens_total")
+        accepted = _metric(srv.base_url, "deepserve:spec_decode_num_accepted_tokens_total")
+    print(f"--batch-invariant --speculative ngram: {accepted:.0f} of {drafted:.0f} drafts accepted")
+    assert counts == {0.0: 0, 0.8: 0}
+    assert accepted > 0

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from server_harness import engine_for, running_server
 
-from deepserve.server.bench import BenchConfig, bench, sse_lines
+from deepserve.server.bench import BenchConfig, bench, bench_prompts, sse_lines
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +34,13 @@ def test_bench_reports_rejected_requests_as_failed(tiny_server):
     summary = _bench(tiny_server, model="no-such-model")
     assert (summary["completed"], summary["failed"]) == (0, 6)
     assert summary["first_error"].startswith("404")
+
+
+def test_prompts_file_prompts_are_sent_in_turn(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('"Rewrite: a b"\n\n"Copy:\\nline two"\n')
+    cfg = BenchConfig(num_prompts=5, prompts_file=str(path))
+    assert bench_prompts(cfg) == ["Rewrite: a b", "Copy:\nline two"] * 2 + ["Rewrite: a b"]
 
 
 def test_sse_lines_joins_lines_split_across_chunks_and_keeps_long_ones():

@@ -111,6 +111,19 @@ def test_bench_serve_mixed_lengths_draw_prompt_words_from_the_range():
     assert max(words) - min(words) > 400
 
 
+def test_bench_serve_prompts_file_sends_the_repository_rewrite_prompts():
+    from pathlib import Path
+
+    from deepserve.server.bench import bench_prompts
+
+    path = Path(__file__).parents[1] / "benchmarks" / "prompts" / "rewrite.jsonl"
+    args = build_parser().parse_args(["bench", "serve", "--prompts-file", str(path)])
+    prompts = bench_prompts(bench_config_from_args(args))
+    assert len(prompts) == 64  # --num-prompts' default, the file's 8 prompts in turn
+    assert prompts[0].startswith("Rewrite this paragraph fixing the typos:")
+    assert prompts[8] == prompts[0] != prompts[1]
+
+
 def test_kv_tiers_without_prefix_caching_are_refused_not_dropped():
     args = build_parser().parse_args(["serve", "--no-prefix-caching", "--kv-host-bytes", "1000"])
     with pytest.raises(SystemExit, match="need prefix caching"):

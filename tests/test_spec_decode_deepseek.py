@@ -137,12 +137,6 @@ def test_abort_mid_speculation_frees_every_block(loaded):
     assert_no_leak(llm)
 
 
-def test_batch_invariant_turns_speculation_off(loaded, caplog):
-    llm = make_llm(loaded, MTP3, batch_invariant=True)
-    assert llm.engine.spec is None
-    assert "speculative decoding (mtp) is turned off" in caplog.text
-
-
 # ---- stub drafters (test only): force every draft accepted, or every draft rejected -------------
 
 

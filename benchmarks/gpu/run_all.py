@@ -346,12 +346,14 @@ def section_throughput(out: dict, models: dict[str, Path], sc: Scale, deadline: 
         _empty_cache()
 
 
-def _audit(llm, prompts, noise_pool, params, runs: int, rng: random.Random) -> tuple[int, int]:
+def _audit(
+    llm, prompts, noise_pool, params, runs: int, rng: random.Random, reference: dict | None = None
+) -> tuple[int, int]:
     """Each prompt `runs` times, shuffled among random other traffic; outputs (tokens + logprobs)
-    compared with that prompt's first run -> (differing, total)."""
+    compared with that prompt's first run, or with `reference[i]` -> (differing, total)."""
     from deepserve.engine.sampling_params import SamplingParams
 
-    first: dict[int, tuple] = {}
+    first: dict[int, tuple] = dict(reference or {})
     differ = total = 0
     for _ in range(runs):
         noise = rng.sample(noise_pool, rng.randint(0, min(24, len(noise_pool))))
@@ -403,6 +405,48 @@ def section_determinism(out: dict, models: dict[str, Path], sc: Scale, deadline:
             _empty_cache()
 
 
+def section_spec_determinism(
+    out: dict, models: dict[str, Path], sc: Scale, deadline: float
+) -> None:
+    """`--batch-invariant` with speculation (issue 34): bf16, the 40 x 10 audit among random
+    traffic with n-gram drafting (SmolLM2 shape; prompts that repeat a span, so drafts are made)
+    and MTP (tiny-deepseek), each output compared with the same request's under the flag without
+    speculation; greedy and seeded."""
+    from deepserve.engine.config import SpeculativeConfig
+    from deepserve.engine.sampling_params import SamplingParams
+
+    res = out.setdefault("spec_determinism", [])
+    methods = {"smollm2-shape": "ngram", "tiny-deepseek": "mtp"}
+    for name, folder in models.items():
+        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+        plain = make_llm(folder, sc, "bfloat16", True, max_num_batched_tokens=256)
+        spec = SpeculativeConfig(methods[name], 3)
+        llm = make_llm(folder, sc, "bfloat16", True, max_num_batched_tokens=256, speculative=spec)
+        for temp in (0.0, 0.8):
+            if time.time() > deadline:
+                break
+            rng = random.Random(7)
+            prompts = [p + p for p in random_prompts(rng, sc.prompts, 4, 100, vocab)]
+            noise = random_prompts(rng, 60, 4, 300, vocab)
+            params = SamplingParams(
+                temperature=temp, seed=1234 if temp else None, max_tokens=sc.audit_tokens,
+                ignore_eos=True, logprobs=0,
+            )  # fmt: skip
+            reference = {
+                i: (tuple(r.token_ids), tuple(lp.logprob for lp in r.samples[0].logprobs))
+                for i, r in enumerate(plain.generate(prompts, params))
+            }
+            stats = llm.engine.spec.stats
+            drafted, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
+            differ, total = _audit(llm, prompts, noise, params, sc.runs, rng, reference)
+            res.append(dict(model=name, method=spec.method, temperature=temp,
+                            differing_from_plain=differ, total=total,
+                            drafted=stats.num_draft_tokens - drafted,
+                            accepted=stats.num_accepted_tokens - accepted))  # fmt: skip
+        del llm, plain
+        _empty_cache()
+
+
 # ---- report -----------------------------------------------------------------------------------
 
 
@@ -410,8 +454,8 @@ def markdown(out: dict) -> str:
     lines = [f"GPU: {out.get('gpu')}, torch {out.get('torch')}, triton {out.get('triton')}, "
              f"transformers {out.get('transformers')}", ""]  # fmt: skip
     keys = ("kernel_checks", "v4_checks", "invariant", "fp8", "kernel_tests", "linear", "parity",
-            "throughput", "determinism", "speed", "profile", "prefill_profile", "serve",
-            "serve_log_tail", "v4_parity", "v4_speed", "v4_kv", "v4_profile", "v4_long",
+            "throughput", "determinism", "spec_determinism", "speed", "profile", "prefill_profile",
+            "serve", "serve_log_tail", "v4_parity", "v4_speed", "v4_kv", "v4_profile", "v4_long",
             "build_s", "errors")  # fmt: skip
     for key in keys:
         if key not in out:
@@ -530,6 +574,7 @@ def main() -> int:
         ("async", lambda: async_ab.section_async(out, args.shapes, batches, 128, deadline - 150)),
         ("parity", lambda: section_parity(out, models, sc)),
         ("determinism", lambda: section_determinism(out, models, sc, deadline - 100)),
+        ("spec_determinism", lambda: section_spec_determinism(out, models, sc, deadline - 100)),
         ("throughput", lambda: section_throughput(out, models, sc, deadline - 90)),
         ("serve", lambda: serve_bench.section_serve(out, work, serve_bench.ServeRun())),
         (
@@ -565,10 +610,12 @@ def main() -> int:
         "v4_parity",
         "v4",
         "fp8",  # its own job: --only fp8
+        "spec_determinism",  # issue 34: --only spec_determinism
     }  # superseded by speed / checks
     for name, fn in sections:
         if name == "models":
-            if args.only and not {"parity", "determinism", "throughput"} & set(args.only):
+            wanted = {"parity", "determinism", "spec_determinism", "throughput"}
+            if args.only and not wanted & set(args.only):
                 continue
         elif args.only and name not in args.only or not args.only and name in default_off:
             continue

@@ -64,18 +64,9 @@ class StepHidden:
 def create_speculative_decoder(
     config: EngineConfig, model, block_manager: BlockManager, max_model_len: int
 ) -> SpeculativeDecoder | None:
-    """The decoder the config asks for, or None (off, or turned off by --batch-invariant)."""
+    """The decoder the config asks for, or None when speculation is off."""
     spec = config.speculative
     if spec is None:
-        return None
-    if config.batch_invariant:
-        # Verification runs k+1 query rows where plain decoding runs one, so the target's logits
-        # may differ in the last bits; bitwise equality with non-speculative output is not proven.
-        logger.warning(
-            "speculative decoding (%s) is turned off: --batch-invariant guarantees bitwise-identical "
-            "outputs, which is not proven with speculation (see docs/speculative.md)",
-            spec.method,
-        )
         return None
     decoder = SpeculativeDecoder(spec, model, block_manager, max_model_len)
     logger.info(
