@@ -15,6 +15,7 @@ pytest.importorskip("triton")
 
 import test_kernels_invariant_triton  # noqa: E402,F401  (patches the interpreter when used)
 
+from deepserve.kernels.reference.sparse_attention import compress_pool as reference_compress_pool
 from deepserve.kernels.triton import sparse_attention as sa  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -244,17 +245,8 @@ def test_indexer_scores_of_a_token_do_not_depend_on_the_batch():
 # ---- compress_pool -------------------------------------------------------------------------
 
 
-def pool_oracle(rows, tokens, previous, has_previous, ape, kv_cols, gate_cols, dim, series):
-    """DeepseekV4ForCausalLM._close_groups' pooling (before the norm and rope), in float32."""
-    cur = rows[tokens]
-    kv, gate = cur[..., kv_cols].float(), cur[..., gate_cols].float() + ape
-    if series == 2:
-        prev = rows[previous]
-        prev_gate = prev[..., gate_cols][..., :dim].float() + ape[:, :dim]
-        prev_gate = prev_gate.masked_fill(~has_previous[:, None, None], float("-inf"))
-        kv = torch.cat([prev[..., kv_cols][..., :dim].float(), kv[..., dim:]], dim=1)
-        gate = torch.cat([prev_gate, gate[..., dim:]], dim=1)
-    return (kv * torch.softmax(gate, dim=1)).sum(dim=1)
+# the oracle is the torch reference op itself: DeepseekV4ForCausalLM's pooling before the norm
+pool_oracle = reference_compress_pool
 
 
 def _pool_case(series: int, ratio: int, dim=40, groups=5, dtype=torch.float32):

@@ -23,6 +23,7 @@ import time
 import torch
 
 from deepserve.kernels.attention_metadata import AttentionMetadata
+from deepserve.kernels.reference.sparse_attention import compress_pool as reference_compress_pool
 from deepserve.kernels.triton.flash_prefill import FlashConfig, flash_prefill
 
 
@@ -812,19 +813,6 @@ def _v4_indexer_row(tokens: int, entries: int, g) -> dict:
     return row
 
 
-def _v4_pool_oracle(rows, tokens, previous, has_previous, ape, kv_cols, gate_cols, dim, series):
-    """DeepseekV4ForCausalLM._close_groups' pooling in float32 torch."""
-    cur = rows[tokens]
-    kv, gate = cur[..., kv_cols].float(), cur[..., gate_cols].float() + ape
-    if series == 2:
-        prev = rows[previous]
-        prev_gate = prev[..., gate_cols][..., :dim].float() + ape[:, :dim]
-        prev_gate = prev_gate.masked_fill(~has_previous[:, None, None], float("-inf"))
-        kv = torch.cat([prev[..., kv_cols][..., :dim].float(), kv[..., dim:]], dim=1)
-        gate = torch.cat([prev_gate, gate[..., dim:]], dim=1)
-    return (kv * torch.softmax(gate, dim=1)).sum(dim=1)
-
-
 def check_v4_compress_pool(rows: list) -> None:
     """CSA (ratio 4, two series) and HCA (ratio 128) pooling of 512 columns against the float32
     oracle; a group alone vs in its batch (bitwise); median ms and GB/s over the kv and gate
@@ -855,7 +843,7 @@ def _v4_pool_row(ratio: int, series: int, groups: int, g) -> dict:
             slice(width + 64, 2 * width + 64), dim, series)  # fmt: skip
     got = sa.compress_pool(*case)
     row = dict(op="v4_compress_pool", ratio=ratio, series=series, groups=groups,
-               rel_err=rel(got, _v4_pool_oracle(*case)))  # fmt: skip
+               rel_err=rel(got, reference_compress_pool(*case)))  # fmt: skip
     alone = sa.compress_pool(cache, tokens[-1:], previous[-1:], has_previous[-1:], *case[4:])
     row["equal_alone"] = bool(torch.equal(alone, got[-1:]))
     gbytes = groups * series * ratio * dim * 2 * cache.element_size() / 1e9
