@@ -1,7 +1,8 @@
 """`deepserve bench serve`: load an OpenAI-compatible server and report latency like `vllm bench serve`.
 
 Sends `num_prompts` streaming requests (chat or completions) with at most `concurrency` in flight,
-each asking for exactly `output_len` tokens (ignore_eos), and prints JSON: request and output
+each asking for exactly `output_len` tokens (ignore_eos; with `ignore_eos` off, at most that
+many: replies end where the model ends them, as a rewrite's answer does), and prints JSON: request and output
 token throughput, and mean / p50 / p90 / p99 of TTFT, TPOT, ITL and end-to-end latency in ms.
 Prompts are `input_len` words each, or, with `min_input_len`, of lengths drawn uniformly from
 `min_input_len..input_len` (prefills of different lengths arriving together, as real traffic has),
@@ -71,6 +72,7 @@ class BenchConfig:
     json_schema_path: str | None = None
     result_file: str | None = None
     prompts_file: str | None = None  # one JSON string per line; None: generated word prompts
+    ignore_eos: bool = True  # off: measure replies as long as the model makes them
 
 
 @dataclass
@@ -110,7 +112,7 @@ def request_body(cfg: BenchConfig, model: str, prompt: str, schema: dict | None)
         "model": model,
         "max_tokens": cfg.output_len,
         "temperature": 0.0,
-        "ignore_eos": schema is None,
+        "ignore_eos": cfg.ignore_eos and schema is None,
         "stream": True,
         "stream_options": {"include_usage": True},
     }

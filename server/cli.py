@@ -508,6 +508,12 @@ def add_bench_parser(sub) -> None:
         default=None,
         help="prompts to send, one JSON string per line, in turn (default: generated words)",
     )
+    b.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ask for exactly --output-len tokens; --no-ignore-eos lets replies end at EOS",
+    )
 
 
 def bench_config_from_args(args: argparse.Namespace):
@@ -527,6 +533,7 @@ def bench_config_from_args(args: argparse.Namespace):
         json_schema_path=args.json_schema,
         result_file=args.result_file,
         prompts_file=args.prompts_file,
+        ignore_eos=args.ignore_eos,
     )
 
 

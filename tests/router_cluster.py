@@ -140,7 +140,8 @@ def stop_all(*procs: Proc) -> None:
 
 def load(w: Proc) -> dict:
     r = httpx.get(w.url + "/internal/load", headers=w.headers, timeout=5)
-    r.raise_for_status()
+    # A worker whose engine died answers 503 with the reason: show it, and the worker's log.
+    assert r.status_code == 200, f"{w.name}: {r.status_code} {r.text}\n{w.tail()}"
     return r.json()
 
 

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from server_harness import engine_for, running_server
 
-from deepserve.server.bench import BenchConfig, bench, bench_prompts, sse_lines
+from deepserve.server.bench import BenchConfig, bench, bench_prompts, request_body, sse_lines
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +41,12 @@ def test_prompts_file_prompts_are_sent_in_turn(tmp_path):
     path.write_text('"Rewrite: a b"\n\n"Copy:\\nline two"\n')
     cfg = BenchConfig(num_prompts=5, prompts_file=str(path))
     assert bench_prompts(cfg) == ["Rewrite: a b", "Copy:\nline two"] * 2 + ["Rewrite: a b"]
+
+
+def test_no_ignore_eos_lets_replies_end_at_eos():
+    cfg = BenchConfig(ignore_eos=False)
+    assert request_body(cfg, "m", "hi", None)["ignore_eos"] is False
+    assert request_body(BenchConfig(), "m", "hi", None)["ignore_eos"] is True
 
 
 def test_sse_lines_joins_lines_split_across_chunks_and_keeps_long_ones():
