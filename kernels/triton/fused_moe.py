@@ -81,6 +81,43 @@ def _e2m1(code):
     return tl.where((code & 8) != 0, -value, value)
 
 
+@jit
+def _mxfp4_step(
+    a_ptr, w_base, ws_base, rows, ok, rn, k0, N, K, s_am, s_wn, s_wk, s_wsn, s_wsk,
+    acc, E8M0: constexpr, PRECISION: constexpr, BLOCK_K: constexpr, BLOCK_N: constexpr,
+):  # fmt: skip
+    """One BLOCK_K step on MXFP4 weights: the tile's bytes loaded once, as a contiguous run of K/2
+    (an index of kk // 2 hides that contiguity from the compiler, which then loaded every code on
+    its own, byte by byte across rows a whole row of K/2 apart), their low nibbles (even K) and high
+    nibbles (odd K) dotted with a's even and odd columns, the scales loaded per 32 of K and
+    broadcast over the group's 16 bytes."""
+    HALF: constexpr = BLOCK_K // 2
+    GROUPS: constexpr = BLOCK_K // 32
+    kj = k0 // 2 + tl.arange(0, HALF)  # byte index along K/2
+    ke = 2 * kj  # the low nibble's K; the high nibble's is ke + 1
+    n_ok = rn[None, :] < N
+    byte = tl.load(
+        w_base + kj[:, None] * s_wk + rn[None, :] * s_wn, mask=(ke[:, None] < K) & n_ok, other=0
+    )
+    kg = k0 // 32 + tl.arange(0, GROUPS)
+    s = tl.load(
+        ws_base + kg[:, None] * s_wsk + rn[None, :] * s_wsn,
+        mask=(kg[:, None] * 32 < K) & n_ok,
+        other=0,
+    )
+    if E8M0:  # 2^(byte - 127): the byte is a float32's exponent field
+        s = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    s = tl.reshape(tl.broadcast_to(s[:, None, :], (GROUPS, 16, BLOCK_N)), (HALF, BLOCK_N))
+    a_row = a_ptr + rows[:, None] * s_am
+    a_lo = tl.load(a_row + ke[None, :], mask=ok[:, None] & (ke[None, :] < K), other=0.0)
+    a_hi = tl.load(a_row + ke[None, :] + 1, mask=ok[:, None] & (ke[None, :] + 1 < K), other=0.0)
+    # exact: 2 significant bits times a power of two
+    b_lo = (_e2m1(byte & 0xF) * s).to(a_lo.dtype)
+    b_hi = (_e2m1(byte >> 4) * s).to(a_lo.dtype)
+    acc = tl.dot(a_lo, b_lo, acc, input_precision=PRECISION)
+    return tl.dot(a_hi, b_hi, acc, input_precision=PRECISION)
+
+
 @jit(do_not_specialize=["num_pairs"])
 def _moe_gemm_kernel(
     a_ptr, w_ptr, c_ptr, pair_ptr, block_expert_ptr, scale_ptr, as_ptr, ws_ptr,
@@ -108,24 +145,19 @@ def _moe_gemm_kernel(
     w_base = w_ptr + expert.to(tl.int64) * s_we
     ws_base = ws_ptr + expert.to(tl.int64) * s_wse
     for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        a = tl.load(
-            a_ptr + rows[:, None] * s_am + kk[None, :],
-            mask=ok[:, None] & (kk[None, :] < K),
-            other=0.0,
-        )
-        b_mask = (kk[:, None] < K) & (rn[None, :] < N)
         if WFMT == 2:  # MXFP4
-            w_at = w_base + (kk // 2)[:, None] * s_wk + rn[None, :] * s_wn
-            byte = tl.load(w_at, mask=b_mask, other=0)
-            code = tl.where((kk % 2 == 0)[:, None], byte & 0xF, byte >> 4)
-            s_at = ws_base + (kk // 32)[:, None] * s_wsk + rn[None, :] * s_wsn
-            s = tl.load(s_at, mask=b_mask, other=0)
-            if E8M0:  # 2^(byte - 127): the byte is a float32's exponent field
-                s = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-            b = (_e2m1(code) * s).to(a.dtype)  # exact: 2 significant bits times a power of two
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            acc = _mxfp4_step(
+                a_ptr, w_base, ws_base, rows, ok, rn, k0, N, K, s_am, s_wn, s_wk, s_wsn, s_wsk,
+                acc, E8M0, PRECISION, BLOCK_K, BLOCK_N,
+            )  # fmt: skip
         else:
+            kk = k0 + rk
+            a = tl.load(
+                a_ptr + rows[:, None] * s_am + kk[None, :],
+                mask=ok[:, None] & (kk[None, :] < K),
+                other=0.0,
+            )
+            b_mask = (kk[:, None] < K) & (rn[None, :] < N)
             b = tl.load(w_base + kk[:, None] * s_wk + rn[None, :] * s_wn, mask=b_mask, other=0.0)
             if WFMT == 1:  # FP8
                 kb = k0 // BLOCK_K
