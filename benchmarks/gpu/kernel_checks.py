@@ -18,6 +18,7 @@ run_all.py; returns rows of max relative errors."""
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -1211,39 +1212,51 @@ def _fp8_paths_at(key: dict, x: torch.Tensor, w, w_bf16: torch.Tensor, w_deq) ->
     return [*out, pick]
 
 
-def run_fp8(out: dict, deadline: float = float("inf")) -> None:
+def run_fp8(
+    out: dict,
+    deadline: float = float("inf"),
+    checks: list[str] | None = None,
+    moe_shapes: tuple[str, ...] | None = None,
+) -> None:
     """`--only fp8`: the FP8 GEMM and the FP8 / MXFP4 fused MoE checks, the V3 slice in FP8 and
     a V4-Flash-shaped model in V4's FP8 + MXFP4 through the loader, the default set's paths by
-    row count (GEMV beside GEMM and bf16), then the GEMM's decode tiles."""
+    row count (GEMV beside GEMM and bf16), then the GEMM's decode tiles; `checks` names a subset
+    (`--fp8-checks`)."""
     import traceback
 
     rows = out.setdefault("fp8", [])
-    for fn in (
+    every = (
         check_fp8_linear,
-        check_quantized_moe,
+        functools.partial(check_quantized_moe, shapes=moe_shapes or FP8_MOE_DEFAULT),
         check_fp8_model,
         check_v4_quantized_model,
         time_fp8_paths,
         time_fp8_decode_tiles,
-    ):
+    )
+    for fn in every:
+        name = getattr(fn, "__name__", None) or fn.func.__name__
+        if checks is not None and name not in checks:
+            continue
         if time.time() > deadline:  # the checks left are skipped, the rows so far kept
-            rows.append(dict(op=fn.__name__, error="skipped: out of time"))
+            rows.append(dict(op=name, error="skipped: out of time"))
             continue
         try:
             fn(rows)
         except Exception as e:  # recorded; the job goes on
-            rows.append(dict(op=fn.__name__, error=traceback.format_exc()[-1500:]))
+            rows.append(dict(op=name, error=traceback.format_exc()[-1500:]))
             print(e, flush=True)
 
 
 FP8_MOE_SHAPES = {  # experts, hidden, intermediate, top-k
     "v2-lite": (64, 2048, 1408, 6),
     "v3": (256, 7168, 2048, 8),
+    "v4-flash": (256, 4096, 2048, 6),
 }
+FP8_MOE_DEFAULT = ("v2-lite", "v3")  # V4-Flash's MXFP4 experts: `--fp8-moe-shapes v4-flash`
 FP8_MOE_TOKENS = (1, 64, 1024)
 
 
-def check_quantized_moe(rows: list) -> None:
+def check_quantized_moe(rows: list, shapes: tuple[str, ...] = FP8_MOE_DEFAULT) -> None:
     """The fused MoE with FP8 and with MXFP4 experts against the float32 loop on their
     dequantization (FP8: on e4m3 inputs too where the default config quantizes them), a row
     alone equal to it in a batch under DECODE, and median ms beside the bf16 experts of the
@@ -1254,7 +1267,8 @@ def check_quantized_moe(rows: list) -> None:
     from deepserve.kernels.triton import fused_moe
 
     g = torch.Generator(device="cuda").manual_seed(9)
-    for shape, (e, h, i, k) in FP8_MOE_SHAPES.items():
+    for shape in shapes:
+        e, h, i, k = FP8_MOE_SHAPES[shape]
         gate_up = (torch.randn(e, 2 * i, h, device="cuda", generator=g) / h**0.5).bfloat16()
         down = (torch.randn(e, h, i, device="cuda", generator=g) / i**0.5).bfloat16()
         formats = {  # expert by expert: a layer's float32 temporaries would not fit

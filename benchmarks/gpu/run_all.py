@@ -504,6 +504,16 @@ def main() -> int:
         help="section speed: deepserve's weights as bf16 and/or block-scaled FP8 (V3's format)",
     )
     parser.add_argument(
+        "--fp8-checks", nargs="*", default=None, help="section fp8: these checks only (by name)"
+    )
+    parser.add_argument(
+        "--fp8-moe-shapes",
+        nargs="*",
+        default=["v2-lite", "v3"],
+        choices=["v2-lite", "v3", "v4-flash"],
+        help="section fp8: the fused MoE check's expert shapes",
+    )
+    parser.add_argument(
         "--long-lengths",
         nargs="*",
         type=int,
@@ -564,7 +574,12 @@ def main() -> int:
         ("linear", lambda: section_kernel_invariance_and_speed(out)),
         ("models", write_models),
         ("invariant", lambda: kernel_checks.run_invariant(out, deadline - 240)),  # speed: ~130 s
-        ("fp8", lambda: kernel_checks.run_fp8(out, deadline - 60)),
+        (
+            "fp8",
+            lambda: kernel_checks.run_fp8(
+                out, deadline - 60, args.fp8_checks, tuple(args.fp8_moe_shapes)
+            ),
+        ),
         (
             "speed",
             lambda: speed.section_speed(
