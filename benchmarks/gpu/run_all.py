@@ -409,41 +409,52 @@ def section_spec_determinism(
     out: dict, models: dict[str, Path], sc: Scale, deadline: float
 ) -> None:
     """`--batch-invariant` with speculation (issue 34): bf16, the 40 x 10 audit among random
-    traffic with n-gram drafting (SmolLM2 shape; prompts that repeat a span, so drafts are made)
-    and MTP (tiny-deepseek), each output compared with the same request's under the flag without
-    speculation; greedy and seeded."""
+    traffic with n-gram drafting (SmolLM2 shape; prompts that repeat a span, so drafts are made;
+    random weights seldom repeat, so also with drafts taken from the plain run's own outputs,
+    every one of which must be accepted) and MTP (tiny-deepseek), each output compared with the
+    same request's under the flag without speculation; greedy and seeded."""
+    from test_batch_invariant_spec_decode import ReferenceDrafter
+
     from deepserve.engine.config import SpeculativeConfig
     from deepserve.engine.sampling_params import SamplingParams
 
     res = out.setdefault("spec_determinism", [])
-    methods = {"smollm2-shape": "ngram", "tiny-deepseek": "mtp"}
+    methods = {"smollm2-shape": ("ngram", "reference"), "tiny-deepseek": ("mtp",)}
     for name, folder in models.items():
         vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
         plain = make_llm(folder, sc, "bfloat16", True, max_num_batched_tokens=256)
-        spec = SpeculativeConfig(methods[name], 3)
-        llm = make_llm(folder, sc, "bfloat16", True, max_num_batched_tokens=256, speculative=spec)
-        for temp in (0.0, 0.8):
-            if time.time() > deadline:
-                break
-            rng = random.Random(7)
-            prompts = [p + p for p in random_prompts(rng, sc.prompts, 4, 100, vocab)]
-            noise = random_prompts(rng, 60, 4, 300, vocab)
-            params = SamplingParams(
-                temperature=temp, seed=1234 if temp else None, max_tokens=sc.audit_tokens,
-                ignore_eos=True, logprobs=0,
-            )  # fmt: skip
-            reference = {
-                i: (tuple(r.token_ids), tuple(lp.logprob for lp in r.samples[0].logprobs))
-                for i, r in enumerate(plain.generate(prompts, params))
-            }
-            stats = llm.engine.spec.stats
-            drafted, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
-            differ, total = _audit(llm, prompts, noise, params, sc.runs, rng, reference)
-            res.append(dict(model=name, method=spec.method, temperature=temp,
-                            differing_from_plain=differ, total=total,
-                            drafted=stats.num_draft_tokens - drafted,
-                            accepted=stats.num_accepted_tokens - accepted))  # fmt: skip
-        del llm, plain
+        for method in methods[name]:
+            spec = SpeculativeConfig("ngram" if method == "reference" else method, 3)
+            llm = make_llm(
+                folder, sc, "bfloat16", True, max_num_batched_tokens=256, speculative=spec
+            )
+            for temp in (0.0, 0.8):
+                if time.time() > deadline:
+                    break
+                rng = random.Random(7)
+                prompts = [p + p for p in random_prompts(rng, sc.prompts, 4, 100, vocab)]
+                noise = random_prompts(rng, 60, 4, 300, vocab)
+                params = SamplingParams(
+                    temperature=temp, seed=1234 if temp else None, max_tokens=sc.audit_tokens,
+                    ignore_eos=True, logprobs=0,
+                )  # fmt: skip
+                reference = {
+                    i: (tuple(r.token_ids), tuple(lp.logprob for lp in r.samples[0].logprobs))
+                    for i, r in enumerate(plain.generate(prompts, params))
+                }
+                if method == "reference":
+                    outputs = [reference[i][0] for i in range(len(prompts))]
+                    llm.engine.spec.token_proposer = ReferenceDrafter(prompts, outputs)
+                stats = llm.engine.spec.stats
+                drafted, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
+                differ, total = _audit(llm, prompts, noise, params, sc.runs, rng, reference)
+                res.append(dict(model=name, method=method, temperature=temp,
+                                differing_from_plain=differ, total=total,
+                                drafted=stats.num_draft_tokens - drafted,
+                                accepted=stats.num_accepted_tokens - accepted))  # fmt: skip
+            del llm
+            _empty_cache()
+        del plain
         _empty_cache()
 
 
