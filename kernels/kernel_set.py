@@ -47,7 +47,8 @@ class KernelSet:
     # Fused fast paths. None: models compose the op from the ones above; a fused op also returns
     # None (False for the in-place write) when it does not cover the call.
     add_rms_norm_: Callable[..., Tensor | None] | None = None  # (h, delta, w, eps): h += delta
-    silu_mul: Callable[[Tensor], Tensor | None] | None = None  # [gate | up] -> silu(gate) * up
+    # ([gate | up], limit=None) -> silu(gate) * up; `limit`: gate clamped above, up both sides
+    silu_mul: Callable[..., Tensor | None] | None = None
     rope_qk_write_kv_: Callable[..., bool] | None = None  # see kernels/cpu/ops.py
     # (w, quantized blocks or None) -> the weight in the layout this set's `linear` reads fastest,
     # packed once at model load (kernels/cpu/packed.py); None: models keep plain weights.

@@ -29,7 +29,7 @@ from deepserve.kernels.reference import moe_routing  # noqa: E402
 from deepserve.kernels.rope import apply_rope_interleaved  # noqa: E402
 from deepserve.kernels.route_spec import RouteSpec  # noqa: E402
 from deepserve.kernels.triton import hyper_connections as hc  # noqa: E402
-from deepserve.kernels.triton import rope, routing  # noqa: E402
+from deepserve.kernels.triton import rope, routing, rows  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = dict(rtol=1e-6, atol=1e-6)
@@ -185,6 +185,7 @@ def test_tiny_v4_logits_with_the_fused_ops_match_the_composed_ones(model):
     fused.k = dataclasses.replace(
         model.k, hc_collapse=hc.hc_collapse, hc_expand=hc.hc_expand, hc_head=hc.hc_head,
         moe_route=routing.route, rope_interleaved=rope.rope_interleaved,
+        silu_mul=rows.silu_mul,  # the shared expert's clamped SwiGLU in one launch
     )  # fmt: skip
     g = torch.Generator().manual_seed(6)
     prompt = torch.randint(0, model.vocab_size, (40,), generator=g).tolist()

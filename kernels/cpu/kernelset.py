@@ -100,8 +100,8 @@ class NativeInvariantOps:
         return cpu_ops.add_rms_norm_(h, delta, weight.contiguous(), eps)
 
     @staticmethod
-    def silu_mul(gate_up: Tensor) -> Tensor | None:
-        if not _float32(gate_up):
+    def silu_mul(gate_up: Tensor, limit: float | None = None) -> Tensor | None:
+        if limit or not _float32(gate_up):  # the native op has no clamp
             return None
         return cpu_native.op("silu_mul")(gate_up.contiguous())
 

@@ -90,9 +90,10 @@ def add_rms_norm_(
     return cpu_native.op("add_rms_norm_")(h, delta, weight, eps)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
-    """silu(gate) * up for `gate_up = [gate | up]`, or None for torch's ops."""
-    if not _float32_rows(gate_up):
+def silu_mul(gate_up: torch.Tensor, limit: float | None = None) -> torch.Tensor | None:
+    """silu(gate) * up for `gate_up = [gate | up]`, or None for torch's ops (also for a clamped
+    SwiGLU's `limit`, which the native op does not apply)."""
+    if limit or not _float32_rows(gate_up):
         return None
     return cpu_native.op("silu_mul")(gate_up)
 
