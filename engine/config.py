@@ -13,6 +13,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     ngram_min: int = 2
     ngram_max: int = 4
+    # Per-sequence draft length that backs off when drafts are rejected (spec_decode/throttle.py);
+    # False: always draft up to num_speculative_tokens.
+    adaptive: bool = True
 
 
 @dataclass(frozen=True)
