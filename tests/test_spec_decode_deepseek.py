@@ -126,7 +126,7 @@ def test_mtp_json_schema_greedy_matches_plain(loaded):
 
 
 def test_abort_mid_speculation_frees_every_block(loaded):
-    llm = make_llm(loaded, MTP3)
+    llm = make_llm(loaded, MTP3_FIXED)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     for i, prompt in enumerate(PROMPTS[:3]):

@@ -12,7 +12,8 @@ How a step goes with speculation on (the engine, scheduler and runner call in he
    full of verified tokens, and gives back blocks holding only rejected positions.
 4. `propose` drafts the next step's tokens: n-gram lookup over the token ids, or the MTP layer fed
    with this step's target hidden states (it also writes the MTP layer's own KV for every newly
-   verified position, so prefix-cache blocks carry it).
+   verified position, so prefix-cache blocks carry it). How many per sequence is its
+   `DraftThrottle`'s call (throttle.py); a throttled sequence runs no MTP rows at all.
 
 Not here: the KV tensor (runner), block bookkeeping (block manager), stop rules (engine).
 """
