@@ -260,9 +260,10 @@ class LLMEngine:
         every request it progressed."""
         if self.threads is not None:
             self.threads.before_step()
-        if self.async_scheduling and may_run_ahead(out):
+        if self.async_scheduling and may_run_ahead(out) and self._drafts_paused(out):
             launched = self._try_launch(out, on_launched)
             if launched is not None:
+                self._skip_drafting(out)
                 self._apply_progress(out)
                 self._hold(launched)
                 return self._outputs(touched)
@@ -285,10 +286,12 @@ class LLMEngine:
         out = self._schedule()
         ahead = continuation(out, self._at_length)  # a pending token that ends it for sure
         launched = None
-        if ahead is not None:
+        if ahead is not None and self._drafts_paused(ahead):
             if self.threads is not None:
                 self.threads.before_step()
             launched = self._try_launch(ahead, on_launched, feed_ids(prev, ahead))
+            if launched is not None:
+                self._skip_drafting(ahead)
         touched = self._apply_in_flight(prev)
         if launched is None:
             self.overlap.fallbacks += 1
@@ -308,6 +311,15 @@ class LLMEngine:
         self._apply_progress(SchedulerOutput(live))
         self._hold(launched, [item.seq for item in live])
         return self._outputs(touched)
+
+    def _drafts_paused(self, out: SchedulerOutput) -> bool:
+        """No sequence of `out` drafts after it (always so without speculation): its ids may
+        stay on the device while the next step is scheduled."""
+        return self.spec is None or self.spec.may_run_ahead([i.seq for i in out.scheduled])
+
+    def _skip_drafting(self, out: SchedulerOutput) -> None:
+        if self.spec is not None:
+            self.spec.skip_opportunities([i.seq for i in out.scheduled])
 
     def _try_launch(
         self,
@@ -574,7 +586,8 @@ def _without_finished(out: SchedulerOutput) -> SchedulerOutput:
 
 def _async_wanted(config: EngineConfig, graphs: bool) -> bool:
     """Async scheduling when asked; by default wherever decode steps replay CUDA graphs (on the
-    CPU the forward is synchronous: nothing would overlap)."""
+    CPU the forward is synchronous: nothing would overlap). With speculation only steps of
+    sequences whose drafting is paused run ahead (`SpeculativeDecoder.may_run_ahead`)."""
     if config.async_scheduling is None:
         return graphs and config.tensor_parallel_size == 1
     return config.async_scheduling

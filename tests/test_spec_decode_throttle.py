@@ -94,3 +94,12 @@ def test_a_proposal_of_nothing_changes_nothing():
     t = DraftThrottle(3)
     t.observe(0, 0)
     assert t == DraftThrottle(3)
+
+
+def test_finding_nothing_to_propose_pauses_like_a_miss_but_keeps_the_length():
+    t = DraftThrottle(3)
+    for _ in range(MISSES_TO_PAUSE):
+        assert t.take_opportunity() == 3
+        t.nothing_proposed()
+    assert t.paused
+    assert opportunities(t, MIN_PAUSE + 1) == [0] * MIN_PAUSE + [3]

@@ -158,6 +158,20 @@ class SpeculativeDecoder:
         )
         return max(0, min(self.num_speculative_tokens, room - 1))
 
+    def may_run_ahead(self, seqs: list[Sequence]) -> bool:
+        """Every sequence's drafting is paused, so its next opportunity drafts nothing and the
+        step after this one needs none of this step's ids on the host (async scheduling)."""
+        return self.adaptive and all(
+            s.draft_throttle is not None and s.draft_throttle.paused for s in seqs
+        )
+
+    def skip_opportunities(self, seqs: list[Sequence]) -> None:
+        """The opportunities of a step run ahead (`may_run_ahead`), which `propose` never sees:
+        paused sequences skip them as they would have there (MTP rows too)."""
+        for seq in seqs:
+            drafts = seq.draft_throttle.take_opportunity()
+            assert drafts == 0, "only paused sequences run ahead"
+
     def _throttle(self, seq: Sequence) -> DraftThrottle:
         if seq.draft_throttle is None:
             seq.draft_throttle = DraftThrottle(self.num_speculative_tokens)
@@ -174,7 +188,11 @@ class SpeculativeDecoder:
     def _token_drafts(self, seq: Sequence) -> list[int]:
         assert self.token_proposer is not None
         budget = self._drafts_wanted(seq)
-        drafts = self.token_proposer.propose(seq.token_ids, budget)[:budget] if budget else []
+        if not budget:
+            return []
+        drafts = self.token_proposer.propose(seq.token_ids, budget)[:budget]
+        if not drafts and self.adaptive:
+            self._throttle(seq).nothing_proposed()
         return grammar_prefix(seq, drafts)
 
     def _propose_mtp(self, out: SchedulerOutput, step: StepHidden, kv_cache: torch.Tensor) -> None:

@@ -9,14 +9,16 @@ at all, since acceptance is exact, but drafting stays a function of the request 
 - it starts at the configured k;
 - a round whose drafts were all accepted lets the next round draft one more (up to k); after a
   round with some drafts accepted the next drafts `accepted + 1`;
-- a round with none accepted is a miss: the next round drafts one token; after `MISSES_TO_PAUSE`
-  misses in a row drafting pauses for `MIN_PAUSE` proposal opportunities, then probes with one
+- a round with none accepted is a miss: the next round drafts one token; an opportunity at which
+  the drafter finds nothing (no n-gram match) is a miss too, the length kept; after
+  `MISSES_TO_PAUSE` misses in a row drafting pauses for `MIN_PAUSE` proposal opportunities, then probes with one
   draft; each further miss doubles the pause, up to `MAX_PAUSE`. Any accepted draft ends the
   pausing (the next pause starts at `MIN_PAUSE` again).
 
 So a sequence that accepts nothing drafts one token about once every `MAX_PAUSE + 1` steps in the
-long run. A proposal opportunity is a step in which the sequence sampled (its `propose` call). A
-proposer that finds nothing to draft (no n-gram match) makes no round and changes nothing.
+long run. A proposal opportunity is a step in which the sequence sampled (its `propose` call, or,
+under async scheduling, the launch of a step run ahead: only a paused sequence's steps run ahead,
+engine/async_scheduling.py). A paused sequence needs no token on the host before its next step.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ MAX_PAUSE = 64
 class DraftThrottle:
     max_drafts: int
     allowed: int = 0  # drafts the next round may propose (set to max_drafts at creation)
-    misses: int = 0  # rounds in a row with no draft accepted
+    misses: int = 0  # misses in a row (nothing accepted, or nothing proposed)
     waiting: int = 0  # proposal opportunities still to skip
     pause: int = MIN_PAUSE  # the next pause's length
 
@@ -56,13 +58,21 @@ class DraftThrottle:
         if drafted == 0:
             return
         if accepted == 0:
-            self.misses += 1
             self.allowed = 1
-            if self.misses >= MISSES_TO_PAUSE:
-                self.waiting = self.pause
-                self.pause = min(2 * self.pause, MAX_PAUSE)
+            self._miss()
             return
         self.misses = 0
         self.pause = MIN_PAUSE
         grown = max(self.allowed, drafted) + 1 if accepted == drafted else accepted + 1
         self.allowed = min(self.max_drafts, grown)
+
+    def nothing_proposed(self) -> None:
+        """The drafter had nothing to propose at an opportunity it was given (no n-gram match):
+        a miss for pausing, though the draft length stays."""
+        self._miss()
+
+    def _miss(self) -> None:
+        self.misses += 1
+        if self.misses >= MISSES_TO_PAUSE:
+            self.waiting = self.pause
+            self.pause = min(2 * self.pause, MAX_PAUSE)
