@@ -187,7 +187,7 @@ SPEC_CASES = [
     ("tiny-deepseek", SpeculativeConfig("mtp", 3), None),  # random MTP: drafts rejected
     ("tiny-deepseek", SpeculativeConfig("ngram", 3), 0),  # drafts accepted
     ("tiny-deepseek", SpeculativeConfig("ngram", 3), 1),  # drafts rejected
-    ("smollm2-135m", SpeculativeConfig("ngram", 3), None),
+    ("smollm2-135m", SpeculativeConfig("ngram", 3), 0),  # drafts accepted
 ]
 
 
