@@ -2,14 +2,15 @@
 
 Per shape (SmolLM2-135M and DeepSeek-V2-Lite, bf16, transformers' random init as speed.py builds
 them), on repetitive prompts (a 16-token span said four times, so n-gram lookup drafts): decode
-tokens/s of plain decoding (async scheduling on, the default, and off: speculation runs
-synchronously) and of n-gram speculation (k = 3) at batch 1 and 8, with the drafts made and
-accepted; the same speculative engine with a drafter that proposes plain decoding's own
+tokens/s of plain decoding (async scheduling on, the default, and off: a speculative step
+runs ahead only while every sequence's drafting is paused) and of n-gram speculation (k = 3) at
+batch 1 and 8, with the drafts made and accepted; the same speculative engine with a drafter that proposes plain decoding's own
 continuation (`oracle`: every draft accepted, what verification costs at full acceptance); and
 whether greedy output equals plain decoding's at batch 1 and 8: in bf16 (default kernels, where
 rows may differ in the last bit, so informative only), in bf16 under `--batch-invariant` (must
 be equal) and, for SmolLM2, in float32. Then tiny-deepseek (vocabulary 129,280) with MTP and
-random MTP weights (nearly no draft accepted: the draft throttle's case) against plain.
+random MTP weights (nearly no draft accepted: the draft throttle's case) against plain, with
+the throttle on and off.
 
 Decode tokens/s: prefix caching off, generate(prompts, 1 token) timed apart and taken out of
 generate(prompts, N + 1 tokens), best of two. Imported by run_all.py (section `spec_speed`).
