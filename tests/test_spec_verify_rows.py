@@ -184,23 +184,26 @@ class ReferenceDrafter:
 
 
 SPEC_CASES = [
-    ("tiny-deepseek", SpeculativeConfig("mtp", 3), None),  # random MTP: drafts rejected
-    ("tiny-deepseek", SpeculativeConfig("ngram", 3), 0),  # drafts accepted
-    ("tiny-deepseek", SpeculativeConfig("ngram", 3), 1),  # drafts rejected
-    ("smollm2-135m", SpeculativeConfig("ngram", 3), 0),  # drafts accepted
+    ("tiny-deepseek", SpeculativeConfig("mtp", 3), None, False),  # random MTP: drafts rejected
+    ("tiny-deepseek", SpeculativeConfig("mtp", 3), None, True),  # ... paused steps run ahead
+    ("tiny-deepseek", SpeculativeConfig("ngram", 3), 0, False),  # drafts accepted
+    ("tiny-deepseek", SpeculativeConfig("ngram", 3), 1, True),  # drafts rejected
+    ("smollm2-135m", SpeculativeConfig("ngram", 3), 0, False),  # drafts accepted
 ]
 
 
-@pytest.mark.parametrize("name, spec, reference_offset", SPEC_CASES)
-def test_speculation_through_the_decode_graph_path_gives_plain_output(name, spec, reference_offset):
+@pytest.mark.parametrize("name, spec, reference_offset, async_on", SPEC_CASES)
+def test_speculation_through_the_decode_graph_path_gives_plain_output(
+    name, spec, reference_offset, async_on
+):
     model = loaded(name, True)
     prompts = [[5 + (i % 7) for i in range(n)] for n in (9, 20, 14)]  # repetitive: n-gram drafts
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=0)
 
     def run(speculative, drafter=None):
         config = EngineConfig(
             model=name, batch_invariant=True, speculative=speculative, num_kv_blocks=128,
-            block_size=BLOCK, max_num_seqs=4,
+            block_size=BLOCK, max_num_seqs=4, async_scheduling=async_on and bool(speculative),
         )  # fmt: skip
         llm = LLM(config, model)
         runner = with_graph_path(llm) if speculative else None
@@ -218,6 +221,7 @@ def test_speculation_through_the_decode_graph_path_gives_plain_output(name, spec
     assert spec_out == plain
     assert runner.graphs.steps > 0  # decode and verification steps went through the graph path
     assert llm.engine.spec.stats.num_draft_tokens > 0
+    assert (llm.engine.overlap.ahead > 0) == async_on
 
 
 def test_engine_sizes_the_graphs_for_every_draft_row():
