@@ -102,4 +102,6 @@ def test_finding_nothing_to_propose_pauses_like_a_miss_but_keeps_the_length():
         assert t.take_opportunity() == 3
         t.nothing_proposed()
     assert t.paused
-    assert opportunities(t, MIN_PAUSE + 1) == [0] * MIN_PAUSE + [3]
+    for _ in range(5):  # the pause does not grow
+        assert opportunities(t, MIN_PAUSE + 1) == [0] * MIN_PAUSE + [3]
+        t.nothing_proposed()

@@ -10,8 +10,8 @@ at all, since acceptance is exact, but drafting stays a function of the request 
 - a round whose drafts were all accepted lets the next round draft one more (up to k); after a
   round with some drafts accepted the next drafts `accepted + 1`;
 - a round with none accepted is a miss: the next round drafts one token; an opportunity at which
-  the drafter finds nothing (no n-gram match) is a miss too, the length kept; after
-  `MISSES_TO_PAUSE` misses in a row drafting pauses for `MIN_PAUSE` proposal opportunities, then probes with one
+  the drafter finds nothing (no n-gram match) is a miss too, the length kept and its pause always
+  the shortest; after `MISSES_TO_PAUSE` misses in a row drafting pauses for `MIN_PAUSE` proposal opportunities, then probes with one
   draft; each further miss doubles the pause, up to `MAX_PAUSE`. Any accepted draft ends the
   pausing (the next pause starts at `MIN_PAUSE` again).
 
@@ -68,8 +68,12 @@ class DraftThrottle:
 
     def nothing_proposed(self) -> None:
         """The drafter had nothing to propose at an opportunity it was given (no n-gram match):
-        a miss for pausing, though the draft length stays."""
-        self._miss()
+        a miss for pausing, though the draft length stays and the pause is always the shortest
+        (finding nothing costs no verification; pausing only lets steps run ahead, and a long
+        pause would miss the start of a repeat)."""
+        self.misses += 1
+        if self.misses >= MISSES_TO_PAUSE:
+            self.waiting = MIN_PAUSE
 
     def _miss(self) -> None:
         self.misses += 1
