@@ -11,8 +11,10 @@ GPU runs the next step. The outputs are the same as without it: nothing the next
 depends on the unknown token except through the device copy.
 
 What needs the last token on the host falls back to the plain synchronous step: a grammar's
-mask, penalties (counts of the output so far), speculative drafts, forks, requests joining
-(prefill and mixed steps), preemption. This module decides that (`may_run_ahead`,
+mask, penalties (counts of the output so far), speculative drafts (a verification step, and the
+step after which a sequence drafts: with speculation only sequences whose draft throttle is
+paused run ahead, `SpeculativeDecoder.may_run_ahead`, checked by the engine), forks, requests
+joining (prefill and mixed steps), preemption. This module decides the rest (`may_run_ahead`,
 `continuation`); it holds no state.
 """
 

@@ -13,6 +13,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     ngram_min: int = 2
     ngram_max: int = 4
+    # Per-sequence draft length that backs off when drafts are rejected (spec_decode/throttle.py);
+    # False: always draft up to num_speculative_tokens.
+    adaptive: bool = True
 
 
 @dataclass(frozen=True)
@@ -70,13 +73,9 @@ class EngineConfig:
             )
         if self.tensor_parallel_size < 1:
             raise ValueError("--tensor-parallel-size must be at least 1")
-        if self.async_scheduling and (self.speculative or self.tensor_parallel_size > 1):
-            # Drafts are built from the last token on the host; the ranks' step broadcast
-            # carries host input ids.
-            raise ValueError(
-                "--async-scheduling does not combine with speculative decoding or "
-                "--tensor-parallel-size > 1"
-            )
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            # The ranks' step broadcast carries host input ids.
+            raise ValueError("--async-scheduling does not combine with --tensor-parallel-size > 1")
         if self.tensor_parallel_size > 1 and (self.kv_tiers or self.speculative):
             # Both read or write rank 0's KV cache (or run the MTP layer) outside the step that
             # rank 0 broadcasts, which the other ranks would never see.

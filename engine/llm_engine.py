@@ -32,6 +32,7 @@ from deepserve.engine.async_scheduling import (
 from deepserve.engine.block_manager import BlockManager
 from deepserve.engine.config import EngineConfig
 from deepserve.engine.contract import EngineStats, ModelCard
+from deepserve.engine.cuda_graphs import BUCKETS
 from deepserve.engine.errors import InvalidRequestError
 from deepserve.engine.model_runner import LaunchedStep, ModelRunner, StepResult, num_kv_blocks
 from deepserve.engine.outputs import CompletionOutput, EngineLoad, RequestOutput, TokenLogprob
@@ -87,7 +88,7 @@ class LLMEngine:
             tier=self.kv_tiering,
         )
         self.spec = _make_speculative(config, self.model, self.block_manager, self.max_model_len)
-        graphs = _graphs_wanted(config, self.model, self.spec)
+        graphs = _graphs_wanted(config, self.model)
         gather = config.prefill_gather_s
         if gather is None:
             gather = PREFILL_GATHER_S if graphs else 0.0
@@ -101,7 +102,7 @@ class LLMEngine:
             torch.device(config.device),
             self.eos_token_ids,
             keep_hidden=self.spec is not None and self.spec.needs_hidden,
-            graph_rows=config.max_num_seqs if graphs else 0,
+            graph_rows=graph_rows(config) if graphs else 0,
             max_blocks_per_seq=-(-self.max_model_len // config.block_size),
         )
         if self.kv_tiering is not None:
@@ -259,9 +260,10 @@ class LLMEngine:
         every request it progressed."""
         if self.threads is not None:
             self.threads.before_step()
-        if self.async_scheduling and may_run_ahead(out):
+        if self.async_scheduling and may_run_ahead(out) and self._drafts_paused(out):
             launched = self._try_launch(out, on_launched)
             if launched is not None:
+                self._skip_drafting(out)
                 self._apply_progress(out)
                 self._hold(launched)
                 return self._outputs(touched)
@@ -284,10 +286,12 @@ class LLMEngine:
         out = self._schedule()
         ahead = continuation(out, self._at_length)  # a pending token that ends it for sure
         launched = None
-        if ahead is not None:
+        if ahead is not None and self._drafts_paused(ahead):
             if self.threads is not None:
                 self.threads.before_step()
             launched = self._try_launch(ahead, on_launched, feed_ids(prev, ahead))
+            if launched is not None:
+                self._skip_drafting(ahead)
         touched = self._apply_in_flight(prev)
         if launched is None:
             self.overlap.fallbacks += 1
@@ -307,6 +311,15 @@ class LLMEngine:
         self._apply_progress(SchedulerOutput(live))
         self._hold(launched, [item.seq for item in live])
         return self._outputs(touched)
+
+    def _drafts_paused(self, out: SchedulerOutput) -> bool:
+        """No sequence of `out` drafts after it (always so without speculation): its ids may
+        stay on the device while the next step is scheduled."""
+        return self.spec is None or self.spec.may_run_ahead([i.seq for i in out.scheduled])
+
+    def _skip_drafting(self, out: SchedulerOutput) -> None:
+        if self.spec is not None:
+            self.spec.skip_opportunities([i.seq for i in out.scheduled])
 
     def _try_launch(
         self,
@@ -573,20 +586,31 @@ def _without_finished(out: SchedulerOutput) -> SchedulerOutput:
 
 def _async_wanted(config: EngineConfig, graphs: bool) -> bool:
     """Async scheduling when asked; by default wherever decode steps replay CUDA graphs (on the
-    CPU the forward is synchronous: nothing would overlap)."""
+    CPU the forward is synchronous: nothing would overlap). With speculation only steps of
+    sequences whose drafting is paused run ahead (`SpeculativeDecoder.may_run_ahead`)."""
     if config.async_scheduling is None:
         return graphs and config.tensor_parallel_size == 1
     return config.async_scheduling
 
 
-def _graphs_wanted(config: EngineConfig, model, spec) -> bool:
-    """Decode steps replay from CUDA graphs on a GPU whose kernels allow it, unless asked not to;
-    speculation keeps its eager steps (its verify rows are not plain decode)."""
+def graph_rows(config: EngineConfig) -> int:
+    """Rows of the largest decode graph: one per sequence, and with speculation room for the
+    drafts too (a verification's rows replay as decode rows, engine/cuda_graphs.py), within the
+    step's token budget and the largest standard bucket."""
+    rows = config.max_num_seqs
+    if config.speculative is not None:
+        with_drafts = rows * (1 + config.speculative.num_speculative_tokens)
+        rows = max(rows, min(with_drafts, config.max_num_batched_tokens, BUCKETS[-1]))
+    return rows
+
+
+def _graphs_wanted(config: EngineConfig, model) -> bool:
+    """Decode steps (speculative verifications included) replay from CUDA graphs on a GPU whose
+    kernels allow it, unless asked not to."""
     kernels = getattr(model, "k", None)
     return (
         torch.device(config.device).type == "cuda"
         and not config.enforce_eager
-        and spec is None
         and kernels is not None
         and kernels.graph_safe
         and getattr(model, "graph_safe", True)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deepserve.engine.cuda_graphs import DecodeGraphs
+from deepserve.engine.cuda_graphs import DecodeGraphs, decode_rows
 from deepserve.engine.models.base import CausalLM
 from deepserve.engine.request import Sequence
 from deepserve.engine.sampler import DeviceSample, Sampler, SamplerOutput, SamplingBatch
@@ -99,7 +99,8 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 model, self.kv_cache, block_size, graph_rows, max_blocks_per_seq, num_blocks
             )
-            self.graphs.capture_all()
+            if device.type == "cuda":  # elsewhere (tests) the same steps run eagerly
+                self.graphs.capture_all()
         self.sampler = Sampler(model.vocab_size, device)
         self._pin = device.type == "cuda"
         self._mask_pool: ThreadPoolExecutor | None = None
@@ -151,17 +152,15 @@ class ModelRunner:
         return LaunchedStep(inputs.sample_seqs, self.sampler.sample_on_device(logits, batch), kept)
 
     def _replayable(self, out: SchedulerOutput) -> bool:
-        """A plain decode step (one sampled token per sequence, no forks or drafts) that one of
-        the captured buckets covers."""
+        """A decode step (every sequence brings its last token and its drafts, if any, all
+        sampled; no forks) whose rows one of the captured buckets covers."""
         if self.graphs is None or out.forks or out.block_copies:
             return False
-        widest = max(len(item.seq.block_table) for item in out.scheduled)
-        if not self.graphs.covers(len(out.scheduled), widest):
+        if not all(_is_decode_row(item) for item in out.scheduled):
             return False
-        return all(
-            item.num_new_tokens == 1 and item.sample and not item.seq.spec_token_ids
-            for item in out.scheduled
-        )
+        rows = sum(item.num_new_tokens for item in out.scheduled)
+        widest = max(len(item.seq.block_table) for item in out.scheduled)
+        return self.graphs.covers(rows, widest)
 
     def _launch_graph(
         self,
@@ -169,23 +168,21 @@ class ModelRunner:
         on_launched: Callable[[], None] | None,
         feed: torch.Tensor | None,
     ) -> LaunchedStep:
-        bs = self.block_size
+        """A decode step from the graphs; a verification's rows as decode rows (cuda_graphs.py)."""
         seqs = [item.seq for item in out.scheduled]
-        positions = [s.num_computed_tokens for s in seqs]
-        batch = SamplingBatch.build(seqs, self.eos_token_ids, self.model.vocab_size, self.device)
-        masks = self._start_masks(seqs)
-        logits = self.graphs.run(
-            [s.token_ids[p] for s, p in zip(seqs, positions, strict=True)],
-            positions,
-            [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions, strict=True)],
-            [s.block_table for s in seqs],
-            feed,
-        )
+        sample_seqs = [s for s in seqs for _ in range(1 + len(s.spec_token_ids))]
+        views = [v for s in seqs for v in _sampling_views(s)]
+        batch = SamplingBatch.build(views, self.eos_token_ids, self.model.vocab_size, self.device)
+        masks = self._start_masks(sample_seqs)
+        logits, hidden = self.graphs.run(decode_rows(seqs, self.block_size), feed)
+        kept = None
+        if self.keep_hidden:  # a copy: the graph's output is overwritten by the next replay
+            kept = _step_hidden(hidden.clone(), [s.num_computed_tokens for s in seqs])
         if on_launched is not None:
             on_launched()
         if masks is not None:
             batch.bitmask = masks.result()
-        return LaunchedStep(seqs, self.sampler.sample_on_device(logits, batch))
+        return LaunchedStep(sample_seqs, self.sampler.sample_on_device(logits, batch), kept)
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         """Flatten the scheduled chunks into one batch (built on the host, moved once)."""
@@ -297,7 +294,20 @@ def _sampling_views(seq: Sequence) -> list[Sequence]:
     return sampling_views(seq)
 
 
+def _is_decode_row(item) -> bool:
+    """A sampled chunk of a sequence's last token and all its drafts (maybe none)."""
+    seq = item.seq
+    drafts = len(seq.spec_token_ids)
+    if not item.sample or item.num_new_tokens != 1 + drafts:
+        return False
+    return drafts == 0 or seq.num_computed_tokens == seq.num_tokens - 1
+
+
 def _keep_hidden(hidden: torch.Tensor, attn: AttentionMetadata) -> StepHidden:
+    return _step_hidden(hidden, list(attn.context_lens_cpu))
+
+
+def _step_hidden(hidden: torch.Tensor, starts: list[int]) -> StepHidden:
     from deepserve.engine.spec_decode.decoder import StepHidden
 
-    return StepHidden(hidden, list(attn.context_lens_cpu))
+    return StepHidden(hidden, starts)

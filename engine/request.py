@@ -60,6 +60,9 @@ class Sequence:
     # token_ids until accepted; and the drafter's per-sequence progress (reset on preemption).
     spec_token_ids: list[int] = field(default_factory=list)
     draft_state: Any = None
+    # How many drafts this sequence proposes (spec_decode/throttle.py); kept across preemption,
+    # since it follows the sequence's own history only.
+    draft_throttle: Any = None
     # Async scheduling (engine/async_scheduling.py): the last token id is a placeholder for a
     # sample still on the device, never delivered or checked as a token.
     sample_pending: bool = False

@@ -127,7 +127,7 @@ class Scheduler:
         the waiting ones fill neither the free slots nor the token budget."""
         if self.prefill_gather_s <= 0 or not self.waiting or not out.scheduled:
             return False
-        if any(item.num_new_tokens != 1 for item in out.scheduled):
+        if any(item.num_new_tokens != 1 + len(item.seq.spec_token_ids) for item in out.scheduled):
             return False  # this step runs eagerly anyway: arrivals ride along for free
         if len(self.waiting) >= self.max_num_seqs - self._num_slots():
             return False

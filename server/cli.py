@@ -89,6 +89,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--speculative", choices=["mtp", "ngram"], default=None)
     g.add_argument("--num-speculative-tokens", type=int, default=3)
+    g.add_argument(
+        "--draft-throttle",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="per sequence, draft fewer tokens (and pause drafting) while its drafts are "
+        "rejected (docs/speculative.md)",
+    )
     add_kv_tier_args(p)
 
 
@@ -177,7 +184,9 @@ def kv_mac_key(args: argparse.Namespace) -> bytes | None:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     spec = None
     if args.speculative:
-        spec = SpeculativeConfig(args.speculative, args.num_speculative_tokens)
+        spec = SpeculativeConfig(
+            args.speculative, args.num_speculative_tokens, adaptive=args.draft_throttle
+        )
     try:
         return _engine_config(args, spec)
     except ValueError as e:  # a combination EngineConfig refuses

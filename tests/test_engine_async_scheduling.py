@@ -199,6 +199,27 @@ def test_off_by_default_on_the_cpu(loaded):
     assert engine.async_scheduling is False
 
 
-def test_refused_with_speculative_decoding():
-    with pytest.raises(ValueError, match="async-scheduling"):
-        EngineConfig(async_scheduling=True, speculative=SpeculativeConfig("ngram"))
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
+def test_speculation_runs_ahead_while_drafting_is_paused_with_identical_output(loaded, method):
+    """Random MTP weights (and n-gram over random output) miss, so the draft throttle pauses
+    drafting and those steps run ahead; output and drafting are those of the synchronous engine
+    (the throttle follows each sequence's own history) and of plain decoding."""
+    requests = [(p, greedy(48)) for p in PROMPTS]
+    requests[1] = (PROMPTS[1], SamplingParams(temperature=0.8, seed=3, max_tokens=48))
+
+    def engine(on: bool, spec: SpeculativeConfig | None) -> LLMEngine:
+        config = EngineConfig(
+            model=MODEL, num_kv_blocks=128, num_threads=1, async_scheduling=on, speculative=spec
+        )
+        return LLMEngine(config, loaded)
+
+    spec = SpeculativeConfig(method, 3)
+    plain = run(engine(False, None), requests)
+    sync_engine, async_engine = engine(False, spec), engine(True, spec)
+    sync = run(sync_engine, requests)
+    on = run(async_engine, requests)
+    assert on == sync == plain
+    assert async_engine.overlap.ahead > 0
+    assert async_engine.spec.stats == sync_engine.spec.stats
+    if method == "mtp":
+        assert sync_engine.spec.stats.num_draft_tokens > 0

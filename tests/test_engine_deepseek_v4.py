@@ -131,4 +131,4 @@ def test_v4_decode_steps_replay_cuda_graphs_on_a_gpu_with_graph_safe_kernels():
     cuda = EngineConfig(model="tiny-deepseek-v4", device="cuda")
     v4 = SimpleNamespace(k=safe, graph_safe=DeepseekV4ForCausalLM.graph_safe)
     eager_kernels = SimpleNamespace(k=reference.KERNELS, graph_safe=True)
-    assert _graphs_wanted(cuda, v4, None) and not _graphs_wanted(cuda, eager_kernels, None)
+    assert _graphs_wanted(cuda, v4) and not _graphs_wanted(cuda, eager_kernels)

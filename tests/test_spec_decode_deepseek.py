@@ -47,6 +47,9 @@ def assert_no_leak(llm: LLM) -> None:
 
 PROMPTS = [[7 + i for i in range(n)] for n in (3, 6, 11, 17, 26)]
 MTP3 = SpeculativeConfig("mtp", 3)
+# Drafting every step whatever the acceptance (no throttle, spec_decode/throttle.py): the tests of
+# bookkeeping over many rejected rounds and of the MTP KV at every position need it.
+MTP3_FIXED = SpeculativeConfig("mtp", 3, adaptive=False)
 
 
 def test_mtp_greedy_alone_matches_plain(loaded):
@@ -123,7 +126,7 @@ def test_mtp_json_schema_greedy_matches_plain(loaded):
 
 
 def test_abort_mid_speculation_frees_every_block(loaded):
-    llm = make_llm(loaded, MTP3)
+    llm = make_llm(loaded, MTP3_FIXED)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     for i, prompt in enumerate(PROMPTS[:3]):
@@ -181,7 +184,7 @@ def test_stub_drafter_all_accepted_or_all_rejected_keeps_output_and_bookkeeping(
     prompt = PROMPTS[2]
     params = SamplingParams(temperature=0, max_tokens=23, ignore_eos=True)
     reference = outputs(make_llm(loaded, None), [prompt], params)[0][0]
-    llm = make_llm(loaded, SpeculativeConfig("ngram", 4))
+    llm = make_llm(loaded, SpeculativeConfig("ngram", 4, adaptive=False))
     llm.engine.spec.token_proposer = ScriptedProposer(prompt, reference, offset, 129281)
     tokens = run_with_invariants(llm, prompt, params)
     assert tokens == reference
@@ -339,7 +342,7 @@ def test_mtp_drafts_equal_a_from_scratch_recomputation(loaded, accept_all):
     verifier is replaced (test only) by one that takes every draft, so each step's catch-up covers
     several accepted positions, as with a trained MTP layer. The tokens then differ from plain
     decoding, which is not what this test checks."""
-    llm = make_llm(loaded, MTP3, max_num_batched_tokens=5)
+    llm = make_llm(loaded, MTP3_FIXED, max_num_batched_tokens=5)
     engine = llm.engine
     if accept_all:
         engine.spec.verify = lambda seq, sampled: [*seq.spec_token_ids, sampled[-1]]

@@ -465,7 +465,7 @@ def markdown(out: dict) -> str:
     lines = [f"GPU: {out.get('gpu')}, torch {out.get('torch')}, triton {out.get('triton')}, "
              f"transformers {out.get('transformers')}", ""]  # fmt: skip
     keys = ("kernel_checks", "v4_checks", "invariant", "fp8", "kernel_tests", "linear", "parity",
-            "throughput", "determinism", "spec_determinism", "speed", "profile", "prefill_profile",
+            "throughput", "determinism", "spec_determinism", "spec_speed", "speed", "profile", "prefill_profile",
             "serve", "serve_log_tail", "v4_parity", "v4_speed", "v4_kv", "v4_profile", "v4_long",
             "build_s", "errors")  # fmt: skip
     for key in keys:
@@ -573,6 +573,7 @@ def main() -> int:
     import kernel_checks
     import long_prompts
     import serve_bench
+    import spec_speed
     import speed
     import v4_speed
 
@@ -601,6 +602,7 @@ def main() -> int:
         ("parity", lambda: section_parity(out, models, sc)),
         ("determinism", lambda: section_determinism(out, models, sc, deadline - 100)),
         ("spec_determinism", lambda: section_spec_determinism(out, models, sc, deadline - 100)),
+        ("spec_speed", lambda: spec_speed.section_spec_speed(out, deadline - 60)),
         ("throughput", lambda: section_throughput(out, models, sc, deadline - 90)),
         ("serve", lambda: serve_bench.section_serve(out, work, serve_bench.ServeRun())),
         (
@@ -637,6 +639,7 @@ def main() -> int:
         "v4",
         "fp8",  # its own job: --only fp8
         "spec_determinism",  # issue 34: --only spec_determinism
+        "spec_speed",  # issue 34: --only spec_speed (benchmarks/gpu/spec_speed.py)
     }  # superseded by speed / checks
     for name, fn in sections:
         if name == "models":

@@ -12,7 +12,8 @@ How a step goes with speculation on (the engine, scheduler and runner call in he
    full of verified tokens, and gives back blocks holding only rejected positions.
 4. `propose` drafts the next step's tokens: n-gram lookup over the token ids, or the MTP layer fed
    with this step's target hidden states (it also writes the MTP layer's own KV for every newly
-   verified position, so prefix-cache blocks carry it).
+   verified position, so prefix-cache blocks carry it). How many per sequence is its
+   `DraftThrottle`'s call (throttle.py); a throttled sequence runs no MTP rows at all.
 
 Not here: the KV tensor (runner), block bookkeeping (block manager), stop rules (engine).
 """
@@ -35,6 +36,7 @@ from deepserve.engine.scheduler import SchedulerOutput
 from deepserve.engine.spec_decode.mtp import MtpProposer, MtpRows
 from deepserve.engine.spec_decode.ngram import NgramProposer
 from deepserve.engine.spec_decode.stats import SpecDecodeStats
+from deepserve.engine.spec_decode.throttle import DraftThrottle
 from deepserve.engine.spec_decode.verifier import num_matching
 
 logger = logging.getLogger(__name__)
@@ -86,6 +88,7 @@ class SpeculativeDecoder:
             )
         self.method = spec.method
         self.num_speculative_tokens = spec.num_speculative_tokens
+        self.adaptive = spec.adaptive
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.stats = SpecDecodeStats()
@@ -119,6 +122,8 @@ class SpeculativeDecoder:
         assert len(sampled) == len(drafts) + 1
         accepted = num_matching(drafts, sampled)
         self.stats.observe(len(drafts), accepted)
+        if self.adaptive:
+            self._throttle(seq).observe(len(drafts), accepted)
         return sampled[: accepted + 1]
 
     def commit_accepted(self, seq: Sequence, num_accepted: int) -> None:
@@ -153,10 +158,41 @@ class SpeculativeDecoder:
         )
         return max(0, min(self.num_speculative_tokens, room - 1))
 
+    def may_run_ahead(self, seqs: list[Sequence]) -> bool:
+        """Every sequence's drafting is paused, so its next opportunity drafts nothing and the
+        step after this one needs none of this step's ids on the host (async scheduling)."""
+        return self.adaptive and all(
+            s.draft_throttle is not None and s.draft_throttle.paused for s in seqs
+        )
+
+    def skip_opportunities(self, seqs: list[Sequence]) -> None:
+        """The opportunities of a step run ahead (`may_run_ahead`), which `propose` never sees:
+        paused sequences skip them as they would have there (MTP rows too)."""
+        for seq in seqs:
+            drafts = seq.draft_throttle.take_opportunity()
+            assert drafts == 0, "only paused sequences run ahead"
+
+    def _throttle(self, seq: Sequence) -> DraftThrottle:
+        if seq.draft_throttle is None:
+            seq.draft_throttle = DraftThrottle(self.num_speculative_tokens)
+        return seq.draft_throttle
+
+    def _drafts_wanted(self, seq: Sequence) -> int:
+        """Drafts to propose for a decoding sequence at this opportunity (0: skip drafting, and
+        for MTP its rows too). Consumes the opportunity: call once per sequence and step."""
+        budget = self.draft_budget(seq)
+        if not self.adaptive:
+            return budget
+        return min(budget, self._throttle(seq).take_opportunity())
+
     def _token_drafts(self, seq: Sequence) -> list[int]:
         assert self.token_proposer is not None
-        budget = self.draft_budget(seq)
-        drafts = self.token_proposer.propose(seq.token_ids, budget)[:budget] if budget else []
+        budget = self._drafts_wanted(seq)
+        if not budget:
+            return []
+        drafts = self.token_proposer.propose(seq.token_ids, budget)[:budget]
+        if not drafts and self.adaptive:
+            self._throttle(seq).nothing_proposed()
         return grammar_prefix(seq, drafts)
 
     def _propose_mtp(self, out: SchedulerOutput, step: StepHidden, kv_cache: torch.Tensor) -> None:
@@ -205,9 +241,14 @@ class SpeculativeDecoder:
         last = min(seq.num_tokens - 1, start + valid)  # the token at p and hidden at p-1 known
         if last < first:
             return None
-        prev = _prev_hidden(first, last, start, step_hidden)
         is_decoding = seq.num_computed_tokens == seq.num_tokens - 1
-        num_drafts = self.draft_budget(seq) if is_decoding else 0
+        num_drafts = self._drafts_wanted(seq) if is_decoding else 0
+        if is_decoding and self.adaptive and not num_drafts:
+            # Throttled (or at the end): no MTP forward at all. Positions skipped here never get
+            # MTP KV, which only lowers the quality of later drafts, as a prefix-cache hit's
+            # zero hidden state does.
+            return None
+        prev = _prev_hidden(first, last, start, step_hidden)
         num_drafts = self._reserve_mtp_slots(seq, num_drafts)
         if num_drafts < 0:
             return None

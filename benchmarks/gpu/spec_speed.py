@@ -1,0 +1,204 @@
+"""Speculative decoding against plain decoding on the GPU, in one process (issue 34).
+
+Per shape (SmolLM2-135M and DeepSeek-V2-Lite, bf16, transformers' random init as speed.py builds
+them), on repetitive prompts (a 16-token span said four times, so n-gram lookup drafts): decode
+tokens/s of plain decoding (async scheduling on, the default, and off: a speculative step
+runs ahead only while every sequence's drafting is paused) and of n-gram speculation (k = 3) at
+batch 1 and 8, with the drafts made and accepted; the same speculative engine with a drafter that proposes plain decoding's own
+continuation (`oracle`: every draft accepted, what verification costs at full acceptance); and
+whether greedy output equals plain decoding's at batch 1 and 8: in bf16 (default kernels, where
+rows may differ in the last bit, so informative only), in bf16 under `--batch-invariant` (must
+be equal) and, for SmolLM2, in float32. Then tiny-deepseek (vocabulary 129,280) with MTP and
+random MTP weights (nearly no draft accepted: the draft throttle's case) against plain, with
+the throttle on and off.
+
+Decode tokens/s: prefix caching off, generate(prompts, 1 token) timed apart and taken out of
+generate(prompts, N + 1 tokens), best of two. Imported by run_all.py (section `spec_speed`).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+TOKENS = 96
+BATCHES = (1, 8)
+K = 3
+
+
+def _sync() -> None:
+    torch.cuda.synchronize()
+
+
+def _greedy(n: int):
+    from deepserve.engine.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def repetitive_prompts(seed: int, batch: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(16)] * 4 for _ in range(batch)]
+
+
+class ReferenceDrafter:
+    """Proposes the plain engine's own continuation of each known prompt (every draft right)."""
+
+    def __init__(self) -> None:
+        self.known: dict[tuple[int, ...], list[int]] = {}
+
+    def propose(self, token_ids: list[int], num_tokens: int) -> list[int]:
+        output = self.known.get(tuple(token_ids[:64]))
+        if output is None:
+            return []
+        done = len(token_ids) - 64
+        return output[done : done + num_tokens]
+
+
+def _timed(llm, prompts, n: int) -> tuple[float, list[list[int]]]:
+    _sync()
+    t0 = time.perf_counter()
+    results = llm.generate(prompts, _greedy(n))
+    _sync()
+    return time.perf_counter() - t0, [r.token_ids for r in results]
+
+
+def decode_run(
+    llm, vocab: int, batch: int, seed: int, record: dict | None = None
+) -> tuple[float, list[list[int]]]:
+    """Decode tok/s of `batch` repetitive prompts (best of two), and the last run's outputs;
+    `record`: filled with prompt -> output of the timed runs."""
+    _timed(llm, repetitive_prompts(seed + 99, batch, vocab), 8)  # warm-up
+    best, outputs = 0.0, []
+    for rep in range(2):
+        prompts = repetitive_prompts(seed + rep, batch, vocab)
+        prefill, _ = _timed(llm, prompts, 1)
+        total, outputs = _timed(llm, prompts, TOKENS + 1)
+        best = max(best, batch * TOKENS / max(total - prefill, 1e-9))
+        if record is not None:
+            record.update((tuple(p), o) for p, o in zip(prompts, outputs, strict=True))
+    return best, outputs
+
+
+def measure(
+    rows: list, label: dict, llm, vocab: int, deadline: float, record: dict | None = None
+) -> dict:
+    """tok/s, drafted/accepted and outputs per batch size for one engine; {batch: outputs}."""
+    spec = llm.engine.spec
+    outputs = {}
+    for batch in BATCHES:
+        if time.time() > deadline:
+            break
+        before = (spec.stats.num_draft_tokens, spec.stats.num_accepted_tokens) if spec else None
+        tok_s, outputs[batch] = decode_run(llm, vocab, batch, 10 * batch, record)
+        row = dict(label, batch=batch, decode_tok_s=round(tok_s, 1))
+        if spec is not None:
+            row["drafted"] = spec.stats.num_draft_tokens - before[0]
+            row["accepted"] = spec.stats.num_accepted_tokens - before[1]
+        rows.append(row)
+        print(row, flush=True)
+    return outputs
+
+
+def equal_rows(rows: list, label: dict, plain: dict, spec: dict) -> None:
+    for batch in plain:
+        if batch in spec:
+            rows.append(dict(label, batch=batch, greedy_equal=plain[batch] == spec[batch]))
+            print(rows[-1], flush=True)
+
+
+def _release(llm) -> None:
+    llm.engine.runner.close()
+    del llm
+    torch.cuda.empty_cache()
+
+
+def _shape(rows: list, name: str, deadline: float) -> None:
+    import speed
+
+    from deepserve.engine.config import SpeculativeConfig
+
+    config = speed.SHAPES[name]
+    vocab = config["vocab_size"]
+    hf = speed.build_hf(config)
+    weights = dict(hf.state_dict())
+    ngram = SpeculativeConfig("ngram", K)
+
+    def build(batch_invariant: bool, dtype: str = "bfloat16", **kw):
+        return speed.build_llm_over(
+            config, weights, batch_invariant, dtype=dtype, max_num_seqs=8, max_model_len=1024,
+            kv_cache_bytes=2**30, enable_prefix_caching=False, **kw,
+        )  # fmt: skip
+
+    base = dict(shape=name, dtype="bfloat16", batch_invariant=False)
+    oracle = ReferenceDrafter()
+    llm = build(False)
+    plain = measure(rows, dict(base, run="plain"), llm, vocab, deadline, oracle.known)
+    _release(llm)
+    llm = build(False, async_scheduling=False)
+    measure(rows, dict(base, run="plain, async off"), llm, vocab, deadline)
+    _release(llm)
+    llm = build(False, speculative=ngram)
+    spec = measure(rows, dict(base, run="ngram"), llm, vocab, deadline)
+    equal_rows(rows, dict(base, run="ngram vs plain"), plain, spec)
+    llm.engine.spec.token_proposer = oracle
+    measure(rows, dict(base, run="oracle drafts"), llm, vocab, deadline)
+    _release(llm)
+    checks = [("bfloat16", True)] + ([("float32", False)] if name == "smollm2" else [])
+    for dtype, flag in checks:
+        if time.time() > deadline:
+            break
+        label = dict(shape=name, dtype=dtype, batch_invariant=flag)
+        llm = build(flag, dtype)
+        plain = measure(rows, dict(label, run="plain"), llm, vocab, deadline)
+        _release(llm)
+        llm = build(flag, dtype, speculative=ngram)
+        spec = measure(rows, dict(label, run="ngram"), llm, vocab, deadline)
+        _release(llm)
+        equal_rows(rows, dict(label, run="ngram vs plain"), plain, spec)
+    weights.clear()  # the engines are gone; drop transformers' copy too
+    del hf
+    torch.cuda.empty_cache()
+
+
+def _mtp(rows: list, deadline: float) -> None:
+    import speed
+
+    from deepserve.engine.config import SpeculativeConfig
+    from deepserve.engine.testmodels.tiny_deepseek import TINY_CONFIG, _tensors
+
+    config = dict(TINY_CONFIG, vocab_size=129280)
+    weights = _tensors(config, torch.Generator().manual_seed(0))
+    vocab = config["vocab_size"]
+    label = dict(shape="tiny-deepseek", dtype="bfloat16", batch_invariant=False)
+    outputs = {}
+    for run, kw in (
+        ("plain", {}),
+        ("plain, async off", dict(async_scheduling=False)),
+        ("mtp", dict(speculative=SpeculativeConfig("mtp", K))),
+        ("mtp, throttle off", dict(speculative=SpeculativeConfig("mtp", K, adaptive=False))),
+    ):
+        if time.time() > deadline:
+            break
+        llm = speed.build_llm_over(
+            config, weights, False, max_num_seqs=8, kv_cache_bytes=2**30,
+            enable_prefix_caching=False, **kw,
+        )  # fmt: skip
+        outputs[run] = measure(rows, dict(label, run=run), llm, vocab, deadline)
+        _release(llm)
+    if "mtp" in outputs:
+        equal_rows(rows, dict(label, run="mtp vs plain"), outputs["plain"], outputs["mtp"])
+
+
+def section_spec_speed(out: dict, deadline: float) -> None:
+    rows = out.setdefault("spec_speed", [])
+    if torch.cuda.is_available():
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    for part in (lambda: _shape(rows, "smollm2", deadline), lambda: _mtp(rows, deadline)):
+        if time.time() > deadline:
+            break
+        part()
+    if time.time() < deadline:
+        _shape(rows, "v2-lite", deadline)
