@@ -31,6 +31,16 @@ BLOCK_D = 64  # head-dim chunk of the q.k products
 
 
 @jit
+def widen_kv(x, dt: constexpr):
+    """KV loaded from a quantized (e4m3) cache, widened to `dt` (through float32, exact: Triton's
+    interpreter has no e4m3 -> bfloat16); from any other cache, as loaded. The cache's scales are
+    the model's (kernels/kv_quant.py)."""
+    if x.dtype == tl.float8e4nv:
+        x = x.to(tl.float32).to(dt)
+    return x
+
+
+@jit
 def _walk_split(
     q_rows, k_ptr, v_ptr, table, pos, row_ok, key_lo, key_hi, k_head, v_head,
     s_qd, s_kb, s_ks, s_kd, s_vb, s_vs, s_vd, scale, DK, DV, block_size,
@@ -63,6 +73,7 @@ def _walk_split(
                 mask=(d[:, None] < DK) & key_ok[None, :],
                 other=0.0,
             )
+            k = widen_kv(k, q.dtype)
             scores = tl.dot(q, k, scores, input_precision=PRECISION)
         visible = (keys[None, :] <= pos[:, None]) & key_ok[None, :] & row_ok[:, None]
         scores = tl.where(visible, scores * scale, float("-inf"))
@@ -76,6 +87,7 @@ def _walk_split(
             mask=key_ok[:, None] & dv_ok[None, :],
             other=0.0,
         )
+        v = widen_kv(v, q_rows.dtype.element_ty)
         pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         acc = tl.where(sees[:, None], acc * alpha[:, None] + pv, acc)
         l_i = tl.where(sees, l_i * alpha + tl.sum(p, axis=1), l_i)

@@ -24,8 +24,8 @@ def _kv_write_kernel(
     d = tl.arange(0, LORA)
     x = tl.load(ckv_ptr + t * s_ckv + d).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / LORA + eps)
-    # cast back before the weight, as the reference (and HF) do
-    y = (x * rstd).to(cache_ptr.dtype.element_ty).to(tl.float32)
+    # cast back to the model's dtype before the weight, as the reference (and HF) do
+    y = (x * rstd).to(ckv_ptr.dtype.element_ty).to(tl.float32)
     latent = tl.load(w_ptr + d).to(tl.float32) * y
     dst = cache_ptr + tl.load(slot_ptr + t) * s_row
     tl.store(dst + d, latent.to(cache_ptr.dtype.element_ty))
@@ -92,7 +92,8 @@ def kv_write_(
 ) -> bool:
     """`cache[slot] = [rms_norm(ckv[:, :lora]) | rope(ckv[:, lora:])]` for every token.
     ckv `[T, lora + rope]`; cos/sin `[T, 1, rope // 2]` (kernels/rope.py's `rope_at`); cache
-    `[num_blocks, block_size, lora + rope]`."""
+    `[num_blocks, block_size, lora + rope]`, e4m3 (scale 1: a scale is divided out by the
+    model's unfused write) or ckv's dtype."""
     lora = norm_weight.shape[0]
     half = (ckv.shape[1] - lora) // 2
     row = cache.shape[-1]
