@@ -22,22 +22,13 @@ from dataclasses import dataclass
 import torch
 
 from deepserve.kernels.attention_metadata import AttentionMetadata
+from deepserve.kernels.triton.kv_codes import widen_kv
 from deepserve.kernels.triton.lang import constexpr, jit, next_power_of_2, tl
 
 SPLIT = 512  # keys per split: fixed, whatever the context length or batch
 BLOCK_M = 16  # query rows per program
 BLOCK_N = 64  # keys per step inside a split
 BLOCK_D = 64  # head-dim chunk of the q.k products
-
-
-@jit
-def widen_kv(x, dt: constexpr):
-    """KV loaded from a quantized (e4m3) cache, widened to `dt` (through float32, exact: Triton's
-    interpreter has no e4m3 -> bfloat16); from any other cache, as loaded. The cache's scales are
-    the model's (kernels/kv_quant.py)."""
-    if x.dtype == tl.float8e4nv:
-        x = x.to(tl.float32).to(dt)
-    return x
 
 
 @jit

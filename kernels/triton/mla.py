@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from deepserve.kernels.triton.kv_codes import narrow_kv
 from deepserve.kernels.triton.lang import constexpr, jit, next_power_of_2, tl
 
 
@@ -28,14 +29,14 @@ def _kv_write_kernel(
     y = (x * rstd).to(ckv_ptr.dtype.element_ty).to(tl.float32)
     latent = tl.load(w_ptr + d).to(tl.float32) * y
     dst = cache_ptr + tl.load(slot_ptr + t) * s_row
-    tl.store(dst + d, latent.to(cache_ptr.dtype.element_ty))
+    tl.store(dst + d, narrow_kv(latent, cache_ptr.dtype.element_ty))
     h = tl.arange(0, HALF)
     x1 = tl.load(ckv_ptr + t * s_ckv + LORA + h).to(tl.float32)
     x2 = tl.load(ckv_ptr + t * s_ckv + LORA + HALF + h).to(tl.float32)
     c = tl.load(cos_ptr + t * s_cos + h).to(tl.float32)
     s = tl.load(sin_ptr + t * s_cos + h).to(tl.float32)
-    tl.store(dst + LORA + h, (x1 * c - x2 * s).to(cache_ptr.dtype.element_ty))
-    tl.store(dst + LORA + HALF + h, (x2 * c + x1 * s).to(cache_ptr.dtype.element_ty))
+    tl.store(dst + LORA + h, narrow_kv(x1 * c - x2 * s, cache_ptr.dtype.element_ty))
+    tl.store(dst + LORA + HALF + h, narrow_kv(x2 * c + x1 * s, cache_ptr.dtype.element_ty))
 
 
 @jit
