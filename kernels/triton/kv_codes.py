@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from deepserve.kernels.triton.lang import constexpr, jit, tl
 
-FP8_MAX = 448.0  # kernels/kv_quant.py's
-
 
 @jit
 def widen_kv(x, dt: constexpr):
@@ -24,5 +22,5 @@ def narrow_kv(x, dt: constexpr):
     """`x` as a cache of element type `dt` stores it: saturated first when `dt` is e4m3 (an
     overflow would otherwise be NaN where the conversion does not saturate)."""
     if dt == tl.float8e4nv:
-        x = tl.minimum(tl.maximum(x.to(tl.float32), -FP8_MAX), FP8_MAX)
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)  # kv_quant.FP8_MAX
     return x.to(dt)
