@@ -565,6 +565,7 @@ def main() -> int:
         ("models", write_models),
         ("invariant", lambda: kernel_checks.run_invariant(out, deadline - 240)),  # speed: ~130 s
         ("fp8", lambda: kernel_checks.run_fp8(out, deadline - 60)),
+        ("kv_fp8", lambda: kernel_checks.run_kv_fp8(out, deadline - 30)),  # ~2 minutes
         (
             "speed",
             lambda: speed.section_speed(
@@ -610,6 +611,7 @@ def main() -> int:
         "v4_parity",
         "v4",
         "fp8",  # its own job: --only fp8
+        "kv_fp8",  # --kv-cache-dtype fp8: --only kv_fp8
         "spec_determinism",  # issue 34: --only spec_determinism
     }  # superseded by speed / checks
     for name, fn in sections:
