@@ -219,6 +219,19 @@ def test_checkpoint_kv_scales_are_read_for_fp8_and_ignored_for_auto(tmp_path):
     _close(scaled_fp8, plain_auto, "tiny-deepseek")
 
 
+def test_the_cli_flag_reaches_the_engine_config_and_bad_names_are_refused():
+    from deepserve.server.cli import build_parser, engine_config_from_args
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--kv-cache-dtype", "fp8"])
+    assert engine_config_from_args(args).kv_cache_dtype == "fp8"
+    assert engine_config_from_args(parser.parse_args(["serve"])).kv_cache_dtype == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--kv-cache-dtype", "int8"])
+    with pytest.raises(ValueError, match="--kv-cache-dtype"):
+        EngineConfig(kv_cache_dtype="fp8_e5m2")
+
+
 def test_deepseek_v4_refuses_an_fp8_cache_by_name():
     with pytest.raises(UnsupportedModelError, match="--kv-cache-dtype fp8 is not supported"):
         _load("tiny-deepseek-v4", "fp8")
