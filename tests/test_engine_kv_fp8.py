@@ -192,6 +192,16 @@ def test_batch_invariant_rows_are_bitwise_equal_alone_and_in_a_batch(model):
     assert chunked == alone
 
 
+def test_forked_samples_copy_fp8_blocks(fp8):
+    """n = 2 seeded samples fork the prompt's partial last block (a block copy in the cache)."""
+    prompt = _encode(fp8, [PROMPTS[0]])
+    params = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=4, ignore_eos=True)
+    two = [s.token_ids for s in _llm(fp8, "fp8").generate(prompt, params)[0].samples]
+    one = SamplingParams(temperature=0.8, seed=3, n=1, max_tokens=4, ignore_eos=True)
+    alone = _llm(fp8, "fp8").generate(prompt, one)[0].samples[0].token_ids
+    assert len(two) == 2 and two[0] == alone
+
+
 def _with_kv_scales(tmp_path, scale: float) -> str:
     """tiny-deepseek with a `k_scale` on every attention layer (MTP's included)."""
     folder = tmp_path / "scaled"
