@@ -39,8 +39,10 @@ def is_quantized(dtype: torch.dtype) -> bool:
 def quantize(values: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
     """`values` in the cache's `dtype`: divided by `scale` and saturated when quantized, a plain
     cast otherwise."""
+    if values.dtype == dtype:  # already the cache's (codes, or the model's own dtype)
+        return values
     if not is_quantized(dtype):
-        return values if values.dtype == dtype else values.to(dtype)
+        return values.to(dtype)
     if scale != 1.0:
         values = values.float() / scale
     return values.clamp(-FP8_MAX, FP8_MAX).to(dtype)
