@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from deepserve.kvcache.store import DEFAULT_TIMEOUT_S
 
+KV_CACHE_DTYPE_NAMES = ("auto", "fp8", "fp8_e4m3")  # kernels/kv_quant.py's KV_CACHE_DTYPES
+
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
@@ -41,6 +43,9 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: derived from kv_cache_bytes
     kv_cache_bytes: int = 512 * 2**20
+    # the device KV cache's element dtype (kernels/kv_quant.py): "auto" the model's dtype,
+    # "fp8" / "fp8_e4m3" e4m3 with per-layer scales (the checkpoint's k_scale/v_scale, else 1.0)
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill splits above it)
     max_model_len: int | None = None  # None: the model's own context length
@@ -64,6 +69,11 @@ class EngineConfig:
     enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
+            raise ValueError(
+                f"--kv-cache-dtype {self.kv_cache_dtype!r} is not one of "
+                f"{', '.join(KV_CACHE_DTYPE_NAMES)}"
+            )
         if self.kv_tiers is not None and not self.enable_prefix_caching:
             # The tiers hold prefix-cache blocks and are found through it: without it they
             # would be built and never used, which looked like a working KV tier.

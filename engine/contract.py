@@ -74,6 +74,9 @@ class ModelCard:
     block_size: int
     kv_block_bytes: int  # one KV block on every layer, as the tiers store it
     kernels: str = "torch"  # "native" when the C++ CPU kernels run (kernels/cpu/native.py)
+    kv_cache_dtype: str = (
+        ""  # the device KV cache's element dtype, e.g. "bfloat16", "float8_e4m3fn"
+    )
 
 
 @dataclass(frozen=True)

@@ -135,6 +135,7 @@ class LLMEngine:
             self.config.block_size,
             cache[:, 0].numel() * cache.element_size(),
             kernels_in_use(self.config.device),
+            str(cache.dtype).removeprefix("torch."),
         )
 
     def stats(self) -> EngineStats:

@@ -22,6 +22,7 @@ from deepserve.engine.models.base import CausalLM
 from deepserve.engine.request import Sequence
 from deepserve.engine.sampler import DeviceSample, Sampler, SamplerOutput, SamplingBatch
 from deepserve.engine.scheduler import SchedulerOutput
+from deepserve.kernels import kv_quant
 from deepserve.kernels.attention_metadata import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -250,7 +251,8 @@ class ModelRunner:
             return
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
-        self.kv_cache[:, dst] = self.kv_cache[:, src]
+        cache = kv_quant.byte_view(self.kv_cache)  # e4m3 lacks index kernels on some devices
+        cache[:, dst] = cache[:, src]
         copy_elsewhere = getattr(self.model, "copy_blocks", None)  # tensor parallel: other ranks
         if copy_elsewhere is not None:
             copy_elsewhere(copies)

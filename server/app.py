@@ -93,6 +93,7 @@ def _add_routes(app: FastAPI, state: AppState) -> None:
             "owned_by": "deepserve",
             "max_model_len": state.max_model_len,
             "batch_invariant": state.metrics.batch_invariant,
+            "kv_cache_dtype": state.backend.card.kv_cache_dtype,
         }
         return {"object": "list", "data": [card]}
 

@@ -17,7 +17,12 @@ import socket
 import sys
 from pathlib import Path
 
-from deepserve.engine.config import EngineConfig, KVTierConfig, SpeculativeConfig
+from deepserve.engine.config import (
+    KV_CACHE_DTYPE_NAMES,
+    EngineConfig,
+    KVTierConfig,
+    SpeculativeConfig,
+)
 from deepserve.engine.loading.builtin_models import DEFAULT_MODEL
 
 log = logging.getLogger(__name__)
@@ -48,6 +53,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--kv-cache-bytes", type=int, default=512 * 2**20, help="device KV pool size")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="device KV pool in blocks")
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(KV_CACHE_DTYPE_NAMES),
+        help="KV cache storage: auto (the model's dtype) or fp8 (= fp8_e4m3: e4m3 with per-layer "
+        "scales from the checkpoint's k_scale/v_scale, else 1.0; half bfloat16's bytes per token)",
+    )
     g.add_argument("--max-num-seqs", type=int, default=64, help="most running requests")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")
     g.add_argument("--max-model-len", type=int, default=None, help="context limit")
@@ -201,6 +213,7 @@ def _engine_config(args: argparse.Namespace, spec: SpeculativeConfig | None) -> 
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_bytes=args.kv_cache_bytes,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,

@@ -107,6 +107,7 @@ class _EngineCollector(Collector):
             ("num_requests_running", "Requests in the running batch.", load.running),
             ("num_requests_waiting", "Requests waiting to be scheduled.", load.waiting),
             ("kv_cache_usage_perc", "Fraction of device KV blocks in use.", load.kv_usage),
+            ("kv_cache_blocks", "Device KV blocks in the pool.", load.num_blocks),
         ]:
             g = GaugeMetricFamily(PREFIX + name, doc, labels=names)
             g.add_metric(values, float(value))

@@ -1,12 +1,14 @@
 """Compile `--batch-invariant`'s matmul and fixed-split attention for the H200 (sm_90) on any
 machine, no GPU needed: the matmul each engine weight shape launches (config_for), the
 attention kernels at the two models' head shapes, and DeepSeek-V4's sparse attention, indexer
-and pooling kernels at V4-Flash's shapes, specialised as Triton specialises them at run
+and pooling kernels at V4-Flash's shapes, and the attention and KV-write kernels over an e4m3 KV
+cache (`--kv-cache-dtype fp8`), specialised as Triton specialises them at run
 time, through ptxas; prints registers, spill stores, shared memory, and the SASS counts that say
 whether the tensor-core (HGMMA) and pipelined-copy (LDGSTS) paths were taken. Run it before a
 device call: a kernel that does not compile here does not compile there.
 
     .venv/bin/python benchmarks/gpu/compile_check.py   # PYTHONPATH=dir for another Triton
+    .venv/bin/python benchmarks/gpu/compile_check.py --kv-fp8   # only the fp8 KV cache's kernels
 """
 
 from __future__ import annotations
@@ -16,12 +18,20 @@ import re
 import subprocess
 import sys
 import tempfile
+from functools import partial
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from deepserve.kernels.triton import attention, decode_attention, matmul, sparse_attention
+from deepserve.kernels.triton import (
+    attention,
+    decode_attention,
+    matmul,
+    mla,
+    rope,
+    sparse_attention,
+)
 
 SHAPES = [  # (K, N, bmm heads or 0, dtype): the V2-Lite and SmolLM2 weights
     (2048, 3072, 0, "bf16"),
@@ -73,13 +83,13 @@ ATTENTION = [  # (name, DK, DV): V2-Lite's absorbed MLA (latent + rope key), Smo
 ]
 
 
-def compile_attention(fn, dk: int, dv: int) -> dict:
+def compile_attention(fn, dk: int, dv: int, kv: str = "bf16") -> dict:
     """A fixed-split attention kernel (attention.py's or decode_attention.py's invariant one) in
-    bf16 with the engine's tile constants."""
+    bf16 with the engine's tile constants, over a `kv` ("bf16" or "fp8e4nv") cache."""
     names = fn.arg_names
     sig = {name: "i32" for name in names}
     sig.update({n: "*i32" for n in names if n.endswith("_ptr")})  # tables, lengths, offsets
-    typed = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16", scale="fp32")
+    typed = dict(q_ptr="*bf16", k_ptr=f"*{kv}", v_ptr=f"*{kv}", o_ptr="*bf16", scale="fp32")
     typed.update(pm_ptr="*fp32", pl_ptr="*fp32", pacc_ptr="*fp32")
     sig.update({n: t for n, t in typed.items() if n in names})
     const = dict(
@@ -91,7 +101,76 @@ def compile_attention(fn, dk: int, dv: int) -> dict:
     sig.update({name: "constexpr" for name in const})
     kernel = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=4, num_stages=2))  # fmt: skip
-    return _resources(kernel, f"{fn.__name__} DK={dk} DV={dv}")
+    return _resources(kernel, f"{fn.__name__} DK={dk} DV={dv} kv={kv}")
+
+
+def compile_decode(dk: int, dv: int, heads: int, kv_heads: int, shared: bool, kv: str) -> dict:
+    """The default set's graph-safe decode kernel as `decode_attention` launches it (bf16
+    queries) over a `kv` cache."""
+    fn = decode_attention._decode_split_kernel
+    pow2 = triton.next_power_of_2
+    dm = dv if shared else pow2(dk) // (2 if pow2(dk) != dk else 1)
+    dm = min(dm, dk)
+    dt, wide = dk - dm, dk > 256
+    names = fn.arg_names
+    sig = {name: "i32" for name in names}
+    sig.update({n: "*i32" for n in names if n.endswith("_ptr")})
+    sig.update(q_ptr="*bf16", k_ptr=f"*{kv}", v_ptr=f"*{kv}", scale="fp32")
+    sig.update(pm_ptr="*fp32", pl_ptr="*fp32", pacc_ptr="*fp32")
+    group = heads // kv_heads
+    const = dict(
+        BASE=decode_attention.BASE_SPLITS, MIN_KEYS=decode_attention.MIN_SPLIT_KEYS, DM=dm,
+        DT=max(16, pow2(dt)) if dt else 0, DT_REAL=dt, BLOCK_DV=pow2(dv), SHARED_V=shared,
+        HEAD_BLOCKS=-(-group // decode_attention.BLOCK_H), BLOCK_H=decode_attention.BLOCK_H,
+        BLOCK_N=32 if wide else 64, PRECISION="tf32",
+    )  # fmt: skip
+    sig.update({name: "constexpr" for name in const})
+    opts = dict(num_warps=8 if wide else 4, num_stages=2)
+    kernel = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=opts)  # fmt: skip
+    return _resources(kernel, f"_decode_split_kernel DK={dk} DV={dv} kv={kv}")
+
+
+def compile_kv_writes(kv: str) -> list[dict]:
+    """MLA's fused latent write (V2-Lite: lora 512, rope 64) and llama's rope + K/V write
+    (SmolLM2: 9 + 3 heads of 64) into a `kv` cache from bf16 rows."""
+    out = []
+    fn = mla._kv_write_kernel
+    sig = {name: "i32" for name in fn.arg_names}
+    sig.update(ckv_ptr="*bf16", w_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16")
+    sig.update(cache_ptr=f"*{kv}", slot_ptr="*i64", eps="fp32", LORA="constexpr", HALF="constexpr")
+    const = dict(LORA=512, HALF=32)
+    kernel = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))  # fmt: skip
+    out.append(_resources(kernel, f"mla._kv_write_kernel kv={kv}"))
+    fn = rope._rope_qk_write_kv_kernel
+    sig = {name: "i32" for name in fn.arg_names}
+    sig.update(qkv_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", k_ptr=f"*{kv}", v_ptr=f"*{kv}")
+    sig.update(slot_ptr="*i64", BLOCK_H="constexpr", HALF="constexpr")
+    const = dict(BLOCK_H=16, HALF=32)
+    opts = dict(num_warps=1, enable_fp_fusion=False)
+    kernel = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=opts)  # fmt: skip
+    out.append(_resources(kernel, f"rope._rope_qk_write_kv_kernel kv={kv}"))
+    return out
+
+
+def kv_fp8_main() -> int:
+    """Only the kernels `--kv-cache-dtype fp8` changes, in bf16 and e4m3 side by side."""
+    failed = 0
+    for kv in ("bf16", "fp8e4nv"):
+        cases = [
+            *((f"{fn.__name__} {n}", partial(compile_attention, fn, dk, dv, kv))
+              for fn in (attention._varlen_kernel, decode_attention._invariant_split_kernel)
+              for n, dk, dv in ATTENTION),
+            ("decode mla", partial(compile_decode, 576, 512, 16, 1, True, kv)),
+            ("decode gqa", partial(compile_decode, 64, 64, 9, 3, False, kv)),
+            ("kv writes", partial(compile_kv_writes, kv)),
+        ]  # fmt: skip
+        for what, build in cases:
+            try:
+                print(what, build(), flush=True)
+            except Exception as e:
+                failed += 1
+                print(what, kv, "FAILED:", str(e)[-600:], flush=True)
+    return 1 if failed else 0
 
 
 SPARSE_POINTERS = {  # DeepSeek-V4's kernels (sparse_attention.py): bf16 cache, int64 slots
@@ -163,6 +242,8 @@ def _resources(kernel, what: str) -> dict:
 
 def main() -> int:
     print(f"triton {triton.__version__}, target sm_90")
+    if "--kv-fp8" in sys.argv[1:]:
+        return kv_fp8_main()
     failed = 0
     for k, n, heads, dtype in SHAPES:
         try:
@@ -183,7 +264,7 @@ def main() -> int:
             except Exception as e:
                 failed += 1
                 print(name, fn.__name__, "FAILED:", str(e)[-600:], flush=True)
-    return 1 if failed else 0
+    return 1 if failed or kv_fp8_main() else 0
 
 
 if __name__ == "__main__":

@@ -13,7 +13,12 @@ replay, ms and GB/s.
 `run_fp8` (`--only fp8`): the block-scaled FP8 GEMM on V3 / V4 / V2-Lite projection shapes and
 the FP8 / MXFP4 fused MoE against dequantized references, timed beside bf16, V3 / V4 models on
 kept FP8 / MXFP4 weights, and the default set's few-row FP8 path (GEMV) against the GEMM and
-bf16 at M = 1..64. Imported by
+bf16 at M = 1..64.
+`run_kv_fp8` (`--only kv_fp8`): `--kv-cache-dtype fp8` on the device: every Triton attention
+kernel over an e4m3 cache against itself over the widened cache (bitwise) and the float32
+reference, the fused KV writes' codes against torch's, decode attention timed over bf16 and e4m3
+caches (V2-Lite's latent, SmolLM2's GQA) at long contexts, and a 4-layer V2-Lite-shaped engine
+decoding batch 64 at a 4K context with either cache. Imported by
 run_all.py; returns rows of max relative errors."""
 
 from __future__ import annotations
@@ -1414,3 +1419,191 @@ def check_v4_quantized_model(rows: list) -> None:
     del loaded, attn, moe, formats
     torch.cuda.empty_cache()
     _kept_against_dequantized(rows, folder, DeepseekV4ForCausalLM, "v4_quantized_logits")
+
+
+# ---- `--kv-cache-dtype fp8`: the e4m3 KV cache's kernels and decode speed ----------------------
+
+
+def _e4m3(k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype):
+    """`_decode_case`'s caches as e4m3 codes, and those codes widened to `dtype` (V still K's
+    leading columns where it was)."""
+    shared = v_cache.data_ptr() == k_cache.data_ptr()
+    base = k_cache if shared else torch.cat([k_cache, v_cache], dim=-1)
+    codes = base.to(torch.float8_e4m3fn)
+    wide = codes.to(dtype)
+    dk, dv = k_cache.shape[-1], v_cache.shape[-1]
+    if shared:
+        return (codes, codes[..., :dv]), (wide, wide[..., :dv])
+    return (codes[..., :dk], codes[..., dk:]), (wide[..., :dk], wide[..., dk:])
+
+
+def check_kv_fp8_attention(rows: list) -> None:
+    """Decode steps through the default decode kernel and both sets' fixed-split kernels, and a
+    prefill chunk mixed with decodes through both varlen kernels, over e4m3: bitwise their
+    result over the widened bf16 cache, and close to the float32 reference."""
+    from deepserve.kernels.reference import attention as attention_ref
+    from deepserve.kernels.triton.decode_attention import InvariantPagedAttention
+    from deepserve.kernels.triton.kernelset import FastPagedAttention
+
+    gen = torch.Generator().manual_seed(21)
+    ops = {"fast": FastPagedAttention(), "invariant": InvariantPagedAttention()}
+    for layout in ("mla", "gqa"):
+        for lens in ([1], [7, 300, 33], [17] * 64 + [2000]):
+            q, k, v, attn = _decode_case(layout, torch.bfloat16, lens, 16, 9000, gen)
+            (k8, v8), (kw, vw) = _e4m3(k, v, torch.bfloat16)
+            want = attention_ref.paged_attention(q.float(), kw.float(), vw.float(), attn, 0.07)
+            for name, op in ops.items():
+                got = op(q, k8, v8, attn, 0.07)
+                rows.append(dict(op="kv_fp8_decode", kernel=name, layout=layout,
+                                 lens=str(lens[:4]), equal=bool(torch.equal(got, op(q, kw, vw, attn, 0.07))),
+                                 rel_err=rel(got, want)))  # fmt: skip
+        _kv_fp8_varlen_rows(rows, layout, ops, gen)
+
+
+def _kv_fp8_varlen_rows(rows: list, layout: str, ops: dict, gen) -> None:
+    from deepserve.kernels.reference import attention as attention_ref
+
+    q, k, v, _ = _decode_case(layout, torch.bfloat16, [1], 16, 700, gen)
+    (k8, v8), (kw, vw) = _e4m3(k, v, torch.bfloat16)
+    # a 2,000-token prefill chunk over 3,000 cached tokens, beside a decode of 500
+    tables = torch.randperm(700, generator=gen)[:626].view(2, 313).to(torch.int32).cuda()
+    t = lambda x, dt=torch.int32: torch.tensor(x, dtype=dt, device="cuda")  # noqa: E731
+    attn = AttentionMetadata(
+        query_start_loc=t([0, 2000, 2001]), seq_lens=t([5000, 500]), context_lens=t([3000, 499]),
+        slot_mapping=t([0] * 2001, torch.int64), block_tables=tables, block_size=16,
+        query_lens_cpu=[2000, 1], seq_lens_cpu=[5000, 500], context_lens_cpu=[3000, 499],
+    )  # fmt: skip
+    qs = torch.randn(2001, q.shape[1], q.shape[2], generator=gen).to("cuda", torch.bfloat16)
+    want = attention_ref.paged_attention(qs.float(), kw.float(), vw.float(), attn, 0.07)
+    for name, op in ops.items():
+        got = op(qs, k8, v8, attn, 0.07)
+        rows.append(dict(op="kv_fp8_varlen", kernel=name, layout=layout,
+                         equal=bool(torch.equal(got, op(qs, kw, vw, attn, 0.07))),
+                         rel_err=rel(got, want)))  # fmt: skip
+
+
+def check_kv_fp8_writes(rows: list) -> None:
+    """The fused MLA latent write and llama's rope + K/V write into e4m3 caches from bf16 rows,
+    against the unfused torch ops' codes (kv_quant.quantize): the share of equal codes (the MLA
+    kernel rounds float32 straight to e4m3, torch through bf16 first: a rare code apart) and
+    whether any value overflowed to NaN (values past 448: they must saturate)."""
+    from deepserve.kernels import kv_quant
+    from deepserve.kernels.reference import rms_norm
+    from deepserve.kernels.reference.attention import write_kv
+    from deepserve.kernels.rope import apply_rope, build_rope_tables, rope_at
+    from deepserve.kernels.triton import mla, rope
+
+    g = torch.Generator().manual_seed(22)
+    tokens, bf16, fp8 = 300, torch.bfloat16, torch.float8_e4m3fn
+    pos = torch.randint(0, 4000, (tokens,), generator=g).cuda()
+    slots = torch.randperm(64 * 16, generator=g)[:tokens].cuda()
+    ckv = (torch.randn(tokens, 576, generator=g) * 50).to("cuda", bf16)
+    norm = (torch.rand(512, generator=g) * 200).to("cuda", bf16)
+    cos, sin = rope_at(build_rope_tables(64, 10000.0, None, 4096, "cuda"), pos, bf16)
+    cache = torch.zeros(64, 16, 576, device="cuda", dtype=fp8)
+    assert mla.kv_write_(ckv, norm, 1e-6, cos, sin, cache, slots)
+    want = torch.cat([rms_norm(ckv[:, :512], norm, 1e-6),
+                      apply_rope(ckv[:, 512:].unsqueeze(1), cos, sin)[:, 0]], -1)  # fmt: skip
+    want = kv_quant.quantize(want, fp8)
+    got = kv_quant.index_rows(cache.view(-1, 576), slots)
+    rows.append(dict(op="kv_fp8_mla_write", equal_codes=float((got.view(torch.uint8) == want.view(torch.uint8)).float().mean()),
+                     nan=bool(got.float().isnan().any()), saturated=float((got.float().abs() == 448).float().mean())))  # fmt: skip
+    hq, hkv, d = 9, 3, 64
+    qkv = (torch.randn(tokens, (hq + 2 * hkv) * d, generator=g) * 400).to("cuda", bf16)
+    cos, sin = rope_at(build_rope_tables(d, 10000.0, None, 4096, "cuda"), pos, bf16)
+    layer = torch.zeros(64, 16, 2 * hkv * d, device="cuda", dtype=fp8)
+    ref = layer.clone()
+    k_cache, v_cache = (p.unflatten(-1, (hkv, d)) for p in layer.chunk(2, dim=-1))
+    want_k, want_v = (p.unflatten(-1, (hkv, d)) for p in ref.chunk(2, dim=-1))
+    qk = apply_rope(qkv[:, : (hq + hkv) * d].view(tokens, hq + hkv, d), cos, sin)
+    write_kv(want_k, slots, qk[:, hq:])
+    write_kv(want_v, slots, qkv[:, (hq + hkv) * d :].view(tokens, hkv, d))
+    assert rope.rope_qk_write_kv_(qkv, cos, sin, k_cache, v_cache, slots, hq)
+    rows.append(dict(op="kv_fp8_rope_write", equal=bool(torch.equal(layer.view(torch.uint8), ref.view(torch.uint8))),
+                     nan=bool(layer.float().isnan().any())))  # fmt: skip
+
+
+def time_kv_fp8_decode(rows: list) -> None:
+    """The default decode kernel's us per layer over bf16 and e4m3 caches of the same values:
+    V2-Lite's latent (16 heads over 576) at batch 1 x 32K and 131K and batch 64 x 4K, SmolLM2's
+    GQA (9 over 3 heads of 64) at batch 64 x 4K; and the bytes of KV read per step."""
+    import triton.testing
+
+    from deepserve.kernels.triton.decode_attention import decode_attention
+
+    gen = torch.Generator().manual_seed(23)
+    for layout, batch, length in (("mla", 1, 32768), ("mla", 1, 131072), ("mla", 64, 4096),
+                                  ("gqa", 64, 4096)):  # fmt: skip
+        nb = batch * (length // 16) + 8
+        q, k, v, attn = _decode_case(layout, torch.bfloat16, [length] * batch, 16, nb, gen)
+        (k8, v8), _ = _e4m3(k, v, torch.bfloat16)
+        row = dict(op="kv_fp8_decode_time", layout=layout, batch=batch, ctx=length)
+        for name, (kc, vc) in (("bf16", (k, v)), ("fp8", (k8, v8))):
+            fn = lambda q=q, kc=kc, vc=vc, a=attn: decode_attention(q, kc, vc, a, 0.07)  # noqa: E731
+            ms = triton.testing.do_bench(fn, return_mode="median")
+            width = kc.shape[-1] * kc.shape[-2] + (
+                0 if layout == "mla" else vc.shape[-1] * vc.shape[-2]
+            )
+            gb = batch * length * width * kc.element_size() / 1e9
+            row.update({f"{name}_us": round(ms * 1000, 1), f"{name}_gb_s": round(gb / ms * 1000)})
+        row["speedup"] = round(row["bf16_us"] / row["fp8_us"], 2)
+        rows.append(row)
+        print(row, flush=True)
+        del k, v, k8, v8
+
+
+def time_kv_fp8_engine(rows: list, layers: int = 4, batch: int = 64, ctx: int = 4000) -> None:
+    """A V2-Lite-shaped engine of `layers` layers (random bf16 weights, the default CUDA set and
+    its graphs) decoding `batch` sequences of `ctx`-token prompts, with a bf16 and an e4m3 KV
+    cache in the same --kv-cache-bytes: decode tok/s, the pool's tokens, and whether the greedy
+    first tokens agree (4,000 + 33 tokens: inside the shape's 4,096 positions)."""
+    import random
+
+    import speed
+
+    config = dict(speed.SHAPES["v2-lite"], num_hidden_layers=layers)
+    hf = speed.build_hf(config)
+    weights = dict(hf.state_dict())
+    firsts = {}
+    for kv in ("auto", "fp8"):
+        llm = speed.build_llm_over(config, weights, False, kv_cache_dtype=kv,
+                                   kv_cache_bytes=4 * 2**30, max_num_batched_tokens=16384)  # fmt: skip
+        rng = random.Random(5)  # the same prompts for both caches
+        ps, fresh = (speed.prompts(rng, batch, ctx, config["vocab_size"]) for _ in range(2))
+        llm.generate(ps[:2], speed.greedy(4))  # warm-up: graphs, kernels
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        first = llm.generate(ps, speed.greedy(1))
+        torch.cuda.synchronize()
+        t_prefill = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        llm.generate(fresh, speed.greedy(33))  # fresh prompts: no prefix-cache hit
+        torch.cuda.synchronize()
+        decode_s = time.perf_counter() - t0 - t_prefill
+        firsts[kv] = [r.samples[0].token_ids[0] for r in first]
+        card = llm.engine.card()
+        rows.append(dict(op="kv_fp8_engine_decode", kv=kv, layers=layers, batch=batch, ctx=ctx,
+                         pool_tokens=card.limits.kv_pool_tokens, kv_block_bytes=card.kv_block_bytes,
+                         decode_tok_s=round(batch * 32 / decode_s), prefill_s=round(t_prefill, 2)))  # fmt: skip
+        print(rows[-1], flush=True)
+        llm.close()
+        del llm
+        torch.cuda.empty_cache()
+    agree = sum(a == b for a, b in zip(firsts["auto"], firsts["fp8"], strict=True))
+    rows.append(dict(op="kv_fp8_engine_first_tokens", agree=agree, of=batch))
+
+
+def run_kv_fp8(out: dict, deadline: float = float("inf")) -> None:
+    """`--only kv_fp8`: the e4m3 KV cache's kernel checks, then decode timed with either cache."""
+    import traceback
+
+    rows = out.setdefault("kv_fp8", [])
+    for fn in (check_kv_fp8_attention, check_kv_fp8_writes, time_kv_fp8_decode, time_kv_fp8_engine):
+        if time.time() > deadline:
+            rows.append(dict(op=fn.__name__, error="skipped: out of time"))
+            continue
+        try:
+            fn(rows)
+        except Exception as e:  # recorded; the job goes on
+            rows.append(dict(op=fn.__name__, error=traceback.format_exc()[-1500:]))
+            print(e, flush=True)

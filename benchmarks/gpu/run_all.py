@@ -592,6 +592,7 @@ def main() -> int:
                 out, deadline - 60, args.fp8_checks, tuple(args.fp8_moe_shapes)
             ),
         ),
+        ("kv_fp8", lambda: kernel_checks.run_kv_fp8(out, deadline - 30)),  # ~2 minutes
         (
             "speed",
             lambda: speed.section_speed(
@@ -638,6 +639,7 @@ def main() -> int:
         "v4_parity",
         "v4",
         "fp8",  # its own job: --only fp8
+        "kv_fp8",  # --kv-cache-dtype fp8: --only kv_fp8
         "spec_determinism",  # issue 34: --only spec_determinism
         "spec_speed",  # issue 34: --only spec_speed (benchmarks/gpu/spec_speed.py)
     }  # superseded by speed / checks

@@ -71,32 +71,37 @@ def build_llm_over(
     batch_invariant: bool,
     dtype: str = "bfloat16",
     quantization: str = "bf16",
+    kv_cache_dtype: str = "auto",
     **kw,
 ):
     """deepserve's engine over `weights` (HF-named tensors, or a mapping that makes each one on
-    request, so a checkpoint larger than half the card is never held twice)."""
+    request, so a checkpoint larger than half the card is never held twice), with a
+    `kv_cache_dtype` KV cache ("auto" or "fp8")."""
     from deepserve.engine.config import EngineConfig
     from deepserve.engine.contract import ModelInfo
     from deepserve.engine.llm import LLM
     from deepserve.engine.loading.architectures import model_class
     from deepserve.engine.loading.loader import LoadedModel
     from deepserve.engine.models.common import WeightStore
+    from deepserve.kernels.kv_quant import KV_CACHE_DTYPES
     from deepserve.kernels.registry import get_kernels
 
     store = WeightStore(weights, torch.device("cuda"), getattr(torch, dtype))
     arch = config["architectures"][0]
     kernels = get_kernels("cuda", batch_invariant)
     model = model_class(arch)(
-        config, store, kernels, f"bench-{arch}-{batch_invariant}-{quantization}"
-    )
+        config, store, kernels, f"bench-{arch}-{batch_invariant}-{quantization}-{kv_cache_dtype}",
+        kv_cache_dtype=KV_CACHE_DTYPES[kv_cache_dtype],
+    )  # fmt: skip
     info = ModelInfo(
         arch, model.family, arch, "", config["vocab_size"], config["max_position_embeddings"],
         [config["eos_token_id"]], None, None, model.fingerprint, 0,
     )  # fmt: skip
     kw.setdefault("kv_cache_bytes", 8 * 2**30)
     engine_config = EngineConfig(
-        model=arch, device="cuda", dtype=dtype, batch_invariant=batch_invariant, **kw
-    )
+        model=arch, device="cuda", dtype=dtype, batch_invariant=batch_invariant,
+        kv_cache_dtype=kv_cache_dtype, **kw,
+    )  # fmt: skip
     return LLM(engine_config, LoadedModel(model, None, info))
 
 

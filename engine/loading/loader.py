@@ -26,6 +26,7 @@ from deepserve.engine.parallel.launch import load_parallel_model
 from deepserve.engine.parallel.plan import ModelShard, shard_config
 from deepserve.engine.parallel.sharded_weights import ShardedWeightStore
 from deepserve.kernels.errors import KernelUnavailableError
+from deepserve.kernels.kv_quant import KV_CACHE_DTYPES
 from deepserve.kernels.registry import get_kernels
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -63,7 +64,10 @@ def load_model(config: EngineConfig, shard: ModelShard | None = None) -> LoadedM
     checkpoint = _read_checkpoint(path, dtype, keep)
     arch = architecture_of(checkpoint.config)
     cls = model_class(arch)
-    fingerprint = model_fingerprint(checkpoint.config, checkpoint.files)
+    kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype]
+    fingerprint = kv_fingerprint(
+        model_fingerprint(checkpoint.config, checkpoint.files), config.kv_cache_dtype
+    )
     model_config = checkpoint.config
     device = torch.device(config.device)
     if shard is None:
@@ -75,7 +79,9 @@ def load_model(config: EngineConfig, shard: ModelShard | None = None) -> LoadedM
         )
         shard = replace(shard, experts=store.experts)
     with torch.inference_mode():
-        model = cls(model_config, store, kernels, fingerprint, parallel=shard)
+        model = cls(
+            model_config, store, kernels, fingerprint, parallel=shard, kv_cache_dtype=kv_dtype
+        )
     leftover = store.unused()
     if leftover:
         raise UnsupportedModelError(
@@ -126,6 +132,16 @@ def model_fingerprint(config: dict, files: list[Path]) -> str:
             else:
                 _hash_sampled(h, fh, f.stat().st_size)
     return h.hexdigest()
+
+
+def kv_fingerprint(fingerprint: str, kv_cache_dtype: str) -> str:
+    """The model fingerprint a KV cache of `kv_cache_dtype` salts its block keys with: blocks of
+    a quantized cache never match (in the device pool, the tiers or a hand-off) those of the
+    model's own dtype, nor the reverse. "auto" keeps the model's fingerprint as it is."""
+    dtype = KV_CACHE_DTYPES[kv_cache_dtype]
+    if dtype is None:
+        return fingerprint
+    return xxhash.xxh3_128_hexdigest(f"{fingerprint}|kv={dtype}".encode())
 
 
 def _hash_sampled(h, fh, size: int, samples: int = 64) -> None:

@@ -38,8 +38,10 @@ import torch.nn.functional as F
 from deepserve.engine.errors import UnsupportedModelError
 from deepserve.engine.models.base import KVCacheSpec
 from deepserve.engine.models.common import WeightStore, add_rms_norm, require, swiglu
+from deepserve.engine.models.kv_scales import read_kv_scales, scaled
 from deepserve.engine.models.mla_prefill import DECOMPRESS_MIN_TOKENS, DecompressPlan, plan_step
 from deepserve.engine.parallel.plan import ModelShard
+from deepserve.kernels import kv_quant
 from deepserve.kernels.attention_metadata import AttentionMetadata
 from deepserve.kernels.block_quant import Matrix, cat_rows, reorder_rows, stack
 from deepserve.kernels.kernel_set import KernelSet
@@ -166,6 +168,8 @@ class _Attention:
     # [H * (nope + v), kv_lora]: latent -> per-head [k_nope | v] (the decompressed form's matmul);
     # None when the KernelSet has no `flash_prefill`
     kv_b: torch.Tensor | None = None
+    # the latent cache's scale (the checkpoint's k_scale, as vLLM reads MLA's), 1.0 unquantized
+    kv_scale: float = 1.0
 
 
 @dataclass
@@ -223,6 +227,7 @@ class DeepseekV3ForCausalLM:
         kernels: KernelSet,
         fingerprint: str,
         parallel: ModelShard | None = None,  # tensor/expert parallel: this rank's share
+        kv_cache_dtype: torch.dtype | None = None,  # None: the model's dtype; or e4m3
     ) -> None:
         a = self.args = type(self).args_from_hf(config)
         self.k = kernels
@@ -233,7 +238,9 @@ class DeepseekV3ForCausalLM:
         self.num_mtp_layers = a.num_mtp_layers
         self.device, self.dtype = weights.device, weights.dtype
         width = a.kv_lora_rank + a.qk_rope_head_dim
-        self.kv_cache_spec = KVCacheSpec(a.num_layers + a.num_mtp_layers, width, self.dtype)
+        kv_dtype = kv_cache_dtype or self.dtype
+        self.kv_quantized = kv_quant.is_quantized(kv_dtype)
+        self.kv_cache_spec = KVCacheSpec(a.num_layers + a.num_mtp_layers, width, kv_dtype)
         self.scale = a.softmax_scale
         # fresh tokens from which a chunk takes the decompressed form (tests lower it)
         self.decompress_min_tokens = DECOMPRESS_MIN_TOKENS
@@ -280,6 +287,7 @@ class DeepseekV3ForCausalLM:
             w_uv_t=kv_b[:, a.qk_nope_head_dim :].transpose(1, 2).contiguous(),
             o=w.get_linear(p + "o_proj.weight"),
             kv_b=kv_b.flatten(0, 1) if self.k.flash_prefill is not None else None,
+            kv_scale=read_kv_scales(w, p, self.kv_quantized).k,
         )
 
     @staticmethod
@@ -430,7 +438,9 @@ class DeepseekV3ForCausalLM:
         a, k, eps = self.args, self.k, self.args.rms_norm_eps
         tokens, heads, nope, lora = q.shape[0], a.num_heads, a.qk_nope_head_dim, a.kv_lora_rank
         q_latent = k.bmm(q[..., :nope].transpose(0, 1), w.w_uk)  # [H, T, lora]
-        if self._fused_kv_write(w, ckv, cos, sin, attn, cache):  # 2-3 launches, not ~16
+        # the fused write cannot divide by a scale
+        fused = w.kv_scale == 1.0 and self._fused_kv_write(w, ckv, cos, sin, attn, cache)
+        if fused:  # 2-3 launches, not ~16
             q_full = q.new_empty(tokens, heads, lora + a.qk_rope_head_dim)
             q_pe, latent = q[..., nope:], q_latent.transpose(0, 1)
             whole = k.absorbed_query_ is not None and k.absorbed_query_(
@@ -443,17 +453,21 @@ class DeepseekV3ForCausalLM:
             return q_full
         latent = k.rms_norm(ckv[:, :lora], w.kv_a_norm, eps)
         k_pe = apply_rope(ckv[:, lora:].unsqueeze(1), cos, sin)
-        k.write_kv(cache, attn.slot_mapping, torch.cat([latent, k_pe[:, 0]], dim=-1))
+        rows = scaled(torch.cat([latent, k_pe[:, 0]], dim=-1), w.kv_scale)
+        k.write_kv(cache, attn.slot_mapping, rows)
         q_pe = apply_rope(q[..., nope:], cos, sin)
         return torch.cat([q_latent.transpose(0, 1), q_pe], dim=-1)
 
     def _absorbed(
         self, w: _Attention, q_full: torch.Tensor, attn: AttentionMetadata, cache: torch.Tensor
     ) -> torch.Tensor:
-        """MQA over the cached latent, then out of latent space: `[T, H, v]`."""
+        """MQA over the cached latent, then out of latent space: `[T, H, v]`. A quantized
+        latent's scale is folded into the softmax scale (keys) and the output (values)."""
         k_cache = cache.unsqueeze(2)  # MQA: one latent "head" shared by all query heads
-        lora = self.args.kv_lora_rank
-        out = self.k.paged_attention(q_full, k_cache, k_cache[..., :lora], attn, self.scale)
+        lora, s = self.args.kv_lora_rank, w.kv_scale
+        out = self.k.paged_attention(q_full, k_cache, k_cache[..., :lora], attn, self.scale * s)
+        if s != 1.0:
+            out = out * s
         return self.k.bmm(out.transpose(0, 1), w.w_uv_t).transpose(0, 1)  # [H, T, v] -> [T, H, v]
 
     def _split_attention(
@@ -485,7 +499,10 @@ class DeepseekV3ForCausalLM:
         `[k_nope | v]`, then causal attention per head (the rope key shared by the heads)."""
         a, heads = self.args, self.args.num_heads
         nope, lora = a.qk_nope_head_dim, a.kv_lora_rank
-        keys = cache.view(-1, cache.shape[-1]).index_select(0, plan.key_slots)  # [L, lora + rope]
+        keys = kv_quant.index_rows(
+            cache.view(-1, cache.shape[-1]), plan.key_slots
+        )  # [L, lora+rope]
+        keys = kv_quant.dequantize(keys, self.dtype, w.kv_scale)
         kv = self.k.linear(keys[:, :lora], w.kv_b).view(-1, heads, nope + a.v_head_dim)
         k_rope = keys[:, None, lora:].expand(-1, heads, -1)
         return self.k.flash_prefill(

@@ -285,9 +285,16 @@ class DeepseekV4ForCausalLM:
         kernels: KernelSet,
         fingerprint: str,
         parallel: ModelShard | None = None,
+        kv_cache_dtype: torch.dtype | None = None,  # only the model's own dtype is served
     ) -> None:
         if parallel is not None:
             raise UnsupportedModelError("deepseek_v4 does not run tensor/expert parallel yet")
+        if kv_cache_dtype is not None:
+            # its window and compressed entries share one cache row layout with the indexer's
+            # keys, whose fp8 scheme (per-entry scales) is not the per-layer one of the others
+            raise UnsupportedModelError(
+                "--kv-cache-dtype fp8 is not supported for deepseek_v4 yet: use --kv-cache-dtype auto"
+            )
         a = self.args = DeepseekV4Args.from_hf(config)
         self.k = kernels
         self.fingerprint = fingerprint

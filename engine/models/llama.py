@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from deepserve.engine.errors import UnsupportedModelError
 from deepserve.engine.models.base import KVCacheSpec
 from deepserve.engine.models.common import WeightStore, add_rms_norm, require, swiglu
+from deepserve.engine.models.kv_scales import KVScales, read_kv_scales, scaled
 from deepserve.engine.parallel.plan import ModelShard
+from deepserve.kernels import kv_quant
 from deepserve.kernels.attention_metadata import AttentionMetadata
 from deepserve.kernels.kernel_set import KernelSet, Weight
 from deepserve.kernels.rope import apply_rope, build_rope_tables, rope_at
@@ -69,6 +71,7 @@ class _Layer:
     # The four matmuls as the KernelSet's `llama_layer_` takes them, when all are packed.
     native: tuple | None = None
     qkv_bias: torch.Tensor | None = None  # Qwen2: [(Hq + 2 Hkv) * D]
+    kv_scales: KVScales = KVScales()  # a quantized cache's (1.0 unquantized)
 
 
 class LlamaForCausalLM:
@@ -82,6 +85,7 @@ class LlamaForCausalLM:
         kernels: KernelSet,
         fingerprint: str,
         parallel: ModelShard | None = None,  # tensor parallel: this rank's share (engine/parallel/)
+        kv_cache_dtype: torch.dtype | None = None,  # None: the model's dtype; or e4m3
     ) -> None:
         a = self.args = LlamaArgs.from_hf(config)
         self.k = kernels
@@ -90,7 +94,9 @@ class LlamaForCausalLM:
         self.vocab_size = a.vocab_size
         self.max_position_embeddings = a.max_position_embeddings
         self.device, self.dtype = weights.device, weights.dtype
-        self.kv_cache_spec = KVCacheSpec(a.num_layers, 2 * a.num_kv_heads * a.head_dim, self.dtype)
+        kv_dtype = kv_cache_dtype or self.dtype
+        self.kv_quantized = kv_quant.is_quantized(kv_dtype)
+        self.kv_cache_spec = KVCacheSpec(a.num_layers, 2 * a.num_kv_heads * a.head_dim, kv_dtype)
         self.scale = a.head_dim**-0.5
         self.embed = weights.get("model.embed_tokens.weight")
         self.layers = [self._load_layer(weights, i) for i in range(a.num_layers)]
@@ -125,6 +131,7 @@ class LlamaForCausalLM:
             attn_norm=w.get(p + "input_layernorm.weight"),
             mlp_norm=w.get(p + "post_attention_layernorm.weight"),
             qkv_bias=w.cat(biases) if self.qkv_bias else None,
+            kv_scales=read_kv_scales(w, p + "self_attn.", self.kv_quantized),
             **matmuls,
         )
 
@@ -191,19 +198,24 @@ class LlamaForCausalLM:
         if layer.qkv_bias is not None:
             qkv = qkv + layer.qkv_bias
         k_cache, v_cache = cache
-        fused = self.k.rope_qk_write_kv_ is not None and self.k.rope_qk_write_kv_(
-            qkv, cos, sin, k_cache, v_cache, attn.slot_mapping, hq
+        s = layer.kv_scales
+        fused = (
+            s.unit  # the fused write cannot divide by a scale
+            and self.k.rope_qk_write_kv_ is not None
+            and self.k.rope_qk_write_kv_(qkv, cos, sin, k_cache, v_cache, attn.slot_mapping, hq)
         )
         if fused:
             q = qkv[:, : hq * d].view(tokens, hq, d)
         else:
             qk = apply_rope(qkv[:, : (hq + hkv) * d].view(tokens, hq + hkv, d), cos, sin)
             q = qk[:, :hq]
-            self.k.write_kv(k_cache, attn.slot_mapping, qk[:, hq:])
-            self.k.write_kv(
-                v_cache, attn.slot_mapping, qkv[:, (hq + hkv) * d :].view(tokens, hkv, d)
-            )
-        out = self.k.paged_attention(q, k_cache, v_cache, attn, self.scale)
+            v = qkv[:, (hq + hkv) * d :].view(tokens, hkv, d)
+            self.k.write_kv(k_cache, attn.slot_mapping, scaled(qk[:, hq:], s.k))
+            self.k.write_kv(v_cache, attn.slot_mapping, scaled(v, s.v))
+        # a quantized cache's scales: K's folded into the softmax scale, V's into the output
+        out = self.k.paged_attention(q, k_cache, v_cache, attn, self.scale * s.k)
+        if s.v != 1.0:
+            out = out * s.v
         return self.k.linear(out.reshape(tokens, hq * d), layer.o)
 
     def _cache_views(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -11,6 +11,8 @@
   leading slice of k_cache's latent; when K and V are column slices of one contiguous layer we
   gather whole block rows once for both).
 - returns `[T, Hq, Dv]` in q's dtype; scores and softmax in float32.
+- a quantized (e4m3) cache is widened to q's dtype as its blocks are gathered; its scales are the
+  caller's (kernels/kv_quant.py: folded into `scale` and the output).
 
 Two paths, both exact for what they cover: a vectorized one when every sequence brings one query
 (pure decode: block tables gathered into a padded `[B, L]` KV view with an additive mask, fed to
@@ -24,15 +26,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from deepserve.kernels import kv_quant
 from deepserve.kernels.attention_metadata import AttentionMetadata
 
 
 def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
-    """Store `values[T, ...]` at flat slots `slot_mapping[T]` of `cache[num_blocks, block_size, ...]`."""
-    flat = cache.view(-1, *cache.shape[2:])
-    flat.index_copy_(
-        0, slot_mapping, values if values.dtype == cache.dtype else values.to(cache.dtype)
-    )
+    """Store `values[T, ...]` at flat slots `slot_mapping[T]` of `cache[num_blocks, block_size, ...]`
+    (saturated to e4m3 when the cache is; a scale is the caller's, divided out before)."""
+    flat = kv_quant.byte_view(cache.view(-1, *cache.shape[2:]))
+    flat.index_copy_(0, slot_mapping, kv_quant.byte_view(kv_quant.quantize(values, cache.dtype)))
 
 
 def paged_attention(
@@ -74,21 +76,28 @@ def _shared_rows(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Te
 
 
 def _gather_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor
+    k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks `[..., nb]` -> K `[..., nb * bs, Hkv, Dk]` and V `[..., nb * bs, Hkv, Dv]` (views)."""
+    """Blocks `[..., nb]` -> K `[..., nb * bs, Hkv, Dk]` and V `[..., nb * bs, Hkv, Dv]` (views),
+    a quantized cache's widened to `dtype` (its other dtypes as they are)."""
     lead, bs = blocks.shape, k_cache.shape[1]
     length = lead[-1] * bs
     hkv, dk, dv = k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
     shared = _shared_rows(k_cache, v_cache)
     flat = blocks.reshape(-1)  # index_select: ~8x faster than advanced indexing for whole rows
     if shared is None:
-        k = k_cache.index_select(0, flat).view(*lead[:-1], length, hkv, dk)
-        return k, v_cache.index_select(0, flat).view(*lead[:-1], length, hkv, dv)
+        k = _widen(kv_quant.index_rows(k_cache, flat), dtype).view(*lead[:-1], length, hkv, dk)
+        return k, _widen(kv_quant.index_rows(v_cache, flat), dtype).view(
+            *lead[:-1], length, hkv, dv
+        )
     rows, offset = shared
-    gathered = rows.index_select(0, flat).view(*lead[:-1], length, -1)
+    gathered = _widen(kv_quant.index_rows(rows, flat), dtype).view(*lead[:-1], length, -1)
     k = gathered[..., : hkv * dk].unflatten(-1, (hkv, dk))
     return k, gathered[..., offset : offset + hkv * dv].unflatten(-1, (hkv, dv))
+
+
+def _widen(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return kv_quant.dequantize(x, dtype) if kv_quant.is_quantized(x.dtype) else x
 
 
 def _float(x: torch.Tensor) -> torch.Tensor:
@@ -123,7 +132,7 @@ def _decode_attention(
     batch, hq, dk = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
     blocks, bias = _decode_plan(attn, q.device)
-    k, v = _gather_kv(k_cache, v_cache, blocks)
+    k, v = _gather_kv(k_cache, v_cache, blocks, q.dtype)
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, D]
     if dk == dv and q.dtype == k.dtype == v.dtype:
         # torch's fused attention reads the strided gathered views as they are (matmul would copy
@@ -159,7 +168,7 @@ def _varlen_attention(
             continue
         length, ctx = attn.seq_lens_cpu[i], attn.context_lens_cpu[i]
         blocks = attn.block_tables[i, : -(-length // attn.block_size)].long()
-        k, v = _gather_kv(k_cache, v_cache, blocks)
+        k, v = _gather_kv(k_cache, v_cache, blocks, q.dtype)
         k, v = k[:length].transpose(0, 1), v[:length].transpose(0, 1)  # [Hkv, L, D]
         # rows ordered (group, query) per kv head so GQA needs no KV copy
         qi = (

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from deepserve.kernels import kv_quant
 from deepserve.kernels.attention_metadata import AttentionMetadata
 from deepserve.kernels.kernel_set import KernelSet
 from deepserve.kernels.reference import attention, moe_routing, ops, sparse_attention
@@ -161,6 +162,13 @@ class _Queries:
     positions: Tensor  # [B, R] absolute position of each row (pad rows: the last valid one)
 
 
+def _rows(cache: Tensor, blocks: Tensor) -> Tensor:
+    """`cache[blocks]`, a quantized (e4m3) cache's through bytes (widened to float32 after)."""
+    if not kv_quant.is_quantized(cache.dtype):
+        return cache[blocks]
+    return kv_quant.byte_view(cache)[blocks].view(cache.dtype)
+
+
 class SplitKVAttention:
     """Paged attention with a fixed reduction order over keys (see the module docstring)."""
 
@@ -218,9 +226,13 @@ class SplitKVAttention:
         of KV_SPLIT; keys at or past each sequence's length are masked later, their V zeroed here."""
         padded = _round_up(length, KV_SPLIT)
         blocks = tables[:, : -(-length // block_size)].long()
-        k = k_cache[blocks].flatten(1, 2)[:, :length]  # [B, L, Hkv, Dk]
+        k = _rows(k_cache, blocks).flatten(1, 2)[:, :length]  # [B, L, Hkv, Dk]
         shared = v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
-        v = k[..., : v_cache.shape[-1]] if shared else v_cache[blocks].flatten(1, 2)[:, :length]
+        v = (
+            k[..., : v_cache.shape[-1]]
+            if shared
+            else _rows(v_cache, blocks).flatten(1, 2)[:, :length]
+        )
         k = F.pad(k.float(), (0, 0, 0, 0, 0, padded - length)).transpose(1, 2)
         v = F.pad(v.float(), (0, 0, 0, 0, 0, padded - length)).transpose(1, 2)
         return k, v

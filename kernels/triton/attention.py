@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from deepserve.kernels.attention_metadata import AttentionMetadata
+from deepserve.kernels.triton.kv_codes import widen_kv
 from deepserve.kernels.triton.lang import constexpr, jit, next_power_of_2, tl
 
 SPLIT = 512  # keys per split: fixed, whatever the context length or batch
@@ -63,6 +64,7 @@ def _walk_split(
                 mask=(d[:, None] < DK) & key_ok[None, :],
                 other=0.0,
             )
+            k = widen_kv(k, q.dtype)
             scores = tl.dot(q, k, scores, input_precision=PRECISION)
         visible = (keys[None, :] <= pos[:, None]) & key_ok[None, :] & row_ok[:, None]
         scores = tl.where(visible, scores * scale, float("-inf"))
@@ -76,6 +78,7 @@ def _walk_split(
             mask=key_ok[:, None] & dv_ok[None, :],
             other=0.0,
         )
+        v = widen_kv(v, q_rows.dtype.element_ty)
         pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         acc = tl.where(sees[:, None], acc * alpha[:, None] + pv, acc)
         l_i = tl.where(sees, l_i * alpha + tl.sum(p, axis=1), l_i)

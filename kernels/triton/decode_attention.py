@@ -27,6 +27,7 @@ import torch
 
 from deepserve.kernels.attention_metadata import AttentionMetadata
 from deepserve.kernels.triton import attention
+from deepserve.kernels.triton.kv_codes import widen_kv
 from deepserve.kernels.triton.lang import cdiv, constexpr, jit, next_power_of_2, tl
 
 BLOCK_H = 16  # query heads per program: the smallest row count of a tensor-core product
@@ -86,6 +87,7 @@ def _decode_split_kernel(
         blk = tl.load(tables_ptr + b * s_tb + keys // block_size, mask=key_ok, other=0)
         row = blk.to(tl.int64) * s_kb + (keys % block_size) * s_ks + kvh * s_kh
         k_main = tl.load(k_ptr + row[:, None] + dm[None, :], mask=key_ok[:, None], other=0.0)
+        k_main = widen_kv(k_main, q_main.dtype)
         scores = tl.dot(q_main, tl.trans(k_main), input_precision=PRECISION)
         if DT > 0:
             k_tail = tl.load(
@@ -93,6 +95,7 @@ def _decode_split_kernel(
                 mask=key_ok[:, None] & dt_ok[None, :],
                 other=0.0,
             )
+            k_tail = widen_kv(k_tail, q_main.dtype)
             scores = tl.dot(q_tail, tl.trans(k_tail), scores, input_precision=PRECISION)
         scores = tl.where(key_ok[None, :], scores * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -107,6 +110,7 @@ def _decode_split_kernel(
                 mask=key_ok[:, None] & (dv[None, :] < DV),
                 other=0.0,
             )
+            v = widen_kv(v, q_main.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from deepserve.kernels.triton.kv_codes import narrow_kv
 from deepserve.kernels.triton.lang import constexpr, jit, next_power_of_2, tl
 
 
@@ -24,18 +25,18 @@ def _kv_write_kernel(
     d = tl.arange(0, LORA)
     x = tl.load(ckv_ptr + t * s_ckv + d).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / LORA + eps)
-    # cast back before the weight, as the reference (and HF) do
-    y = (x * rstd).to(cache_ptr.dtype.element_ty).to(tl.float32)
+    # cast back to the model's dtype before the weight, as the reference (and HF) do
+    y = (x * rstd).to(ckv_ptr.dtype.element_ty).to(tl.float32)
     latent = tl.load(w_ptr + d).to(tl.float32) * y
     dst = cache_ptr + tl.load(slot_ptr + t) * s_row
-    tl.store(dst + d, latent.to(cache_ptr.dtype.element_ty))
+    tl.store(dst + d, narrow_kv(latent, cache_ptr.dtype.element_ty))
     h = tl.arange(0, HALF)
     x1 = tl.load(ckv_ptr + t * s_ckv + LORA + h).to(tl.float32)
     x2 = tl.load(ckv_ptr + t * s_ckv + LORA + HALF + h).to(tl.float32)
     c = tl.load(cos_ptr + t * s_cos + h).to(tl.float32)
     s = tl.load(sin_ptr + t * s_cos + h).to(tl.float32)
-    tl.store(dst + LORA + h, (x1 * c - x2 * s).to(cache_ptr.dtype.element_ty))
-    tl.store(dst + LORA + HALF + h, (x2 * c + x1 * s).to(cache_ptr.dtype.element_ty))
+    tl.store(dst + LORA + h, narrow_kv(x1 * c - x2 * s, cache_ptr.dtype.element_ty))
+    tl.store(dst + LORA + HALF + h, narrow_kv(x2 * c + x1 * s, cache_ptr.dtype.element_ty))
 
 
 @jit
@@ -92,7 +93,8 @@ def kv_write_(
 ) -> bool:
     """`cache[slot] = [rms_norm(ckv[:, :lora]) | rope(ckv[:, lora:])]` for every token.
     ckv `[T, lora + rope]`; cos/sin `[T, 1, rope // 2]` (kernels/rope.py's `rope_at`); cache
-    `[num_blocks, block_size, lora + rope]`."""
+    `[num_blocks, block_size, lora + rope]`, e4m3 (scale 1: a scale is divided out by the
+    model's unfused write) or ckv's dtype."""
     lora = norm_weight.shape[0]
     half = (ckv.shape[1] - lora) // 2
     row = cache.shape[-1]

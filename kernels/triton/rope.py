@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from deepserve.kernels.triton.kv_codes import narrow_kv
 from deepserve.kernels.triton.lang import constexpr, jit, next_power_of_2, tl
 
 
@@ -47,14 +48,15 @@ def _rope_qk_write_kv_kernel(
     kh = hh - HQ
     is_k = (kh >= 0) & rotated
     k_dst = k_ptr + block * sk_block + offset * sk_row + kh * sk_head + d
-    tl.store(k_dst, y1.to(k_ptr.dtype.element_ty), mask=is_k)
-    tl.store(k_dst + HALF, y2.to(k_ptr.dtype.element_ty), mask=is_k)
+    tl.store(k_dst, narrow_kv(y1, k_ptr.dtype.element_ty), mask=is_k)
+    tl.store(k_dst + HALF, narrow_kv(y2, k_ptr.dtype.element_ty), mask=is_k)
     vh = tl.arange(0, BLOCK_H)[:, None]
     is_v = vh < HKV
     v_src = row + (HQ + HKV + vh) * (2 * HALF) + d
     v_dst = v_ptr + block * sv_block + offset * sv_row + vh * sv_head + d
-    tl.store(v_dst, tl.load(v_src, mask=is_v).to(v_ptr.dtype.element_ty), mask=is_v)
-    tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=is_v).to(v_ptr.dtype.element_ty), mask=is_v)
+    v_dt = v_ptr.dtype.element_ty
+    tl.store(v_dst, narrow_kv(tl.load(v_src, mask=is_v), v_dt), mask=is_v)
+    tl.store(v_dst + HALF, narrow_kv(tl.load(v_src + HALF, mask=is_v), v_dt), mask=is_v)
 
 
 def rope_qk_write_kv_(
