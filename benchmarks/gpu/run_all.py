@@ -464,7 +464,7 @@ def section_spec_determinism(
 def markdown(out: dict) -> str:
     lines = [f"GPU: {out.get('gpu')}, torch {out.get('torch')}, triton {out.get('triton')}, "
              f"transformers {out.get('transformers')}", ""]  # fmt: skip
-    keys = ("kernel_checks", "v4_checks", "invariant", "fp8", "kernel_tests", "linear", "parity",
+    keys = ("kernel_checks", "v4_checks", "invariant", "fp8", "kv_fp8", "kernel_tests", "linear", "parity",
             "throughput", "determinism", "spec_determinism", "spec_speed", "speed", "profile", "prefill_profile",
             "serve", "serve_log_tail", "v4_parity", "v4_speed", "v4_kv", "v4_profile", "v4_long",
             "build_s", "errors")  # fmt: skip
