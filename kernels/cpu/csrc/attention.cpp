@@ -114,10 +114,10 @@ inline float softmax_block(float* s, int64_t n, float& m, float* alpha) {
 struct Avx2 {
   template <typename T>
   static void dot8(const float* q, const T* const* k, int64_t d, float* s) { ::dot8(q, k, d, s); }
-  template <typename T>
-  static void scale_accumulate(float* acc, float alpha, const float* p, const T* const* v,
-                               int64_t n, int64_t d) {
-    ::scale_accumulate(acc, alpha, p, v, n, d);
+  template <typename T, int R>
+  static void scale_accumulate_rows(float* const* acc, const float* alpha, const float* const* p,
+                                    const T* const* v, int64_t n, int64_t d) {
+    for (int r = 0; r < R; ++r) ::scale_accumulate(acc[r], alpha[r], p[r], v, n, d);
   }
   template <typename T>
   static void prefetch_rows(const T* p, int64_t stride, int64_t rows, int64_t bytes) {

@@ -131,6 +131,41 @@ struct Avx512 {
     }
   }
 
+  // scale_accumulate for R rows at once: each row's own operations in its own order, the value
+  // loads shared and 4R independent FMA chains in flight (a lone row's 4 wait on the latency).
+  template <typename T, int R>
+  static void scale_accumulate_rows(float* const* acc, const float* alpha, const float* const* p,
+                                    const T* const* v, int64_t n, int64_t d) {
+    if (R == 1 || d % 64 != 0) {
+      for (int r = 0; r < R; ++r) scale_accumulate(acc[r], alpha[r], p[r], v, n, d);
+      return;
+    }
+    for (int64_t c = 0; c < d; c += 64) {
+      __m512 a[R][4];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512 va = _mm512_set1_ps(alpha[r]);
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) a[r][u] = _mm512_mul_ps(va, _mm512_loadu_ps(acc[r] + c + 16 * u));
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        __m512 vj[4];
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) vj[u] = load16(v[j] + c + 16 * u, 0xFFFF);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const __m512 pj = _mm512_set1_ps(p[r][j]);
+#pragma GCC unroll 4
+          for (int u = 0; u < 4; ++u) a[r][u] = _mm512_fmadd_ps(pj, vj[u], a[r][u]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) _mm512_storeu_ps(acc[r] + c + 16 * u, a[r][u]);
+    }
+  }
+
   template <typename T>
   static void prefetch_rows(const T* p, int64_t stride, int64_t rows, int64_t bytes) {
     for (int64_t j = 0; j < rows; ++j)
