@@ -1,7 +1,9 @@
 """Prefill time of one long prompt through the offline engine on the CPU (issue 32): a fresh
 prompt of `--tokens` random token ids, one output token, the prefix cache cleared, timed from
 `add_request` to the first token; the median and span of `--reps` runs, and where the time goes
-(torch.profiler over one more run, by op).
+(torch.profiler over one more run, by op). `--decode-batch B` times decode steps instead: B
+fresh 32-token prompts, 33 tokens each, the mean step after their prefill (a check that what
+speeds up prefill does not slow decode down).
 
     .venv/bin/python benchmarks/prefill_cpu.py --tokens 1024 --threads 1 --cpu-time
     .venv/bin/python benchmarks/prefill_cpu.py --tokens 1024 --dtype bfloat16 --lib old.so
@@ -46,6 +48,20 @@ def prefill_s(engine: LLMEngine, tokens: int, seed: int, clock) -> float:
     return clock() - start
 
 
+def decode_step_s(engine: LLMEngine, batch: int, seed: int, clock) -> float:
+    g = torch.Generator().manual_seed(seed)
+    params = SamplingParams(temperature=0, max_tokens=33, ignore_eos=True)
+    for i in range(batch):
+        ids = torch.randint(100, 40000, (32,), generator=g).tolist()
+        engine.add_request(f"decode-{seed}-{i}", ids, params)
+    engine.step()  # the prompts' prefill
+    start, steps = clock(), 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    return (clock() - start) / steps
+
+
 def profile(engine: LLMEngine, tokens: int) -> str:
     from torch.profiler import profile as torch_profile
 
@@ -63,6 +79,7 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--cpu-time", action="store_true")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--decode-batch", type=int, help="time decode steps of this many sequences")
     p.add_argument("--lib", help="a native library .so to load instead of this checkout's")
     args = p.parse_args()
     if args.lib:
@@ -75,15 +92,20 @@ def main() -> None:
     engine = LLMEngine(config)
     clock = time.process_time if args.cpu_time else time.perf_counter
     prefill_s(engine, 64, -1, clock)  # warm-up
-    times = sorted(prefill_s(engine, args.tokens, i, clock) for i in range(args.reps))
+    if args.decode_batch:
+        times = sorted(decode_step_s(engine, args.decode_batch, i, clock) for i in range(args.reps))
+        what = f"decode step of {args.decode_batch}"
+    else:
+        times = sorted(prefill_s(engine, args.tokens, i, clock) for i in range(args.reps))
+        what = f"prefill {args.tokens} tokens"
     print(
-        f"prefill {args.tokens} tokens, {args.dtype}, {args.threads} thread(s), "
+        f"{what}, {args.dtype}, {args.threads} thread(s), "
         f"{'CPU' if args.cpu_time else 'wall'} clock, lib {args.lib or 'this checkout'}, "
-        f"load {os.getloadavg()[0]:.2f}: median {statistics.median(times) * 1e3:.0f} ms "
-        f"({times[0] * 1e3:.0f}-{times[-1] * 1e3:.0f})",
+        f"load {os.getloadavg()[0]:.2f}: median {statistics.median(times) * 1e3:.1f} ms "
+        f"({times[0] * 1e3:.1f}-{times[-1] * 1e3:.1f})",
         flush=True,
     )
-    if args.profile:
+    if args.profile and not args.decode_batch:
         print(profile(engine, args.tokens))
     engine.close()
 
