@@ -28,7 +28,7 @@ namespace {
 
 constexpr int64_t kPanel = 16;
 constexpr int kMaxTileRows = 12;  // 12 rows x 2 panels = 24 accumulators of the 32 registers
-constexpr int64_t kRowChunk = 96;  // rows kept hot while a thread's panels stream past
+constexpr int64_t kRowChunk = 192;  // rows kept hot while a thread's panels stream past
 constexpr int64_t kGroup = 2;      // panels widened / interleaved once and shared by all tiles
 constexpr int64_t kAhead = 1024;   // a lone tile's prefetch distance, bytes
 
