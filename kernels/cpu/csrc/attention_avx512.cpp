@@ -146,7 +146,8 @@ struct Avx512 {
       for (int r = 0; r < R; ++r) {
         const __m512 va = _mm512_set1_ps(alpha[r]);
 #pragma GCC unroll 4
-        for (int u = 0; u < 4; ++u) a[r][u] = _mm512_mul_ps(va, _mm512_loadu_ps(acc[r] + c + 16 * u));
+        for (int u = 0; u < 4; ++u)
+          a[r][u] = _mm512_mul_ps(va, _mm512_loadu_ps(acc[r] + c + 16 * u));
       }
       for (int64_t j = 0; j < n; ++j) {
         __m512 vj[4];
