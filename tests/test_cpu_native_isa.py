@@ -1,4 +1,4 @@
-"""The native kernels' ISA paths (kernels/cpu/csrc/isa.h): AVX-512 where cpuid reports it is the default,
+"""The native kernels' ISA paths (kernels/cpu/csrc/isa.h): the widest cpuid reports is the default,
 any path the CPU has can be forced and put back, one it lacks is refused, and the linear's
 AVX2 and AVX-512 paths give the same bits. Each path's batch invariance is tested by
 tests/test_kernels_invariant_cpu_native.py, on every path this CPU has."""
@@ -31,10 +31,10 @@ def test_every_supported_path_is_a_known_one_and_avx2_is_always_there():
 
 
 def _default() -> str:
-    return "avx512" if "avx512" in cpu_native.supported_isas() else "avx2"
+    return cpu_native.supported_isas()[-1]
 
 
-def test_the_default_path_is_avx512_where_the_cpu_has_it_else_avx2():
+def test_the_default_path_is_the_widest_the_cpu_has():
     assert cpu_native.isa() == _default()
 
 

@@ -153,8 +153,8 @@ def supported_isas() -> list[str]:
 
 
 def isa() -> str:
-    """The path the kernels take now: AVX-512 where the CPU has it, else AVX2, unless `use_isa`
-    chose another (AVX512-BF16 is only taken when asked for, see kernels/cpu/csrc/isa.cpp)."""
+    """The path the kernels take now: the widest the CPU has (AVX512-BF16, AVX-512, AVX2), unless
+    `use_isa` chose another (kernels/cpu/csrc/isa.cpp)."""
     return ops().isa()
 
 

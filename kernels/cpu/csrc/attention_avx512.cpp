@@ -70,8 +70,29 @@ inline float hsum(__m512 v) {
   return _mm_cvtss_f32(s);
 }
 
+// hsum of eight registers at once, each key's lanes added in exactly `hsum`'s tree (lane i with
+// i + 8, then i + 4, i + 2, i + 1), so the scores keep their bits: 15 vector adds and their
+// shuffles for eight keys instead of eight horizontal sums.
+inline __m256 hsum8(const __m512 (&a)[8]) {
+  __m512 b[4], c[2];
+  for (int j = 0; j < 4; ++j)  // [a_j lanes i + (i + 8) | a_{j+4}'s]
+    b[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[j], a[j + 4], 0x44),
+                         _mm512_shuffle_f32x4(a[j], a[j + 4], 0xEE));
+  for (int j = 0; j < 2; ++j)  // quarters: keys j, j + 4, j + 2, j + 6, lanes i + (i + 4)
+    c[j] = _mm512_add_ps(_mm512_shuffle_f32x4(b[j], b[j + 2], 0x88),
+                         _mm512_shuffle_f32x4(b[j], b[j + 2], 0xDD));
+  // per quarter: two lanes of c[0]'s key, two of c[1]'s, lanes i + (i + 2)
+  const __m512 d = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x44),
+                                 _mm512_shuffle_ps(c[0], c[1], 0xEE));
+  const __m512 e = _mm512_add_ps(d, _mm512_permute_ps(d, 0xB1));  // lanes i + (i + 1)
+  // key 0..7 sit in lanes 0, 2, 8, 10, 4, 6, 12, 14
+  const __m512i order = _mm512_setr_epi32(0, 2, 8, 10, 4, 6, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, e));
+}
+
 struct Avx512 {
-  // s[0:8] = q . k[j] for eight keys: eight accumulators over the head, each reduced alone.
+  // s[0:8] = q . k[j] for eight keys: eight accumulators over the head, reduced together by
+  // `hsum8`, which adds each key's lanes in `hsum`'s tree.
   template <typename T>
   static void dot8(const float* q, const T* const* k, int64_t d, float* s) {
     __m512 a[8];
@@ -81,7 +102,7 @@ struct Avx512 {
       const __m512 qv = load16(q + i, m);
       for (int j = 0; j < 8; ++j) a[j] = _mm512_fmadd_ps(qv, load16(k[j] + i, m), a[j]);
     }
-    for (int j = 0; j < 8; ++j) s[j] = hsum(a[j]);
+    _mm256_storeu_ps(s, hsum8(a));
   }
 
   // acc[0:d] = acc * alpha + sum_j p[j] * v[j]: 64 columns at a time in registers, then 16
@@ -110,6 +131,42 @@ struct Avx512 {
     }
   }
 
+  // scale_accumulate for R rows at once: each row's own operations in its own order, the value
+  // loads shared and 4R independent FMA chains in flight (a lone row's 4 wait on the latency).
+  template <typename T, int R>
+  static void scale_accumulate_rows(float* const* acc, const float* alpha, const float* const* p,
+                                    const T* const* v, int64_t n, int64_t d) {
+    if (R == 1 || d % 64 != 0) {
+      for (int r = 0; r < R; ++r) scale_accumulate(acc[r], alpha[r], p[r], v, n, d);
+      return;
+    }
+    for (int64_t c = 0; c < d; c += 64) {
+      __m512 a[R][4];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512 va = _mm512_set1_ps(alpha[r]);
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u)
+          a[r][u] = _mm512_mul_ps(va, _mm512_loadu_ps(acc[r] + c + 16 * u));
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        __m512 vj[4];
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) vj[u] = load16(v[j] + c + 16 * u, 0xFFFF);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const __m512 pj = _mm512_set1_ps(p[r][j]);
+#pragma GCC unroll 4
+          for (int u = 0; u < 4; ++u) a[r][u] = _mm512_fmadd_ps(pj, vj[u], a[r][u]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) _mm512_storeu_ps(acc[r] + c + 16 * u, a[r][u]);
+    }
+  }
+
   template <typename T>
   static void prefetch_rows(const T* p, int64_t stride, int64_t rows, int64_t bytes) {
     for (int64_t j = 0; j < rows; ++j)
@@ -120,8 +177,13 @@ struct Avx512 {
   // Scores s[0:n] (n a multiple of 8, padded with -inf) -> probabilities against the row's
   // running max; returns the block's sum, updates m, sets the earlier accumulation's rescale.
   static float softmax_block(float* s, int64_t n, float& m, float* alpha) {
-    float bm = m;
-    for (int64_t j = 0; j < n; ++j) bm = std::max(bm, s[j]);
+    // The maximum is exact in any order: one vector reduction instead of a scalar chain.
+    __m512 vmax = _mm512_set1_ps(m);
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 k = lanes(j, n);
+      vmax = _mm512_mask_max_ps(vmax, k, vmax, _mm512_maskz_loadu_ps(k, s + j));
+    }
+    const float bm = _mm512_reduce_max_ps(vmax);
     *alpha = m == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m - bm);
     m = bm;
     const __m512 vm = _mm512_set1_ps(bm);

@@ -1,6 +1,6 @@
 // Paged attention's walk over blocks and rows (kernels/cpu/csrc/attention.cpp has the contract),
 // written once over an ISA's vector primitives: `Isa::dot8` (eight keys' scores), `softmax_block`,
-// `scale_accumulate` and `prefetch_rows`. attention.cpp instantiates it for AVX2,
+// `scale_accumulate_rows` and `prefetch_rows`. attention.cpp instantiates it for AVX2,
 // attention_avx512.cpp for AVX-512. Everything here is a template on `Isa`, a type local to each
 // translation unit, so no function compiled for one target can stand in for the other's at link
 // time.
@@ -49,19 +49,36 @@ struct RowState {
   float* acc;
 };
 
-// Fold `visible` keys kp/vp (pointer arrays padded to a multiple of 8) into one row's state.
-template <class Isa, typename T>
-inline void attend_block(const float* qr, const T* const* kp, const T* const* vp,
-                         int64_t visible, const Layout& L, RowState& st) {
-  alignas(64) float s[kMaxBlock + 16];
+// Fold `visible` keys kp/vp (pointer arrays padded to a multiple of 8) into R rows' states, each
+// row's arithmetic exactly what it would be alone: R rows share the value loads and interleave
+// their FMA chains (`Isa::scale_accumulate_rows`), which a lone row leaves latency-bound.
+template <class Isa, typename T, int R>
+inline void attend_block(const float* const* qr, const T* const* kp, const T* const* vp,
+                         int64_t visible, const Layout& L, RowState* const* st) {
+  alignas(64) float s[R][kMaxBlock + 16];
+  const float* sp[R];
+  float alpha[R];
+  float* acc[R];
   const int64_t padded = (visible + 7) & ~int64_t{7};
-  for (int64_t j = 0; j < padded; j += 8) Isa::dot8(qr, kp + j, L.dk, s + j);
-  for (int64_t j = 0; j < visible; ++j) s[j] *= L.scale;
-  for (int64_t j = visible; j < padded; ++j) s[j] = -std::numeric_limits<float>::infinity();
-  float alpha;
-  const float sum = Isa::softmax_block(s, padded, st.m, &alpha);
-  st.l = st.l * alpha + sum;
-  Isa::scale_accumulate(st.acc, alpha, s, vp, visible, L.dv);
+  for (int r = 0; r < R; ++r) {
+    for (int64_t j = 0; j < padded; j += 8) Isa::dot8(qr[r], kp + j, L.dk, s[r] + j);
+    for (int64_t j = 0; j < visible; ++j) s[r][j] *= L.scale;
+    for (int64_t j = visible; j < padded; ++j) s[r][j] = -std::numeric_limits<float>::infinity();
+    const float sum = Isa::softmax_block(s[r], padded, st[r]->m, &alpha[r]);
+    st[r]->l = st[r]->l * alpha[r] + sum;
+    sp[r] = s[r];
+    acc[r] = st[r]->acc;
+  }
+  Isa::template scale_accumulate_rows<T, R>(acc, alpha, sp, vp, visible, L.dv);
+}
+
+// Rows [r, r + R) of an item when they all see `n` keys of the block, else false.
+template <int R>
+inline bool same_visible(const int64_t* visible, int64_t r, int64_t nrows, int64_t n) {
+  if (r + R > nrows) return false;
+  for (int i = 0; i < R; ++i)
+    if (visible[r + i] != n) return false;
+  return true;
 }
 
 template <class Isa, typename T>
@@ -94,12 +111,26 @@ void attend_item(const Work& w, const Layout& L, const float* q, const T* kc, co
       vp[j] = vc + blk * L.vb + j * L.vt + h * L.vh;
     }
     for (int64_t j = n; j < ((n + 7) & ~int64_t{7}); ++j) kp[j] = kp[0];  // scored, then masked
+    int64_t visible[kTileRows];
+    const float* qr[kTileRows];
+    RowState* st[kTileRows];
     for (int64_t r = 0; r < nrows; ++r) {
       const int64_t row = w.row0 + r, t = row / G;
-      const int64_t visible = std::min(n, ctx + t + 1 - start);
-      if (visible <= 0) continue;
-      const float* qr = q + (q0 + t) * L.qs0 + (h * G + row % G) * L.qs1;
-      attend_block<Isa>(qr, kp, vp, visible, L, rows[r]);
+      visible[r] = std::min(n, ctx + t + 1 - start);
+      qr[r] = q + (q0 + t) * L.qs0 + (h * G + row % G) * L.qs1;
+      st[r] = &rows[r];
+    }
+    for (int64_t r = 0; r < nrows;) {
+      if (same_visible<4>(visible, r, nrows, n)) {
+        attend_block<Isa, T, 4>(qr + r, kp, vp, n, L, st + r);
+        r += 4;
+      } else if (same_visible<2>(visible, r, nrows, n)) {
+        attend_block<Isa, T, 2>(qr + r, kp, vp, n, L, st + r);
+        r += 2;
+      } else {
+        if (visible[r] > 0) attend_block<Isa, T, 1>(qr + r, kp, vp, visible[r], L, st + r);
+        r += 1;
+      }
     }
   }
 }

@@ -25,9 +25,14 @@ bool supported(Isa path) {
   return false;
 }
 
-// AVX-512 where cpuid reports it. AVX512-BF16 only when asked for: its dot product ran slower than
-// the AVX-512 FMA path on bf16 (benchmarks/RESULTS.md, issue 19), so it is not the default.
-Isa best() { return supported(Isa::kAvx512) ? Isa::kAvx512 : Isa::kAvx2; }
+// The widest path cpuid reports. AVX512-BF16 differs from AVX-512 only in the bfloat16 x bfloat16
+// linear, whose vdpbf16ps kernel (one broadcast load per row pair since issue 32) runs 1.6-1.8x
+// the FMA path's rate from 4 rows up and as fast at 1 row on a Zen 5 EPYC (benchmarks/RESULTS.md,
+// issue 32); issue 19 had measured the older kernel at 0.5-0.6x on a Sapphire Rapids Xeon.
+Isa best() {
+  if (supported(Isa::kAvx512Bf16)) return Isa::kAvx512Bf16;
+  return supported(Isa::kAvx512) ? Isa::kAvx512 : Isa::kAvx2;
+}
 
 std::atomic<int>& chosen() {
   static std::atomic<int> path{static_cast<int>(best())};

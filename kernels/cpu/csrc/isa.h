@@ -1,10 +1,10 @@
 // Which instruction-set path the native kernels take, and the entry points of the paths that
 // live in their own translation units (compiled for their own target, see linear_avx512.cpp).
 //
-// The path is chosen once per process from cpuid (AVX-512 where the CPU has it, else AVX2) and
-// can be forced to any path the CPU supports through the `set_isa` op, so tests and benchmarks
-// run every path a machine has. Each path keeps batch invariance on its own: a row's result never depends on the
-// batch, whatever path computed it. AVX2 and AVX-512 give the same bits for the linear (the same
+// The path is chosen once per process from cpuid (the widest the CPU has: AVX512-BF16, AVX-512,
+// AVX2) and can be forced to any path the CPU supports through the `set_isa` op, so tests and
+// benchmarks run every path a machine has. Each path keeps batch invariance on its own: a row's
+// result never depends on the batch, whatever path computed it. AVX2 and AVX-512 give the same bits for the linear (the same
 // per-lane FMA chains, only wider); AVX512-BF16 multiplies bf16 pairs in one instruction, a
 // different rounding, so its bits are its own.
 #pragma once

@@ -28,7 +28,7 @@ namespace {
 
 constexpr int64_t kPanel = 16;
 constexpr int kMaxTileRows = 12;  // 12 rows x 2 panels = 24 accumulators of the 32 registers
-constexpr int64_t kRowChunk = 96;  // rows kept hot while a thread's panels stream past
+constexpr int64_t kRowChunk = 192;  // rows kept hot while a thread's panels stream past
 constexpr int64_t kGroup = 2;      // panels widened / interleaved once and shared by all tiles
 constexpr int64_t kAhead = 1024;   // a lone tile's prefetch distance, bytes
 
@@ -210,13 +210,37 @@ struct RawPairs {
   RawPairs from(int64_t p) const { return {w + p * K * kPanel, K, index}; }
 };
 
-// x's steps 2j, 2j + 1 as one 32-bit pair (the last step and a zero for an odd K).
-inline __m512i x_pair(const uint16_t* x, int64_t j, int64_t K) {
-  uint32_t pair = x[2 * j];
-  if (2 * j + 1 < K) pair |= uint32_t{x[2 * j + 1]} << 16;
+// x's steps 2j, 2j + 1 as one 32-bit pair, broadcast: one load (the pair is contiguous in a
+// bfloat16 row), which the compiler folds into vdpbf16ps's {1to16} operand. An odd K's last
+// step comes from `x_last` instead.
+inline __m512i x_pair(const uint16_t* x, int64_t j) {
+  uint32_t pair;
+  std::memcpy(&pair, x + 2 * j, sizeof(pair));
   return _mm512_set1_epi32(static_cast<int>(pair));
 }
 
+// The last step of an odd K and a zero.
+inline __m512i x_last(const uint16_t* x, int64_t K) {
+  return _mm512_set1_epi32(static_cast<int>(uint32_t{x[K - 1]}));
+}
+
+template <int MR, int NP, class Src>
+inline void dot_step(const uint16_t* x, int64_t ldx, const Src& w, int64_t j, __m512 (&acc)[MR][NP],
+                     bool last, int64_t K) {
+  __m512i wv[NP];
+#pragma GCC unroll 8
+  for (int p = 0; p < NP; ++p) wv[p] = w.load(p, j);
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+    const __m512i xb = last ? x_last(x + r * ldx, K) : x_pair(x + r * ldx, j);
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p)
+      acc[r][p] = _mm512_dpbf16_ps(acc[r][p], (__m512bh)xb, (__m512bh)wv[p]);
+  }
+}
+
+// Pairs in order, each a vdpbf16ps per output (odd k, then even k, added into the accumulator):
+// the same order for every tile shape, so a row's bits never depend on its tile.
 template <int MR, int NP, class Src>
 inline void dot_tile(const uint16_t* x, int64_t ldx, Src w, int64_t K, float* y, int64_t ldy,
                      int64_t last_cols) {
@@ -225,19 +249,9 @@ inline void dot_tile(const uint16_t* x, int64_t ldx, Src w, int64_t K, float* y,
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
-  const int64_t pairs = (K + 1) / 2;
-  for (int64_t j = 0; j < pairs; ++j) {
-    __m512i wv[NP];
-#pragma GCC unroll 8
-    for (int p = 0; p < NP; ++p) wv[p] = w.load(p, j);
-#pragma GCC unroll 16
-    for (int r = 0; r < MR; ++r) {
-      const __m512i xb = x_pair(x + r * ldx, j, K);
-#pragma GCC unroll 8
-      for (int p = 0; p < NP; ++p)
-        acc[r][p] = _mm512_dpbf16_ps(acc[r][p], (__m512bh)xb, (__m512bh)wv[p]);
-    }
-  }
+  const int64_t full = K / 2;
+  for (int64_t j = 0; j < full; ++j) dot_step<MR, NP>(x, ldx, w, j, acc, false, K);
+  if (K % 2) dot_step<MR, NP>(x, ldx, w, full, acc, true, K);
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
@@ -256,13 +270,18 @@ void dot_rows(int rows, const uint16_t* x, int64_t ldx, Src w, int64_t K, float*
 #define DS_ROWS(MR, NP) \
   case MR: DS_RUN(MR, NP) DS_RUN(MR, 1) break;
   switch (rows) {
-    DS_ROWS(1, 4) DS_ROWS(2, 4) DS_ROWS(3, 2) DS_ROWS(4, 2) DS_ROWS(5, 2) DS_ROWS(6, 2)
+    DS_ROWS(1, 8) DS_ROWS(2, 6) DS_ROWS(3, 4) DS_ROWS(4, 4) DS_ROWS(5, 4) DS_ROWS(6, 4)
     DS_ROWS(7, 2) DS_ROWS(8, 2) DS_ROWS(9, 2) DS_ROWS(10, 2) DS_ROWS(11, 2)
     default: DS_RUN(12, 2) DS_RUN(12, 1) break;
   }
 #undef DS_ROWS
 #undef DS_RUN
 }
+
+// Rows a pair-dot pass keeps hot: bfloat16 rows are half the bytes, so 384 (442 KB at K = 576)
+// still sit in L2, and a weight bigger than the caches (an lm_head) streams from memory a
+// quarter as often as with 96.
+constexpr int64_t kDotRowChunk = 384;
 
 // A panel group interleaved once into `scratch` for the tiles that share it.
 PairedPanels group_pairs(RawPairs w, int64_t g, uint16_t* scratch) {
@@ -279,8 +298,8 @@ void run_dot_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* wp,
   const int64_t tail = N - (panels_total - 1) * kPanel;
   const RawPairs w{wp, K, pair_index()};
   std::vector<uint16_t> scratch(M > kMaxTileRows ? kGroup * ((K + 1) / 2) * 2 * kPanel : 0);
-  for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
-    const int64_t mc = std::min(kRowChunk, M - m0);
+  for (int64_t m0 = 0; m0 < M; m0 += kDotRowChunk) {
+    const int64_t mc = std::min(kDotRowChunk, M - m0);
     const int64_t tiles = (mc + kMaxTileRows - 1) / kMaxTileRows;
     if (tiles == 1) {
       dot_rows(static_cast<int>(mc), x + m0 * K, K, w.from(p0), K, y + m0 * N + p0 * kPanel, N,
