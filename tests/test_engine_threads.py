@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepserve.engine.threads import CHECK_EVERY_S, ThreadPolicy, compute_threads, runnable_tasks
+from deepserve.engine.threads import (
+    CHECK_EVERY_S,
+    ThreadPolicy,
+    compute_threads,
+    own_running_threads,
+    runnable_tasks,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -22,12 +28,14 @@ class Host:
 
     def __init__(self, running: int) -> None:
         self.running, self.now = running, 0.0
+        self.own = 1  # the process's own running threads: the engine's, reading
         self.script: list[int] = []  # readings to give first, in order
 
     def policy(self, cores: int, **kw) -> ThreadPolicy:
         return ThreadPolicy(
-            cores=cores, read_runnable=self.read, clock=lambda: self.now, sleep=self.wait, **kw
-        )
+            cores=cores, read_runnable=self.read, read_own=lambda: self.own,
+            clock=lambda: self.now, sleep=self.wait, **kw,
+        )  # fmt: skip
 
     def read(self) -> int:
         return self.script.pop(0) if self.script else self.running
@@ -102,3 +110,40 @@ def test_one_quiet_instant_at_start_does_not_choose_every_core_on_a_busy_host():
     host = Host(running=13)
     host.script = [1]  # the first reading caught a moment with only the engine running
     assert host.policy(cores=2, adapt=False).start() == 1
+
+
+def test_the_engines_own_spinning_threads_are_not_counted_as_the_hosts_other_work():
+    host = Host(running=1)
+    policy = host.policy(cores=2)
+    assert policy.start() == 2
+    # after a two-thread step: the reader and the kernel's worker, still spinning, both running
+    host.running, host.own = 2, 2
+    for _ in range(5):
+        host.later(running=2)
+        assert policy.before_step() == 2
+
+
+def test_own_running_threads_counts_this_process_threads_in_the_running_state(tmp_path):
+    states = {"10": "R", "11": "R", "12": "S", "13": "R", "14": "D"}
+    for tid, state in states.items():
+        (tmp_path / tid).mkdir()
+        (tmp_path / tid / "stat").write_text(f"{tid} (python3 (x) y) {state} 1 2 3\n")
+    # 10 is the main thread (a server's event loop), not the caller: a neighbour, not counted
+    assert own_running_threads(str(tmp_path), main=10) == 2
+    assert own_running_threads(str(tmp_path), main=99) == 3
+    assert own_running_threads(str(tmp_path / "missing")) == 1
+    assert own_running_threads() >= 1  # this very thread, on a real /proc
+
+
+def test_one_stray_reading_after_a_long_step_keeps_both_cores_and_a_neighbour_that_stays_gets_one():
+    host = Host(running=1)
+    policy = host.policy(cores=2)
+    assert policy.start() == 2
+    host.later(running=2, steps=3)  # a 0.75 s step, then a task woken at the reading instant
+    assert policy.before_step() == 2
+    host.later(running=1, steps=3)
+    assert policy.before_step() == 2
+    for _ in range(2):  # a neighbour that keeps a core busy
+        host.later(running=2, steps=3)
+        threads = policy.before_step()
+    assert threads == 1
