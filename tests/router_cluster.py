@@ -23,10 +23,20 @@ TOKEN = "test-internal-token"
 START_TIMEOUT_S = 240.0
 
 
+_ISSUED: set[int] = set()  # ports handed out by this test process
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and never handed out before by this process. The kernel may give the
+    same free port to two calls before either process binds it: the second worker then fails to
+    start while its health checks reach the first one, and a test talks to the wrong worker."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _ISSUED:
+            _ISSUED.add(port)
+            return port
 
 
 @dataclass
