@@ -405,6 +405,56 @@ def section_determinism(out: dict, models: dict[str, Path], sc: Scale, deadline:
             _empty_cache()
 
 
+def write_tiny_deepseek_fp8(folder: Path) -> Path:
+    """tiny-deepseek's weights in V3's published FP8 layout (128 x 128 block scales)."""
+    from safetensors.torch import save_file
+
+    from deepserve.engine.testmodels.quantize import quantize_checkpoint
+    from deepserve.engine.testmodels.tiny_deepseek import TINY_CONFIG, _tensors
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = dict(TINY_CONFIG, vocab_size=129280)
+    tensors = _tensors(config, torch.Generator().manual_seed(0))
+    config, tensors = quantize_checkpoint(config, tensors, "fp8")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config))
+    _word_tokenizer(folder, config["vocab_size"])
+    return folder
+
+
+def section_determinism_fp8(out: dict, work: Path, sc: Scale, deadline: float) -> None:
+    """Issue 29: the 40 x 10 audit under `--batch-invariant` with FP8 weights (tiny-deepseek in
+    V3's block-scaled layout, kept quantized on the GPU) and `--kv-cache-dtype fp8`, and with the
+    FP8 KV cache alone on the SmolLM2 shape (GQA); greedy and seeded, among random traffic."""
+    from deepserve.engine.sampling_params import SamplingParams
+
+    res = out.setdefault("determinism_fp8", [])
+    models = {
+        "tiny-deepseek-fp8": write_tiny_deepseek_fp8(work / "tiny-deepseek-fp8"),
+        "smollm2-shape": write_smollm2_shape(work / "smollm2", sc.device),
+    }
+    for name, folder in models.items():
+        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+        llm = make_llm(
+            folder, sc, "bfloat16", True, max_num_batched_tokens=256, kv_cache_dtype="fp8"
+        )
+        for temp in (0.0, 0.8):
+            if time.time() > deadline:
+                break
+            rng = random.Random(7)
+            prompts = random_prompts(rng, sc.prompts, 8, 200, vocab)
+            noise = random_prompts(rng, 60, 4, 300, vocab)
+            params = SamplingParams(
+                temperature=temp, seed=1234 if temp else None, max_tokens=sc.audit_tokens,
+                ignore_eos=True, logprobs=0,
+            )  # fmt: skip
+            differ, total = _audit(llm, prompts, noise, params, sc.runs, rng)
+            res.append(dict(model=name, kv_cache_dtype="fp8", temperature=temp,
+                            differing=differ, total=total))  # fmt: skip
+        del llm
+        _empty_cache()
+
+
 def section_spec_determinism(
     out: dict, models: dict[str, Path], sc: Scale, deadline: float
 ) -> None:
@@ -465,7 +515,7 @@ def markdown(out: dict) -> str:
     lines = [f"GPU: {out.get('gpu')}, torch {out.get('torch')}, triton {out.get('triton')}, "
              f"transformers {out.get('transformers')}", ""]  # fmt: skip
     keys = ("kernel_checks", "v4_checks", "invariant", "fp8", "kv_fp8", "kernel_tests", "linear", "parity",
-            "throughput", "determinism", "spec_determinism", "spec_speed", "speed", "profile", "prefill_profile",
+            "throughput", "determinism", "determinism_fp8", "spec_determinism", "spec_speed", "speed", "profile", "prefill_profile",
             "serve", "serve_log_tail", "v4_parity", "v4_speed", "v4_kv", "v4_profile", "v4_long",
             "build_s", "errors")  # fmt: skip
     for key in keys:
@@ -603,6 +653,7 @@ def main() -> int:
         ("parity", lambda: section_parity(out, models, sc)),
         ("determinism", lambda: section_determinism(out, models, sc, deadline - 100)),
         ("spec_determinism", lambda: section_spec_determinism(out, models, sc, deadline - 100)),
+        ("determinism_fp8", lambda: section_determinism_fp8(out, work, sc, deadline - 60)),
         ("spec_speed", lambda: spec_speed.section_spec_speed(out, deadline - 60)),
         ("throughput", lambda: section_throughput(out, models, sc, deadline - 90)),
         ("serve", lambda: serve_bench.section_serve(out, work, serve_bench.ServeRun())),
@@ -641,6 +692,7 @@ def main() -> int:
         "fp8",  # its own job: --only fp8
         "kv_fp8",  # --kv-cache-dtype fp8: --only kv_fp8
         "spec_determinism",  # issue 34: --only spec_determinism
+        "determinism_fp8",  # issue 29: --only determinism_fp8
         "spec_speed",  # issue 34: --only spec_speed (benchmarks/gpu/spec_speed.py)
     }  # superseded by speed / checks
     for name, fn in sections:
