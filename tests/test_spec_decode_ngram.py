@@ -24,9 +24,10 @@ def test_falls_back_to_shorter_ngram():
     assert NgramProposer(2, 3).propose(tokens, 2) == []
 
 
-def test_continuation_is_cut_at_sequence_end():
-    tokens = [4, 4, 4, 4]
-    assert NgramProposer(2, 2).propose(tokens, 5) == [4]
+def test_continuation_reaching_the_end_repeats_with_its_period():
+    assert NgramProposer(2, 2).propose([4, 4, 4, 4], 5) == [4, 4, 4, 4, 4]
+    # "1 2" last seen 3 back: the loop 3 1 2 goes on
+    assert NgramProposer(2, 2).propose([9, 1, 2, 3, 1, 2], 5) == [3, 1, 2, 3, 1]
 
 
 def test_no_proposal_without_repeat_or_when_zero_requested():
@@ -61,5 +62,8 @@ def _brute_force(tokens, lo, hi, k):
         suffix = tokens[-n:]
         for i in range(len(tokens) - n - 1, -1, -1):
             if tokens[i : i + n] == suffix:
-                return tokens[i + n : i + n + k]
+                draft = tokens[i + n :]  # up to the end, then the same period again
+                while len(draft) < k:
+                    draft = draft + draft
+                return draft[:k]
     return []

@@ -1,7 +1,11 @@
 """Speculative decoding against plain decoding on the GPU, in one process (issue 34).
 
 Per shape (SmolLM2-135M and DeepSeek-V2-Lite, bf16, transformers' random init as speed.py builds
-them), on repetitive prompts (a 16-token span said four times, so n-gram lookup drafts): decode
+them), on repetitive prompts whose continuation repeats them, the case n-gram drafting is for
+(a rewrite or code edit: here a random 32-token start followed by the model's own 64-token greedy
+continuation; random weights fall into runs of one token, which the continuation keeps
+repeating. A span said four times, the earlier workload, is not continued by random weights, so
+its drafts measured the throttle's back-off rather than verification): decode
 tokens/s of plain decoding (async scheduling on, the default, and off: a speculative step
 runs ahead only while every sequence's drafting is paused) and of n-gram speculation (k = 3) at
 batch 1 and 8, with the drafts made and accepted; the same speculative engine with a drafter that proposes plain decoding's own
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -38,9 +43,28 @@ def _greedy(n: int):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
+# prompts(seed, batch) -> `batch` prompts
+PromptSource = Callable[[int, int], list[list[int]]]
+SEED_OFFSETS = (99, 0, 1)  # decode_run's warm-up and its two timed runs
+
+
 def repetitive_prompts(seed: int, batch: int, vocab: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(16)] * 4 for _ in range(batch)]
+
+
+def self_repeating_prompts(llm, vocab: int) -> PromptSource:
+    """Every prompt set decode_run asks for at BATCHES: a random 32-token start and the plain
+    engine's own 64-token greedy continuation of it, made once so every engine gets the same."""
+    table = {}
+    for batch in BATCHES:
+        for offset in SEED_OFFSETS:
+            seed = 10 * batch + offset
+            rng = random.Random(seed)
+            starts = [[rng.randrange(3, vocab) for _ in range(32)] for _ in range(batch)]
+            outputs = llm.generate(starts, _greedy(64))
+            table[seed, batch] = [s + r.token_ids for s, r in zip(starts, outputs, strict=True)]
+    return lambda seed, batch: table[seed, batch]
 
 
 class ReferenceDrafter:
@@ -50,11 +74,12 @@ class ReferenceDrafter:
         self.known: dict[tuple[int, ...], list[int]] = {}
 
     def propose(self, token_ids: list[int], num_tokens: int) -> list[int]:
-        output = self.known.get(tuple(token_ids[:64]))
-        if output is None:
-            return []
-        done = len(token_ids) - 64
-        return output[done : done + num_tokens]
+        for size in {len(p) for p in self.known}:
+            output = self.known.get(tuple(token_ids[:size]))
+            if output is not None:
+                done = len(token_ids) - size
+                return output[done : done + num_tokens]
+        return []
 
 
 def _timed(llm, prompts, n: int) -> tuple[float, list[list[int]]]:
@@ -66,14 +91,14 @@ def _timed(llm, prompts, n: int) -> tuple[float, list[list[int]]]:
 
 
 def decode_run(
-    llm, vocab: int, batch: int, seed: int, record: dict | None = None
+    llm, prompt_source: PromptSource, batch: int, seed: int, record: dict | None = None
 ) -> tuple[float, list[list[int]]]:
-    """Decode tok/s of `batch` repetitive prompts (best of two), and the last run's outputs;
-    `record`: filled with prompt -> output of the timed runs."""
-    _timed(llm, repetitive_prompts(seed + 99, batch, vocab), 8)  # warm-up
+    """Decode tok/s of `batch` prompts (best of two), and the last run's outputs; `record`:
+    filled with prompt -> output of the timed runs."""
+    _timed(llm, prompt_source(seed + SEED_OFFSETS[0], batch), 8)  # warm-up
     best, outputs = 0.0, []
-    for rep in range(2):
-        prompts = repetitive_prompts(seed + rep, batch, vocab)
+    for rep in SEED_OFFSETS[1:]:
+        prompts = prompt_source(seed + rep, batch)
         prefill, _ = _timed(llm, prompts, 1)
         total, outputs = _timed(llm, prompts, TOKENS + 1)
         best = max(best, batch * TOKENS / max(total - prefill, 1e-9))
@@ -83,7 +108,12 @@ def decode_run(
 
 
 def measure(
-    rows: list, label: dict, llm, vocab: int, deadline: float, record: dict | None = None
+    rows: list,
+    label: dict,
+    llm,
+    prompt_source: PromptSource,
+    deadline: float,
+    record: dict | None = None,
 ) -> dict:
     """tok/s, drafted/accepted and outputs per batch size for one engine; {batch: outputs}."""
     spec = llm.engine.spec
@@ -92,7 +122,7 @@ def measure(
         if time.time() > deadline:
             break
         before = (spec.stats.num_draft_tokens, spec.stats.num_accepted_tokens) if spec else None
-        tok_s, outputs[batch] = decode_run(llm, vocab, batch, 10 * batch, record)
+        tok_s, outputs[batch] = decode_run(llm, prompt_source, batch, 10 * batch, record)
         row = dict(label, batch=batch, decode_tok_s=round(tok_s, 1))
         if spec is not None:
             row["drafted"] = spec.stats.num_draft_tokens - before[0]
@@ -135,16 +165,17 @@ def _shape(rows: list, name: str, deadline: float) -> None:
     base = dict(shape=name, dtype="bfloat16", batch_invariant=False)
     oracle = ReferenceDrafter()
     llm = build(False)
-    plain = measure(rows, dict(base, run="plain"), llm, vocab, deadline, oracle.known)
+    prompts = self_repeating_prompts(llm, vocab)
+    plain = measure(rows, dict(base, run="plain"), llm, prompts, deadline, oracle.known)
     _release(llm)
     llm = build(False, async_scheduling=False)
-    measure(rows, dict(base, run="plain, async off"), llm, vocab, deadline)
+    measure(rows, dict(base, run="plain, async off"), llm, prompts, deadline)
     _release(llm)
     llm = build(False, speculative=ngram)
-    spec = measure(rows, dict(base, run="ngram"), llm, vocab, deadline)
+    spec = measure(rows, dict(base, run="ngram"), llm, prompts, deadline)
     equal_rows(rows, dict(base, run="ngram vs plain"), plain, spec)
     llm.engine.spec.token_proposer = oracle
-    measure(rows, dict(base, run="oracle drafts"), llm, vocab, deadline)
+    measure(rows, dict(base, run="oracle drafts"), llm, prompts, deadline)
     _release(llm)
     checks = [("bfloat16", True)] + ([("float32", False)] if name == "smollm2" else [])
     for dtype, flag in checks:
@@ -152,10 +183,10 @@ def _shape(rows: list, name: str, deadline: float) -> None:
             break
         label = dict(shape=name, dtype=dtype, batch_invariant=flag)
         llm = build(flag, dtype)
-        plain = measure(rows, dict(label, run="plain"), llm, vocab, deadline)
+        plain = measure(rows, dict(label, run="plain"), llm, prompts, deadline)
         _release(llm)
         llm = build(flag, dtype, speculative=ngram)
-        spec = measure(rows, dict(label, run="ngram"), llm, vocab, deadline)
+        spec = measure(rows, dict(label, run="ngram"), llm, prompts, deadline)
         _release(llm)
         equal_rows(rows, dict(label, run="ngram vs plain"), plain, spec)
     weights.clear()  # the engines are gone; drop transformers' copy too
@@ -174,6 +205,10 @@ def _mtp(rows: list, deadline: float) -> None:
     vocab = config["vocab_size"]
     label = dict(shape="tiny-deepseek", dtype="bfloat16", batch_invariant=False)
     outputs = {}
+
+    def spans(seed: int, batch: int) -> list[list[int]]:
+        return repetitive_prompts(seed, batch, vocab)
+
     for run, kw in (
         ("plain", {}),
         ("plain, async off", dict(async_scheduling=False)),
@@ -186,7 +221,7 @@ def _mtp(rows: list, deadline: float) -> None:
             config, weights, False, max_num_seqs=8, kv_cache_bytes=2**30,
             enable_prefix_caching=False, **kw,
         )  # fmt: skip
-        outputs[run] = measure(rows, dict(label, run=run), llm, vocab, deadline)
+        outputs[run] = measure(rows, dict(label, run=run), llm, spans, deadline)
         _release(llm)
     if "mtp" in outputs:
         equal_rows(rows, dict(label, run="mtp vs plain"), outputs["plain"], outputs["mtp"])

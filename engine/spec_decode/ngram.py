@@ -1,6 +1,11 @@
 """N-gram (prompt lookup) drafting: propose what followed the most recent earlier occurrence of the
 sequence's last n tokens, trying n from `ngram_max` down to `ngram_min`.
 
+When that continuation runs into the sequence's end (the occurrence is less than n + k tokens
+back, as in a run of one token or a short loop), the draft goes on with the same period: the
+hypothesis n-gram drafting makes, that the text repeats, says what follows. Cut at the end
+instead, a run of one token drafted one token a step, half the steps of a repeat.
+
 Costs one vectorized comparison over the token history per n; no model, no state between steps.
 """
 
@@ -36,7 +41,8 @@ class NgramProposer:
             start = _last_earlier_match(tokens, n)
             if start is not None:
                 begin = start + n
-                return tokens[begin : begin + num_tokens].tolist()
+                period = len(tokens) - begin
+                return tokens[begin + np.arange(num_tokens) % period].tolist()
         return []
 
 
