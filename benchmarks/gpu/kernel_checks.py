@@ -1576,15 +1576,13 @@ def time_kv_fp8_engine(rows: list, layers: int = 4, batch: int = 64, ctx: int = 
         first = llm.generate(ps, speed.greedy(1))
         torch.cuda.synchronize()
         t_prefill = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        llm.generate(fresh, speed.greedy(33))  # fresh prompts: no prefix-cache hit
-        torch.cuda.synchronize()
-        decode_s = time.perf_counter() - t0 - t_prefill
+        # fresh prompts (no prefix-cache hit), the decode steps timed on their own
+        decode_tok_s = speed.decode_steps_tok_s(llm, fresh, 32)
         firsts[kv] = [r.samples[0].token_ids[0] for r in first]
         card = llm.engine.card()
         rows.append(dict(op="kv_fp8_engine_decode", kv=kv, layers=layers, batch=batch, ctx=ctx,
                          pool_tokens=card.limits.kv_pool_tokens, kv_block_bytes=card.kv_block_bytes,
-                         decode_tok_s=round(batch * 32 / decode_s), prefill_s=round(t_prefill, 2)))  # fmt: skip
+                         decode_tok_s=round(decode_tok_s), prefill_s=round(t_prefill, 2)))  # fmt: skip
         print(rows[-1], flush=True)
         llm.close()
         del llm

@@ -133,6 +133,24 @@ def engine_decode_tok_s(llm, batch: int, vocab: int, rng: random.Random, tokens:
     return batch * tokens / (time.perf_counter() - t0 - t_prefill)
 
 
+def decode_steps_tok_s(llm, prompts_: list[list[int]], tokens: int) -> float:
+    """Tokens/s of the decode steps alone: the steps after every prompt has its first token,
+    timed on the engine's own step loop (long prompts: a prefill timed apart varies by more
+    than a short decode lasts)."""
+    engine = llm.engine
+    for i, ids in enumerate(prompts_):
+        engine.add_admitted(f"decode-{i}-{id(prompts_)}", engine.admit(ids, greedy(tokens + 1)))
+    started: set[str] = set()
+    while len(started) < len(prompts_):
+        started.update(out.request_id for out in engine.step())
+    _sync()
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    _sync()
+    return len(prompts_) * tokens / (time.perf_counter() - t0)
+
+
 def hf_decode_tok_s(hf, batch: int, vocab: int, rng: random.Random, tokens: int) -> float:
     def run(n: int) -> float:
         ids = torch.tensor(prompts(rng, batch, 128, vocab), device="cuda")
