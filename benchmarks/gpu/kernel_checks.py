@@ -1237,6 +1237,7 @@ def run_fp8(
         check_v4_quantized_model,
         time_fp8_paths,
         time_fp8_decode_tiles,
+        time_moe_decode_configs,
     )
     for fn in every:
         name = getattr(fn, "__name__", None) or fn.func.__name__
@@ -1325,6 +1326,56 @@ def check_quantized_moe(rows: list, shapes: tuple[str, ...] = FP8_MOE_DEFAULT) -
                 print(row, flush=True)
         formats.clear()
         torch.cuda.empty_cache()
+
+
+def time_moe_decode_configs(rows: list, shape: str = "v2-lite") -> None:
+    """The fused MoE's decode tile (block_m 16) swept for bf16 and FP8 (w8a16) experts at 1 and
+    64 tokens: median ms per config, the same values throughout, beside today's default config
+    (the first row of each group); HBM GB/s of the expert bytes the call touches."""
+    import itertools
+
+    import triton.testing
+
+    from deepserve.kernels import block_quant
+    from deepserve.kernels.triton import fused_moe
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    e, h, i, k = FP8_MOE_SHAPES[shape]
+    gate_up = (torch.randn(e, 2 * i, h, device="cuda", generator=g) / h**0.5).bfloat16()
+    down = (torch.randn(e, h, i, device="cuda", generator=g) / i**0.5).bfloat16()
+    fp8 = tuple(
+        block_quant.stack([block_quant.quantize_fp8(m[j]) for j in range(e)], m.dtype)
+        for m in (gate_up, down)
+    )
+    sweep = [
+        fused_moe.MoeConfig(16, bn, bk, warps, stages, fp8_inputs=False)
+        for bn, bk, warps, stages in itertools.product((32, 64, 128), (128, 256), (4, 8), (3, 5))
+    ]
+    for tokens in (1, 64):
+        x = torch.randn(tokens, h, device="cuda", generator=g).bfloat16()
+        ids = torch.rand(tokens, e, device="cuda", generator=g).topk(k, dim=-1)[1]
+        w = torch.rand(tokens, k, device="cuda", generator=g)
+        touched = int(ids.unique().numel())
+        for fmt, (gu, dn), width in (("bf16", (gate_up, down), 2), ("fp8", fp8, 1)):
+            default = fused_moe.default_config(tokens * k, e)
+            configs = [default] + [c for c in sweep if fmt == "bf16" or c.block_k == 128]
+            for cfg in configs:
+                try:  # a tile past the shared memory fails to compile: recorded as inf
+                    ms = triton.testing.do_bench(
+                        lambda x=x, gu=gu, dn=dn, w=w, ids=ids, cfg=cfg: fused_moe.fused_moe(
+                            x, gu, dn, w, ids, cfg
+                        ),
+                        return_mode="median",
+                    )
+                except Exception:
+                    ms = float("inf")
+                gb = touched * 3 * h * i * width / 1e9
+                rows.append(dict(op="moe_decode_config", shape=shape, fmt=fmt, tokens=tokens,
+                                 default=cfg is default, block_n=cfg.block_n, block_k=cfg.block_k,
+                                 warps=cfg.num_warps, stages=cfg.num_stages, ms=ms,
+                                 gb_s=round(gb / (ms / 1e3))))  # fmt: skip
+            best = min((r for r in rows[-len(configs) :]), key=lambda r: r["ms"])
+            print(fmt, tokens, "default", rows[-len(configs)]["ms"], "best", best, flush=True)
 
 
 def check_fp8_model(rows: list) -> None:
