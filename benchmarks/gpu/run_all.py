@@ -456,56 +456,100 @@ def section_determinism_fp8(out: dict, work: Path, sc: Scale, deadline: float) -
 
 
 def section_spec_determinism(
-    out: dict, models: dict[str, Path], sc: Scale, deadline: float
+    out: dict, models: dict[str, Path], sc: Scale, deadline: float, v2_lite: bool = True
 ) -> None:
     """`--batch-invariant` with speculation (issue 34): bf16, the 40 x 10 audit among random
-    traffic with n-gram drafting (SmolLM2 shape; prompts that repeat a span, so drafts are made;
-    random weights seldom repeat, so also with drafts taken from the plain run's own outputs,
-    every one of which must be accepted) and MTP (tiny-deepseek), each output compared with the
-    same request's under the flag without speculation; greedy and seeded."""
-    from test_batch_invariant_spec_decode import ReferenceDrafter
-
-    from deepserve.engine.config import SpeculativeConfig
-    from deepserve.engine.sampling_params import SamplingParams
+    traffic with n-gram drafting (SmolLM2 shape and, on the GPU, the V2-Lite shape; prompts that
+    repeat a span, so drafts are made; random weights seldom repeat, so also with drafts taken
+    from the plain run's own outputs, every one of which must be accepted) and MTP
+    (tiny-deepseek), each output compared with the same request's under the flag without
+    speculation; greedy and seeded. The plain engine runs the same audit (same prompts, traffic
+    and order) for tokens/s side by side."""
 
     res = out.setdefault("spec_determinism", [])
     methods = {"smollm2-shape": ("ngram", "reference"), "tiny-deepseek": ("mtp",)}
     for name, folder in models.items():
         vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-        plain = make_llm(folder, sc, "bfloat16", True, max_num_batched_tokens=256)
-        for method in methods[name]:
-            spec = SpeculativeConfig("ngram" if method == "reference" else method, 3)
-            llm = make_llm(
+
+        def build(spec=None, folder=folder):
+            return make_llm(
                 folder, sc, "bfloat16", True, max_num_batched_tokens=256, speculative=spec
             )
-            for temp in (0.0, 0.8):
-                if time.time() > deadline:
-                    break
-                rng = random.Random(7)
-                prompts = [p + p for p in random_prompts(rng, sc.prompts, 4, 100, vocab)]
-                noise = random_prompts(rng, 60, 4, 300, vocab)
-                params = SamplingParams(
-                    temperature=temp, seed=1234 if temp else None, max_tokens=sc.audit_tokens,
-                    ignore_eos=True, logprobs=0,
-                )  # fmt: skip
-                reference = {
-                    i: (tuple(r.token_ids), tuple(lp.logprob for lp in r.samples[0].logprobs))
-                    for i, r in enumerate(plain.generate(prompts, params))
-                }
-                if method == "reference":
-                    outputs = [reference[i][0] for i in range(len(prompts))]
-                    llm.engine.spec.token_proposer = ReferenceDrafter(prompts, outputs)
-                stats = llm.engine.spec.stats
-                drafted, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
-                differ, total = _audit(llm, prompts, noise, params, sc.runs, rng, reference)
-                res.append(dict(model=name, method=method, temperature=temp,
-                                differing_from_plain=differ, total=total,
-                                drafted=stats.num_draft_tokens - drafted,
-                                accepted=stats.num_accepted_tokens - accepted))  # fmt: skip
-            del llm
-            _empty_cache()
-        del plain
+
+        _spec_audits(res, name, vocab, build, methods[name], sc, deadline)
+    if v2_lite and sc.device == "cuda" and time.time() < deadline:
+        import speed
+
+        config = speed.SHAPES["v2-lite"]
+        weights = dict(speed.build_hf(config).state_dict())
+
+        def build_v2(spec=None):
+            return speed.build_llm_over(
+                config, weights, True, max_num_batched_tokens=256, max_model_len=1024,
+                speculative=spec,
+            )  # fmt: skip
+
+        _spec_audits(
+            res, "v2-lite-shape", config["vocab_size"], build_v2, ("ngram", "reference"), sc,
+            deadline,
+        )  # fmt: skip
+        weights.clear()
         _empty_cache()
+
+
+def _spec_audits(res: list, name: str, vocab: int, build, methods, sc: Scale, deadline) -> None:
+    """One model's audits: `build(spec)` makes its engine under the flag (spec None: plain)."""
+    from test_batch_invariant_spec_decode import ReferenceDrafter
+
+    from deepserve.engine.config import SpeculativeConfig
+    from deepserve.engine.sampling_params import SamplingParams
+
+    plain = build()
+    for method in methods:
+        llm = build(SpeculativeConfig("ngram" if method == "reference" else method, 3))
+        for temp in (0.0, 0.8):
+            if time.time() > deadline:
+                break
+            rng = random.Random(7)
+            prompts = [p + p for p in random_prompts(rng, sc.prompts, 4, 100, vocab)]
+            noise = random_prompts(rng, 60, 4, 300, vocab)
+            params = SamplingParams(
+                temperature=temp, seed=1234 if temp else None, max_tokens=sc.audit_tokens,
+                ignore_eos=True, logprobs=0,
+            )  # fmt: skip
+            reference = {
+                i: (tuple(r.token_ids), tuple(lp.logprob for lp in r.samples[0].logprobs))
+                for i, r in enumerate(plain.generate(prompts, params))
+            }
+            if method == "reference":
+                outputs = [reference[i][0] for i in range(len(prompts))]
+                llm.engine.spec.token_proposer = ReferenceDrafter(prompts, outputs)
+            stats = llm.engine.spec.stats
+            drafted, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
+            _sync()
+            t0 = time.perf_counter()
+            differ, total = _audit(
+                llm, prompts, noise, params, sc.runs, random.Random(8), reference
+            )
+            _sync()
+            spec_s = time.perf_counter() - t0
+            plain_differ, _ = _audit(
+                plain, prompts, noise, params, sc.runs, random.Random(8), reference
+            )
+            _sync()
+            plain_s = time.perf_counter() - t0 - spec_s
+            res.append(dict(model=name, method=method, temperature=temp,
+                            differing_from_plain=differ, total=total,
+                            plain_differing=plain_differ,
+                            drafted=stats.num_draft_tokens - drafted,
+                            accepted=stats.num_accepted_tokens - accepted,
+                            spec_s=round(spec_s, 2), plain_s=round(plain_s, 2),
+                            speedup=round(plain_s / spec_s, 3)))  # fmt: skip
+            print(res[-1], flush=True)
+        del llm
+        _empty_cache()
+    del plain
+    _empty_cache()
 
 
 # ---- report -----------------------------------------------------------------------------------
