@@ -31,6 +31,7 @@ from deepserve.kernels.triton import (
     mla,
     rope,
     sparse_attention,
+    topk,
 )
 
 SHAPES = [  # (K, N, bmm heads or 0, dtype): the V2-Lite and SmolLM2 weights
@@ -175,8 +176,26 @@ def kv_fp8_main() -> int:
 
 SPARSE_POINTERS = {  # DeepSeek-V4's kernels (sparse_attention.py): bf16 cache, int64 slots
     "*bf16": ("q_ptr", "wkv_ptr", "ekv_ptr", "o_ptr", "keys_ptr", "rows_ptr"),
-    "*i64": ("ws_ptr", "es_ptr", "slots_ptr", "seq_ptr", "visible_ptr", "tokens_ptr", "prev_ptr"),
-    "*fp32": ("pm_ptr", "pl_ptr", "pacc_ptr", "sinks_ptr", "w_ptr", "out_ptr", "ape_ptr"),
+    "*i64": (
+        "ws_ptr",
+        "es_ptr",
+        "slots_ptr",
+        "seq_ptr",
+        "visible_ptr",
+        "tokens_ptr",
+        "prev_ptr",
+        "ids_ptr",
+    ),
+    "*fp32": (
+        "pm_ptr",
+        "pl_ptr",
+        "pacc_ptr",
+        "sinks_ptr",
+        "w_ptr",
+        "out_ptr",
+        "ape_ptr",
+        "scores_ptr",
+    ),
     "*u8": ("has_prev_ptr",),
 }
 
@@ -216,6 +235,8 @@ def sparse_cases() -> list[tuple]:
     cases.append((sa._combine_kernel, combine, ("s_od",), "_combine_kernel D=512"))
     index = dict(BLOCK_HI=64, BLOCK_DI=128, BLOCK_G=64, PRECISION="tf32", num_warps=4)
     cases.append((sa._indexer_scores_kernel, index, ("s_qd", "s_kd", "s_sg"), "indexer Hi=64 Di=128"))  # fmt: skip
+    select = dict(BLOCK=topk.BLOCK, num_warps=8)
+    cases.append((topk._topk_ascending_kernel, select, (), "topk_ascending"))
     for ratio, series in ((4, 2), (128, 1)):
         block_r, block_c = sa.pool_tiles(ratio, 512)
         pool = dict(SERIES=series, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)

@@ -813,6 +813,21 @@ def _v4_indexer_row(tokens: int, entries: int, g) -> dict:
     row.update(ms_scores=round(ms, 4), GBps_scores=round(gbytes / (ms / 1e3), 1))
     fn = lambda: sa.indexer_topk(*case, V4_TOPK, scale)  # noqa: E731
     row["ms_topk"] = round(triton.testing.do_bench(fn, return_mode="median"), 4)
+    # the selection alone: topk.py's radix select against its torch twin, same scores
+    from deepserve.kernels.triton import topk
+
+    row["select_equal_torch"] = bool(
+        torch.equal(topk.topk_ascending(scores, visible, V4_TOPK),
+                    sa.topk_ascending(scores, visible, V4_TOPK))
+    )  # fmt: skip
+    for name, select in (
+        ("ms_select", topk.topk_ascending),
+        ("ms_select_torch", sa.topk_ascending),
+    ):
+        ms = triton.testing.do_bench(
+            lambda s=select: s(scores, visible, V4_TOPK), return_mode="median"
+        )
+        row[name] = round(ms, 4)
     if tokens <= 64:
         fresh = [torch.randn_like(q), torch.randint_like(visible, 1, entries + 1)]
         row["graph_ok"] = _graph_replays_like_eager(fn, [q, visible], fresh)

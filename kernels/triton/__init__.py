@@ -13,7 +13,8 @@ configuration per op, so a row's result never depends on how many rows share the
 - `decode_attention.py`: graph-safe paged attention for pure decode steps (MLA and GQA), and the
   invariant set's head-grouped decode path
 - `sparse_attention.py`: DeepSeek-V4's batched sink attention over slot lists, lightning-indexer
-  top-k and compressor pooling
+  scores and compressor pooling; `topk.py`: the indexer's top-k as ascending index lists (a
+  one-launch radix select)
 - `hyper_connections.py`: DeepSeek-V4's hyper-connections (collapse with the Sinkhorn mix,
   expand, hyper head), one launch each
 - `fused_moe.py`: every routed expert in two grouped GEMMs, pairs sorted by expert on the device

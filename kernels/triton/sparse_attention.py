@@ -14,9 +14,10 @@ end only adds splits that are skipped, so a row's result depends on its own list
 
 `indexer_topk`: one program per (token, block of entries) scores the block against all index
 heads in one tensor-core product (heads summed by one fixed reduction tree); blocks at or past
-the token's visible count store -inf without reading. The top-k runs in torch on int64 keys
-packing the score's monotone bits above the reversed entry index: unique, so the chosen set and
-its order do not depend on topk's tie handling.
+the token's visible count store -inf without reading. The top-k is topk.py's one-launch radix
+select, already in entry order; `topk_ascending` here is its torch twin (int64 keys packing the
+score's monotone bits above the reversed entry index: unique, so the chosen set and its order do
+not depend on torch.topk's tie handling), which the GPU job compares it with.
 
 `compress_pool`: one program per (group, column block) softmaxes the group's candidates per
 column in float32 and pools their kv columns; a group's result never depends on the others.
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from deepserve.kernels.triton import topk
 from deepserve.kernels.triton.lang import cdiv, constexpr, jit, next_power_of_2, tl
 
 SPLIT = 128  # keys per split of a list: fixed, whatever the list length or the batch
@@ -424,7 +426,7 @@ def indexer_topk(
     """The lightning indexer's choice for every token of a step (V4SPEC.md, op 2): the top-k
     entries of `indexer_scores`, ascending, -1 padded at the end."""
     scores = indexer_scores(q, weights, keys, entry_slots, token_seq, visible, scale)
-    return topk_ascending(scores, visible, k)
+    return topk.topk_ascending(scores, visible, k)
 
 
 # ---- compress_pool ---------------------------------------------------------------------------
