@@ -97,43 +97,41 @@ def _e2m1(code):
 # Four code bytes (8 weights) -> their low nibbles as 4 bf16 ($0, $1) and high nibbles ($2, $3),
 # element i of a pack in byte i of $4 (codes) and $5 (E8M0 scales), and in the low (even i) or
 # high (odd i) half of an output register. An e2m1 nibble s|e1 e0|m placed at a bf16's bits 15
-# | 8 7 | 6 is exactly its value times 2^-126 (e = 0: a bf16 subnormal, exact); one mul by 2^126
-# makes it the e2m1 value, one by the scale 2^(S - 127) (S << 7: a bf16 exponent field) scales
-# it, both exact (sm_90's bf16 mul keeps subnormals). The two muls rather than one by
-# 2^(S - 1): that factor leaves bf16's range for S > 128. S = 0 gives zeros and S = 255 inf,
-# as `_e2m1`'s path reads those bytes. tests/test_kernels_e2m1_ptx.py runs this text through a
-# model of its instructions over every code and scale byte.
+# | 8 7 | 6 is exactly its value times 2^-126 (e = 0: a bf16 subnormal, exact): prmt spreads two
+# bytes into the 16-bit lanes with each byte's sign bit (its bit 7, the high nibble's s) copied
+# over the lane's upper byte, so one shift by 2 and one mask place a high nibble; the low ones
+# take the same steps from the codes shifted up by a nibble first. One mul by 2^126 makes it
+# the e2m1 value, one by the scale 2^(S - 127) (S << 7: a bf16 exponent field) scales it, both
+# exact (sm_90's bf16 mul keeps subnormals); one mul by 2^(S - 1) would leave bf16's range for
+# S > 128. S = 0 gives zeros and S = 255 inf, as `_e2m1`'s path reads those bytes.
+# tests/test_kernels_e2m1_ptx.py runs this text through a model of its instructions over every
+# code and scale byte.
 E2M1_BF16_PTX = """{
-.reg .b32 k, t, c, a, b, v;
+.reg .b32 k, r, t, c, v;
 mov.b32 k, 0x7E807E80;
-prmt.b32 t, $4, 0, 0x4140;
+shl.b32 r, $4, 4;
 prmt.b32 c, $5, 0, 0x4140;
 shl.b32 c, c, 7;
-shl.b32 a, t, 6;
-shl.b32 b, t, 12;
-and.b32 b, b, 0x80008000;
-lop3.b32 v, a, 0x01C001C0, b, 0xEA;
+prmt.b32 t, r, 0, 0x9180;
+shl.b32 t, t, 2;
+and.b32 v, t, 0x81C081C0;
 mul.rn.bf16x2 v, v, k;
 mul.rn.bf16x2 $0, v, c;
-shl.b32 a, t, 2;
-shl.b32 b, t, 8;
-and.b32 b, b, 0x80008000;
-lop3.b32 v, a, 0x01C001C0, b, 0xEA;
+prmt.b32 t, $4, 0, 0x9180;
+shl.b32 t, t, 2;
+and.b32 v, t, 0x81C081C0;
 mul.rn.bf16x2 v, v, k;
 mul.rn.bf16x2 $2, v, c;
-prmt.b32 t, $4, 0, 0x4342;
 prmt.b32 c, $5, 0, 0x4342;
 shl.b32 c, c, 7;
-shl.b32 a, t, 6;
-shl.b32 b, t, 12;
-and.b32 b, b, 0x80008000;
-lop3.b32 v, a, 0x01C001C0, b, 0xEA;
+prmt.b32 t, r, 0, 0xB3A2;
+shl.b32 t, t, 2;
+and.b32 v, t, 0x81C081C0;
 mul.rn.bf16x2 v, v, k;
 mul.rn.bf16x2 $1, v, c;
-shl.b32 a, t, 2;
-shl.b32 b, t, 8;
-and.b32 b, b, 0x80008000;
-lop3.b32 v, a, 0x01C001C0, b, 0xEA;
+prmt.b32 t, $4, 0, 0xB3A2;
+shl.b32 t, t, 2;
+and.b32 v, t, 0x81C081C0;
 mul.rn.bf16x2 v, v, k;
 mul.rn.bf16x2 $3, v, c;
 }"""
