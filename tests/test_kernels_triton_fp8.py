@@ -12,6 +12,7 @@ The production shapes and the timing are the GPU job's (benchmarks/gpu/kernel_ch
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -358,6 +359,20 @@ def test_fused_moe_with_mxfp4_experts_masks_a_k_not_a_multiple_of_the_tiles_step
     gu4, d4 = block_quant.quantize_mxfp4(gate_up), block_quant.quantize_mxfp4(down)
     want = fused_moe.fused_moe_reference(x, gu4, d4, w, ids)
     assert _rel(fused_moe.fused_moe(x, gu4, d4, w, ids, fused_moe.DECODE), want) < 1e-4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX: compiled on a GPU only")
+def test_fused_moe_with_mxfp4_experts_decodes_in_ptx_to_the_integer_paths_bits():
+    """bf16 activations on E8M0 experts take fused_moe.py's `E2M1_BF16_PTX`: an exact decode, as
+    the integer one, so the same products under the same tile (tests/test_kernels_e2m1_ptx.py
+    checks the asm's bits on the CPU; this, Triton's packing of them)."""
+    fused_moe, gate_up, down, x, ids, w = _moe_case(5)
+    gu4, d4 = block_quant.quantize_mxfp4(gate_up), block_quant.quantize_mxfp4(down)
+    x = x.bfloat16()
+    for cfg in (fused_moe.DECODE, fused_moe.PREFILL):
+        integer = replace(cfg, e2m1_ptx=False)
+        got = fused_moe.fused_moe(x, gu4, d4, w, ids, cfg)
+        assert torch.equal(got, fused_moe.fused_moe(x, gu4, d4, w, ids, integer)), cfg
 
 
 def test_fused_moe_with_mxfp4_experts_clamps_at_the_swiglu_limit():
