@@ -148,8 +148,18 @@ def _e2m1_bf16(byte, scale):
 
 
 @jit
+def _mxfp4_scales(ws_base, rn, k0, N, K, s_wsn, s_wsk, BLOCK_K: constexpr):
+    """The scale bytes (or float32 scales) of the BLOCK_K step at k0, `[BLOCK_K // 32, BLOCK_N]`,
+    zeros past K: loaded a step ahead of their use (`_moe_gemm_kernel`), since the compiler's
+    pipelining takes only the dots' operands and left this load's latency in every step."""
+    kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    ok = (rn[None, :] < N) & (kg[:, None] * 32 < K)
+    return tl.load(ws_base + kg[:, None] * s_wsk + rn[None, :] * s_wsn, mask=ok, other=0)
+
+
+@jit
 def _mxfp4_step(
-    a_ptr, w_base, ws_base, rows, ok, rn, k0, N, K, s_am, s_wn, s_wk, s_wsn, s_wsk,
+    a_ptr, w_base, s, rows, ok, rn, k0, N, K, s_am, s_wn, s_wk,
     acc, E8M0: constexpr, PTX: constexpr, EVEN_K: constexpr, PRECISION: constexpr,
     BLOCK_M: constexpr, BLOCK_K: constexpr, BLOCK_N: constexpr,
 ):  # fmt: skip
@@ -157,21 +167,17 @@ def _mxfp4_step(
     (an index of kk // 2 hides that contiguity from the compiler, which then loaded every code on
     its own, byte by byte across rows a whole row of K/2 apart; so does a mask along K, hence
     EVEN_K: K a multiple of BLOCK_K, no K mask, 16-byte pipelined copies), their low nibbles (even
-    K) and high nibbles (odd K) dotted with a's even and odd columns, the scales loaded per 32 of
-    K and broadcast over the group's 16 bytes."""
+    K) and high nibbles (odd K) dotted with a's even and odd columns, the step's scales `s`
+    (`_mxfp4_scales`) broadcast over their groups' 16 bytes."""
     HALF: constexpr = BLOCK_K // 2
     GROUPS: constexpr = BLOCK_K // 32
     kj = k0 // 2 + tl.arange(0, HALF)  # byte index along K/2
-    kg = k0 // 32 + tl.arange(0, GROUPS)
     kk = k0 + tl.arange(0, BLOCK_K)
-    n_ok = rn[None, :] < N
-    byte_ok, s_ok, a_ok = n_ok, n_ok, ok[:, None]
+    byte_ok, a_ok = rn[None, :] < N, ok[:, None]
     if not EVEN_K:
         byte_ok = byte_ok & (2 * kj[:, None] < K)
-        s_ok = s_ok & (kg[:, None] * 32 < K)
         a_ok = a_ok & (kk[None, :] < K)
     byte = tl.load(w_base + kj[:, None] * s_wk + rn[None, :] * s_wn, mask=byte_ok, other=0)
-    s = tl.load(ws_base + kg[:, None] * s_wsk + rn[None, :] * s_wsn, mask=s_ok, other=0)
     if E8M0 and not PTX:  # 2^(byte - 127): the byte is a float32's exponent field
         s = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
     s = tl.reshape(tl.broadcast_to(s[:, None, :], (GROUPS, 16, BLOCK_N)), (HALF, BLOCK_N))
@@ -214,10 +220,14 @@ def _moe_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w_base = w_ptr + expert.to(tl.int64) * s_we
     ws_base = ws_ptr + expert.to(tl.int64) * s_wse
+    if WFMT == 2:
+        s_next = _mxfp4_scales(ws_base, rn, 0, N, K, s_wsn, s_wsk, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         if WFMT == 2:  # MXFP4
+            s = s_next
+            s_next = _mxfp4_scales(ws_base, rn, k0 + BLOCK_K, N, K, s_wsn, s_wsk, BLOCK_K)
             acc = _mxfp4_step(
-                a_ptr, w_base, ws_base, rows, ok, rn, k0, N, K, s_am, s_wn, s_wk, s_wsn, s_wsk,
+                a_ptr, w_base, s, rows, ok, rn, k0, N, K, s_am, s_wn, s_wk,
                 acc, E8M0, PTX, EVEN_K, PRECISION, BLOCK_M, BLOCK_K, BLOCK_N,
             )  # fmt: skip
         else:
