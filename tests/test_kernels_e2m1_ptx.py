@@ -95,11 +95,13 @@ def run_ptx(text: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def _decode(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(low nibbles, high nibbles) as bf16 bits of code bytes `codes` with scale bytes `scales`
-    (equal 1-d uint8 arrays, a multiple of 4 long), 4 a pack as the kernel's asm takes them."""
+    (equal 1-d uint8 arrays, a multiple of 4 long), 4 a pack as the kernel's asm takes them: the
+    codes a byte each in one register, the scales as bf16 (S << 7) two to a register."""
     c = codes.astype(np.uint64).reshape(-1, 4)
-    s = scales.astype(np.uint64).reshape(-1, 4)
+    s = scales.astype(np.uint64).reshape(-1, 4) << np.uint64(7)  # the kernel's bf16 2^(S - 127)
     shift = np.uint64(8) * np.arange(4, dtype=np.uint64)
-    out = run_ptx(E2M1_BF16_PTX, {"$4": (c << shift).sum(1), "$5": (s << shift).sum(1)})
+    pair = [s[:, 2 * j] | (s[:, 2 * j + 1] << np.uint64(16)) for j in (0, 1)]
+    out = run_ptx(E2M1_BF16_PTX, {"$4": (c << shift).sum(1), "$5": pair[0], "$6": pair[1]})
     halves = []
     for first in ("$0", "$2"):  # low nibbles in $0 $1, high ones in $2 $3
         regs = np.stack([out[first], out[f"${int(first[1]) + 1}"]], axis=1)  # [packs, 2]

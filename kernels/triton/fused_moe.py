@@ -95,45 +95,41 @@ def _e2m1(code):
 
 
 # Four code bytes (8 weights) -> their low nibbles as 4 bf16 ($0, $1) and high nibbles ($2, $3),
-# element i of a pack in byte i of $4 (codes) and $5 (E8M0 scales), and in the low (even i) or
-# high (odd i) half of an output register. An e2m1 nibble s|e1 e0|m placed at a bf16's bits 15
-# | 8 7 | 6 is exactly its value times 2^-126 (e = 0: a bf16 subnormal, exact): prmt spreads two
-# bytes into the 16-bit lanes with each byte's sign bit (its bit 7, the high nibble's s) copied
-# over the lane's upper byte, so one shift by 2 and one mask place a high nibble; the low ones
-# take the same steps from the codes shifted up by a nibble first. One mul by 2^126 makes it
-# the e2m1 value, one by the scale 2^(S - 127) (S << 7: a bf16 exponent field) scales it, both
-# exact (sm_90's bf16 mul keeps subnormals); one mul by 2^(S - 1) would leave bf16's range for
-# S > 128. S = 0 gives zeros and S = 255 inf, as `_e2m1`'s path reads those bytes.
-# tests/test_kernels_e2m1_ptx.py runs this text through a model of its instructions over every
-# code and scale byte.
+# element i of a pack in byte i of $4 (codes), in half i % 2 of $5 / $6 (i // 2) (the scales as
+# bf16 powers of two: an E8M0 byte S << 7 is 2^(S - 127)'s bf16 bits) and in the low (even i)
+# or high (odd i) half of an output register. An e2m1 nibble s|e1 e0|m placed at a bf16's bits
+# 15 | 8 7 | 6 is exactly its value times 2^-126 (e = 0: a bf16 subnormal, exact): prmt spreads
+# two bytes into the 16-bit lanes with each byte's sign bit (its bit 7, the high nibble's s)
+# copied over the lane's upper byte, so one shift by 2 and one mask place a high nibble; the low
+# ones take the same steps from the codes shifted up by a nibble first. One mul by 2^126 makes
+# it the e2m1 value, one by the scale scales it, both exact (sm_90's bf16 mul keeps
+# subnormals); one mul by 2^(S - 1) would leave bf16's range for S > 128. S = 0 gives zeros and
+# S = 255 inf, as `_e2m1`'s path reads those bytes. tests/test_kernels_e2m1_ptx.py runs this
+# text through a model of its instructions over every code and scale byte.
 E2M1_BF16_PTX = """{
-.reg .b32 k, r, t, c, v;
+.reg .b32 k, r, t, v;
 mov.b32 k, 0x7E807E80;
 shl.b32 r, $4, 4;
-prmt.b32 c, $5, 0, 0x4140;
-shl.b32 c, c, 7;
 prmt.b32 t, r, 0, 0x9180;
 shl.b32 t, t, 2;
 and.b32 v, t, 0x81C081C0;
 mul.rn.bf16x2 v, v, k;
-mul.rn.bf16x2 $0, v, c;
+mul.rn.bf16x2 $0, v, $5;
 prmt.b32 t, $4, 0, 0x9180;
 shl.b32 t, t, 2;
 and.b32 v, t, 0x81C081C0;
 mul.rn.bf16x2 v, v, k;
-mul.rn.bf16x2 $2, v, c;
-prmt.b32 c, $5, 0, 0x4342;
-shl.b32 c, c, 7;
+mul.rn.bf16x2 $2, v, $5;
 prmt.b32 t, r, 0, 0xB3A2;
 shl.b32 t, t, 2;
 and.b32 v, t, 0x81C081C0;
 mul.rn.bf16x2 v, v, k;
-mul.rn.bf16x2 $1, v, c;
+mul.rn.bf16x2 $1, v, $6;
 prmt.b32 t, $4, 0, 0xB3A2;
 shl.b32 t, t, 2;
 and.b32 v, t, 0x81C081C0;
 mul.rn.bf16x2 v, v, k;
-mul.rn.bf16x2 $3, v, c;
+mul.rn.bf16x2 $3, v, $6;
 }"""
 _E2M1_BF16_PTX = constexpr(E2M1_BF16_PTX) if HAVE_TRITON else E2M1_BF16_PTX
 
@@ -143,7 +139,7 @@ def _e2m1_bf16(byte, scale):
     """(low nibbles, high nibbles) of code bytes as bf16, times their E8M0 `scale` bytes (same
     shape), in `E2M1_BF16_PTX`: sm_90 only, never in the interpreter."""
     return tl.inline_asm_elementwise(
-        _E2M1_BF16_PTX, "=r,=r,=r,=r,r,r", [byte, scale], (tl.bfloat16, tl.bfloat16), True, 4
+        _E2M1_BF16_PTX, "=r,=r,=r,=r,r,r,r", [byte, scale], (tl.bfloat16, tl.bfloat16), True, 4
     )
 
 
@@ -178,7 +174,9 @@ def _mxfp4_step(
         byte_ok = byte_ok & (2 * kj[:, None] < K)
         a_ok = a_ok & (kk[None, :] < K)
     byte = tl.load(w_base + kj[:, None] * s_wk + rn[None, :] * s_wn, mask=byte_ok, other=0)
-    if E8M0 and not PTX:  # 2^(byte - 127): the byte is a float32's exponent field
+    if PTX:  # 2^(byte - 127) in bf16, before the broadcast: once a group
+        s = (s.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)
+    elif E8M0:  # 2^(byte - 127): the byte is a float32's exponent field
         s = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
     s = tl.reshape(tl.broadcast_to(s[:, None, :], (GROUPS, 16, BLOCK_N)), (HALF, BLOCK_N))
     # a's row loaded whole (contiguous, vectorized) and split into even and odd columns
