@@ -14,7 +14,9 @@ come plain (bf16 / float32), as block-scaled FP8 (`Fp8Weight`: e4m3 dots scaled 
 K, as fp8_matmul.py's GEMM; or, with a config's `fp8_inputs` off, the e4m3 tile widened to the
 activations' dtype and x left unquantized, as fp8_gemv.py: the default set's decode-sized calls,
 two quantize launches fewer and x's own values) or as MXFP4 (`Mxfp4Weight`: e2m1 codes dequantized to the
-activations' dtype in the K loop, since Hopper has no FP4 tensor cores). What does not live
+activations' dtype in the K loop, since Hopper has no FP4 tensor cores; bf16 activations on E8M0
+scales on the GPU by a few PTX bit operations a pair of codes, `E2M1_BF16_PTX`, the same values
+as the integer decode's). What does not live
 here: routing (the model's) and the shared experts (only their output is added, in the slot
 sum's launch).
 """
