@@ -12,6 +12,7 @@ The production shapes and the timing are the GPU job's (benchmarks/gpu/kernel_ch
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -352,6 +353,28 @@ def test_fused_moe_with_mxfp4_experts_matches_the_loop_on_their_dequantization(d
         assert _rel(got, want) < tol, cfg
 
 
+def test_fused_moe_with_mxfp4_experts_masks_a_k_not_a_multiple_of_the_tiles_step():
+    """down's K of 96 under a 128-step: the last step's codes, scales and activations masked."""
+    fused_moe, gate_up, down, x, ids, w = _moe_case(3, i=96)
+    gu4, d4 = block_quant.quantize_mxfp4(gate_up), block_quant.quantize_mxfp4(down)
+    want = fused_moe.fused_moe_reference(x, gu4, d4, w, ids)
+    assert _rel(fused_moe.fused_moe(x, gu4, d4, w, ids, fused_moe.DECODE), want) < 1e-4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX: compiled on a GPU only")
+def test_fused_moe_with_mxfp4_experts_decodes_in_ptx_to_the_integer_paths_bits():
+    """bf16 activations on E8M0 experts take fused_moe.py's `E2M1_BF16_PTX`: an exact decode, as
+    the integer one, so the same products under the same tile (tests/test_kernels_e2m1_ptx.py
+    checks the asm's bits on the CPU; this, Triton's packing of them)."""
+    fused_moe, gate_up, down, x, ids, w = _moe_case(5)
+    gu4, d4 = block_quant.quantize_mxfp4(gate_up), block_quant.quantize_mxfp4(down)
+    x = x.bfloat16()
+    for cfg in (fused_moe.DECODE, fused_moe.PREFILL):
+        integer = replace(cfg, e2m1_ptx=False)
+        got = fused_moe.fused_moe(x, gu4, d4, w, ids, cfg)
+        assert torch.equal(got, fused_moe.fused_moe(x, gu4, d4, w, ids, integer)), cfg
+
+
 def test_fused_moe_with_mxfp4_experts_clamps_at_the_swiglu_limit():
     fused_moe, gate_up, down, x, ids, w = _moe_case(3)
     gu4, d4 = block_quant.quantize_mxfp4(gate_up * 8), block_quant.quantize_mxfp4(down)
@@ -391,13 +414,19 @@ for cfg in (f.decode_config(2048), f.LARGE):
     assert cfg.block_m < 64 or "wgmma" in ptx, "large fp8 tiles on Hopper's wgmma"
 names = ("a_ptr w_ptr c_ptr pair_ptr block_expert_ptr scale_ptr as_ptr ws_ptr num_pairs N K s_am "
          "s_we s_wn s_wk s_cm s_asm s_wse s_wsn s_wsk").split()
-for wfmt, a, w, ws, cfg in ((1, "*fp8e4nv", "*fp8e4nv", "*fp32", fm.DECODE),
-                            (3, "*bf16", "*fp8e4nv", "*fp32", fm.DECODE),
-                            (2, "*bf16", "*u8", "*u8", fm.PREFILL)):
+for wfmt, a, w, ws, cfg, ptx, even_k in (
+    (1, "*fp8e4nv", "*fp8e4nv", "*fp32", fm.DECODE, False, True),
+    (3, "*bf16", "*fp8e4nv", "*fp32", fm.DECODE, False, True),
+    (2, "*bf16", "*u8", "*u8", fm.PREFILL, False, False),
+    (2, "*bf16", "*u8", "*u8", fm.DECODE, True, True),
+    (2, "*bf16", "*u8", "*u8", fm.PREFILL, True, False),
+):
     types = dict(zip(names, [a, w, "*bf16", "*i64", "*i32", "*fp32", "*fp32", ws] + ["i32"] * 12))
     consts = dict(A_DIV=1, SCALE=True, PRECISION="tf32", WFMT=wfmt, SCALE_N=128, E8M0=wfmt == 2,
-                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=64 if wfmt == 2 else 128)
-    build(fm._moe_gemm_kernel, types, consts, cfg)
+                  PTX=ptx, EVEN_K=even_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                  BLOCK_K=cfg.block_k if wfmt == 2 else 128)
+    ptx_text = build(fm._moe_gemm_kernel, types, consts, cfg)
+    assert ("mul.rn.bf16x2" in ptx_text) == ptx, "the e2m1 decode taken as asked"
 names = "x_ptr w_ptr ws_ptr out_ptr M N K steps_per_split s_xm s_wn s_wsn s_os s_om".split()
 for block_m, x, out in ((1, "*bf16", "*fp32"), (16, "*bf16", "*bf16"), (64, "*fp32", "*fp32")):
     types = dict(zip(names, [x, "*fp8e4nv", "*fp32", out] + ["i32"] * 9))
@@ -413,8 +442,7 @@ def test_the_fp8_and_mxfp4_kernels_build_for_hopper():
     """The interpreter runs kernels as Python and misses what only the compiler refuses (a
     module global read in a kernel, an fp8 dot shape): the GEMM's decode and wide tiles, the
     GEMV's one-row and dot variants and its partials' sum, and the MoE's FP8 (w8a8, w8a16) and
-    MXFP4 variants
-    compiled for sm90, in a process without the interpreter."""
+    MXFP4 variants (integer and PTX e2m1 decode) compiled for sm90, in a process without the interpreter."""
     import subprocess
     import sys
 

@@ -2,13 +2,14 @@
 machine, no GPU needed: the matmul each engine weight shape launches (config_for), the
 attention kernels at the two models' head shapes, and DeepSeek-V4's sparse attention, indexer
 and pooling kernels at V4-Flash's shapes, and the attention and KV-write kernels over an e4m3 KV
-cache (`--kv-cache-dtype fp8`), specialised as Triton specialises them at run
-time, through ptxas; prints registers, spill stores, shared memory, and the SASS counts that say
+cache (`--kv-cache-dtype fp8`), and the fused MoE on MXFP4 experts (both e2m1 decodes, the GPU job's
+tiles), specialised as Triton specialises them at run time, through ptxas; prints registers, spill stores, shared memory, and the SASS counts that say
 whether the tensor-core (HGMMA) and pipelined-copy (LDGSTS) paths were taken. Run it before a
 device call: a kernel that does not compile here does not compile there.
 
     .venv/bin/python benchmarks/gpu/compile_check.py   # PYTHONPATH=dir for another Triton
     .venv/bin/python benchmarks/gpu/compile_check.py --kv-fp8   # only the fp8 KV cache's kernels
+    .venv/bin/python benchmarks/gpu/compile_check.py --moe-mxfp4   # only the MXFP4 MoE's
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from triton.compiler import ASTSource
 from deepserve.kernels.triton import (
     attention,
     decode_attention,
+    fused_moe,
     matmul,
     mla,
     rope,
@@ -174,6 +176,50 @@ def kv_fp8_main() -> int:
     return 1 if failed else 0
 
 
+MOE_POINTERS = dict(a_ptr="*bf16", w_ptr="*u8", c_ptr="*bf16", pair_ptr="*i64",
+                    block_expert_ptr="*i32", scale_ptr="*fp32", as_ptr="*bf16", ws_ptr="*u8")  # fmt: skip
+
+
+def compile_moe_mxfp4(cfg, ptx: bool) -> dict:
+    """The fused MoE's grouped GEMM on MXFP4 experts with E8M0 scales and bf16 activations (K a
+    multiple of the tile's, as V4-Flash's 4096 and 2048), under `cfg`, with the PTX e2m1 decode
+    or the integer one; `dot_asm`: the PTX's bf16x2 multiplies in the SASS (HMUL2.BF16)."""
+    fn = fused_moe._moe_gemm_kernel
+    names = fn.arg_names
+    sig = {name: "i32" for name in names}
+    sig.update(MOE_POINTERS)
+    const = dict(
+        A_DIV=1, SCALE=True, PRECISION="tf32", WFMT=fused_moe.MXFP4, SCALE_N=1, E8M0=True,
+        PTX=ptx, EVEN_K=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        s_wk=1, s_wsk=1,
+    )  # fmt: skip
+    sig.update({name: "constexpr" for name in const})
+    div = [n for n in names if n not in const and n != "num_pairs"]
+    attrs = {(names.index(d),): [["tt.divisibility", 16]] for d in div}
+    opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    kernel = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32), options=opts)  # fmt: skip
+    name = f"moe mxfp4 {'ptx' if ptx else 'integer'} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"  # fmt: skip
+    return _resources(kernel, name)
+
+
+def moe_mxfp4_main() -> int:
+    """The MXFP4 MoE's default tiles with both decodes, and the GPU job's swept tiles
+    (kernel_checks `MXFP4_TILES`) with the PTX one."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from kernel_checks import MXFP4_TILES
+
+    cases = [(c, ptx) for c in (fused_moe.DECODE, fused_moe.PREFILL) for ptx in (False, True)]
+    cases += [(fused_moe.MoeConfig(*t), True) for tiles in MXFP4_TILES.values() for t in tiles.values()]  # fmt: skip
+    failed = 0
+    for cfg, ptx in cases:
+        try:
+            print(compile_moe_mxfp4(cfg, ptx), flush=True)
+        except Exception as e:
+            failed += 1
+            print("moe mxfp4", cfg, ptx, "FAILED:", str(e)[-600:], flush=True)
+    return 1 if failed else 0
+
+
 SPARSE_POINTERS = {  # DeepSeek-V4's kernels (sparse_attention.py): bf16 cache, int64 slots
     "*bf16": ("q_ptr", "wkv_ptr", "ekv_ptr", "o_ptr", "keys_ptr", "rows_ptr"),
     "*i64": (
@@ -258,6 +304,8 @@ def _resources(kernel, what: str) -> dict:
         shared=kernel.metadata.shared,
         hgmma=sass.count("HGMMA"),
         ldgsts=sass.count("LDGSTS"),
+        hmul2_bf16=sass.count("HMUL2.BF16"),
+        instructions=len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M)),
     )
 
 
@@ -265,6 +313,8 @@ def main() -> int:
     print(f"triton {triton.__version__}, target sm_90")
     if "--kv-fp8" in sys.argv[1:]:
         return kv_fp8_main()
+    if "--moe-mxfp4" in sys.argv[1:]:
+        return moe_mxfp4_main()
     failed = 0
     for k, n, heads, dtype in SHAPES:
         try:
@@ -285,7 +335,7 @@ def main() -> int:
             except Exception as e:
                 failed += 1
                 print(name, fn.__name__, "FAILED:", str(e)[-600:], flush=True)
-    return 1 if failed or kv_fp8_main() else 0
+    return 1 if failed or kv_fp8_main() or moe_mxfp4_main() else 0
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ hyper-connections, sqrtsoftplus / hash routing and interleaved rope at V4-Flash 
 float32 torch (the rope bitwise against its composition), bitwise batch invariance, graph
 replay, ms and GB/s.
 `run_fp8` (`--only fp8`): the block-scaled FP8 GEMM on V3 / V4 / V2-Lite projection shapes and
-the FP8 / MXFP4 fused MoE against dequantized references, timed beside bf16, V3 / V4 models on
+the FP8 / MXFP4 fused MoE against dequantized references, timed beside bf16 (MXFP4's two e2m1
+decodes, integer and PTX, side by side and its tiles swept: `check_mxfp4_moe`), V3 / V4 models on
 kept FP8 / MXFP4 weights, and the default set's few-row FP8 path (GEMV) against the GEMM and
 bf16 at M = 1..64.
 `run_kv_fp8` (`--only kv_fp8`): `--kv-cache-dtype fp8` on the device: every Triton attention
@@ -1248,6 +1249,7 @@ def run_fp8(
     every = (
         check_fp8_linear,
         functools.partial(check_quantized_moe, shapes=moe_shapes or FP8_MOE_DEFAULT),
+        functools.partial(check_mxfp4_moe, shapes=moe_shapes or ("v4-flash",), deadline=deadline),
         check_fp8_model,
         check_v4_quantized_model,
         time_fp8_paths,
@@ -1391,6 +1393,104 @@ def time_moe_decode_configs(rows: list, shape: str = "v2-lite") -> None:
                                  gb_s=round(gb / (ms / 1e3))))  # fmt: skip
             best = min((r for r in rows[-len(configs) :]), key=lambda r: r["ms"])
             print(fmt, tokens, "default", rows[-len(configs)]["ms"], "best", best, flush=True)
+
+
+MXFP4_TILES = {  # (tokens they are swept at) -> name -> MoeConfig, the PTX e2m1 decode
+    "decode": {
+        "16x64x128w4s4": (16, 64, 128, 4, 4),
+        "16x32x128w4s4": (16, 32, 128, 4, 4),
+        "16x128x128w4s4": (16, 128, 128, 4, 4),
+        "16x64x256w4s4": (16, 64, 256, 4, 4),
+        "16x64x256w8s3": (16, 64, 256, 8, 3),
+        "16x64x128w2s4": (16, 64, 128, 2, 4),
+        "16x64x128w4s6": (16, 64, 128, 4, 6),
+        "16x128x256w8s3": (16, 128, 256, 8, 3),
+    },
+    "prefill": {
+        "64x128x64w8s3": (64, 128, 64, 8, 3),
+        "64x128x128w8s3": (64, 128, 128, 8, 3),
+        "32x128x128w4s4": (32, 128, 128, 4, 4),
+        "16x128x128w4s4": (16, 128, 128, 4, 4),
+        "64x64x128w4s4": (64, 64, 128, 4, 4),
+        "128x128x64w8s3": (128, 128, 64, 8, 3),
+    },
+}
+
+
+def check_mxfp4_moe(
+    rows: list, shapes: tuple[str, ...] = ("v4-flash",), deadline: float = float("inf")
+) -> None:
+    """The fused MoE on MXFP4 experts, its two e2m1 decodes (fused_moe.py `E2M1_BF16_PTX` and
+    the integer `_e2m1`) under the default config at 1 / 64 / 1024 tokens: the PTX one against
+    the float32 loop on the dequantized experts and bit for bit against the integer one (both
+    exact), a row alone equal to it in a batch, median ms of both and of the bf16 experts of the
+    same values; then tiles swept with the PTX decode (`MXFP4_TILES`: the decode ones at 1 and
+    64 tokens, the wide ones at 1024)."""
+    from deepserve.kernels import block_quant
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    for shape in shapes:
+        e, h, i, k = FP8_MOE_SHAPES[shape]
+        bf16 = (
+            (torch.randn(e, 2 * i, h, device="cuda", generator=g) / h**0.5).bfloat16(),
+            (torch.randn(e, h, i, device="cuda", generator=g) / i**0.5).bfloat16(),
+        )
+        mx = tuple(
+            block_quant.stack([block_quant.quantize_mxfp4(m[j]) for j in range(e)], m.dtype)
+            for m in bf16
+        )
+        for t in FP8_MOE_TOKENS:
+            x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
+            ids = torch.rand(t, e, device="cuda", generator=g).topk(k, dim=-1)[1]
+            w = torch.rand(t, k, device="cuda", generator=g)
+            if not _mxfp4_moe_at(rows, shape, x, ids, w, bf16, mx, deadline):
+                return
+        del bf16, mx
+        torch.cuda.empty_cache()
+
+
+def _mxfp4_moe_at(rows: list, shape: str, x, ids, w, bf16, mx, deadline: float) -> bool:
+    """check_mxfp4_moe at one batch; False once out of time."""
+    import dataclasses
+
+    import triton.testing
+
+    from deepserve.kernels.triton import fused_moe
+
+    def bench(cfg) -> float:
+        return triton.testing.do_bench(functools.partial(run, cfg), return_mode="median")
+
+    t, k, e = x.shape[0], ids.shape[1], mx[0].shape[0]
+    checked = min(t, 8)  # the float32 loop is slow: the first rows
+    want = fused_moe.fused_moe_reference(x[:checked], *mx, w[:checked], ids[:checked])
+    cfg = fused_moe.default_config(t * k, e)
+    integer = dataclasses.replace(cfg, e2m1_ptx=False)
+    run = functools.partial(fused_moe.fused_moe, x, *mx, w, ids)
+    got, got_int = run(cfg), run(integer)
+    one = fused_moe.fused_moe(x[:1], *mx, w[:1], ids[:1], cfg)
+    plain = functools.partial(fused_moe.fused_moe, x, *bf16, w, ids)
+    row = dict(op="mxfp4_moe", shape=shape, tokens=t, rel_err=rel(got[:checked], want),
+               rel_err_integer=rel(got_int[:checked], want),
+               bitwise_integer=bool(torch.equal(got, got_int)), nan=bool(got.isnan().any()),
+               row_invariant=bool(torch.equal(got[:1], one)), ms_ptx=bench(cfg),
+               ms_integer=bench(integer),
+               ms_bf16=triton.testing.do_bench(plain, return_mode="median"))  # fmt: skip
+    row["speedup_vs_bf16"] = row["ms_bf16"] / row["ms_ptx"]
+    row["speedup_vs_integer"] = row["ms_integer"] / row["ms_ptx"]
+    row["ok"] = row["rel_err"] < 2e-2 and row["bitwise_integer"] and not row["nan"]
+    rows.append(row)
+    print(row, flush=True)
+    tiles = MXFP4_TILES["decode" if t * k < fused_moe.PREFILL_MIN_PAIRS else "prefill"]
+    for name, tile in tiles.items():
+        if time.time() > deadline:
+            rows.append(dict(op="mxfp4_moe_tile", error="skipped: out of time"))
+            return False
+        trow = dict(op="mxfp4_moe_tile", shape=shape, tokens=t, cfg=name)
+        _timed(trow, functools.partial(run, fused_moe.MoeConfig(*tile)), want, lambda y: y[:checked])  # fmt: skip
+        trow["speedup_vs_bf16"] = row["ms_bf16"] / trow["ms"] if "ms" in trow else None
+        rows.append(trow)
+        print(trow, flush=True)
+    return True
 
 
 def check_fp8_model(rows: list) -> None:

@@ -14,7 +14,9 @@ come plain (bf16 / float32), as block-scaled FP8 (`Fp8Weight`: e4m3 dots scaled 
 K, as fp8_matmul.py's GEMM; or, with a config's `fp8_inputs` off, the e4m3 tile widened to the
 activations' dtype and x left unquantized, as fp8_gemv.py: the default set's decode-sized calls,
 two quantize launches fewer and x's own values) or as MXFP4 (`Mxfp4Weight`: e2m1 codes dequantized to the
-activations' dtype in the K loop, since Hopper has no FP4 tensor cores). What does not live
+activations' dtype in the K loop, since Hopper has no FP4 tensor cores; bf16 activations on E8M0
+scales on the GPU by a few PTX bit operations a pair of codes, `E2M1_BF16_PTX`, the same values
+as the integer decode's). What does not live
 here: routing (the model's) and the shared experts (only their output is added, in the slot
 sum's launch).
 """
@@ -28,7 +30,15 @@ import torch.nn.functional as F
 
 from deepserve.kernels.block_quant import Fp8Weight, Mxfp4Weight
 from deepserve.kernels.triton.fp8_matmul import GROUP, quantize_groups, quantize_groups_reference
-from deepserve.kernels.triton.lang import cdiv, constexpr, jit, next_power_of_2, tl
+from deepserve.kernels.triton.lang import (
+    HAVE_TRITON,
+    cdiv,
+    compiled,
+    constexpr,
+    jit,
+    next_power_of_2,
+    tl,
+)
 from deepserve.kernels.triton.rows import silu_mul
 
 # [E, N, K] stacked experts: plain (bf16 / float32), block-scaled FP8 or MXFP4
@@ -46,6 +56,11 @@ class MoeConfig:
     # the weights to the activations' dtype (w8a16). Fixed per config: `--batch-invariant`'s
     # one config keeps one scheme at every size.
     fp8_inputs: bool = True
+    # MXFP4 experts with E8M0 scales under bf16 activations on the GPU: decode the e2m1 codes
+    # with `E2M1_BF16_PTX` (a few bit ops per pair) instead of `_e2m1`'s integer path; both are
+    # exact, so the results are the same bits (the GPU job checks and times both:
+    # kernel_checks `check_quantized_moe`)
+    e2m1_ptx: bool = True
 
 
 DECODE = MoeConfig()
@@ -81,39 +96,99 @@ def _e2m1(code):
     return tl.where((code & 8) != 0, -value, value)
 
 
+# Four code bytes (8 weights) -> their low nibbles as 4 bf16 ($0, $1) and high nibbles ($2, $3),
+# element i of a pack in byte i of $4 (codes), in half i % 2 of $5 / $6 (i // 2) (the scales as
+# bf16 powers of two: an E8M0 byte S << 7 is 2^(S - 127)'s bf16 bits) and in the low (even i)
+# or high (odd i) half of an output register. An e2m1 nibble s|e1 e0|m placed at a bf16's bits
+# 15 | 8 7 | 6 is exactly its value times 2^-126 (e = 0: a bf16 subnormal, exact): prmt spreads
+# two bytes into the 16-bit lanes with each byte's sign bit (its bit 7, the high nibble's s)
+# copied over the lane's upper byte, so one shift by 2 and one mask place a high nibble; the low
+# ones take the same steps from the codes shifted up by a nibble first. One mul by 2^126 makes
+# it the e2m1 value, one by the scale scales it, both exact (sm_90's bf16 mul keeps
+# subnormals); one mul by 2^(S - 1) would leave bf16's range for S > 128. S = 0 gives zeros and
+# S = 255 inf, as `_e2m1`'s path reads those bytes. tests/test_kernels_e2m1_ptx.py runs this
+# text through a model of its instructions over every code and scale byte.
+E2M1_BF16_PTX = """{
+.reg .b32 k, r, t, v;
+mov.b32 k, 0x7E807E80;
+shl.b32 r, $4, 4;
+prmt.b32 t, r, 0, 0x9180;
+shl.b32 t, t, 2;
+and.b32 v, t, 0x81C081C0;
+mul.rn.bf16x2 v, v, k;
+mul.rn.bf16x2 $0, v, $5;
+prmt.b32 t, $4, 0, 0x9180;
+shl.b32 t, t, 2;
+and.b32 v, t, 0x81C081C0;
+mul.rn.bf16x2 v, v, k;
+mul.rn.bf16x2 $2, v, $5;
+prmt.b32 t, r, 0, 0xB3A2;
+shl.b32 t, t, 2;
+and.b32 v, t, 0x81C081C0;
+mul.rn.bf16x2 v, v, k;
+mul.rn.bf16x2 $1, v, $6;
+prmt.b32 t, $4, 0, 0xB3A2;
+shl.b32 t, t, 2;
+and.b32 v, t, 0x81C081C0;
+mul.rn.bf16x2 v, v, k;
+mul.rn.bf16x2 $3, v, $6;
+}"""
+_E2M1_BF16_PTX = constexpr(E2M1_BF16_PTX) if HAVE_TRITON else E2M1_BF16_PTX
+
+
+@jit
+def _e2m1_bf16(byte, scale):
+    """(low nibbles, high nibbles) of code bytes as bf16, times their E8M0 `scale` bytes (same
+    shape), in `E2M1_BF16_PTX`: sm_90 only, never in the interpreter."""
+    return tl.inline_asm_elementwise(
+        _E2M1_BF16_PTX, "=r,=r,=r,=r,r,r,r", [byte, scale], (tl.bfloat16, tl.bfloat16), True, 4
+    )
+
+
+@jit
+def _mxfp4_scales(ws_base, rn, k0, N, K, s_wsn, s_wsk, BLOCK_K: constexpr):
+    """The scale bytes (or float32 scales) of the BLOCK_K step at k0, `[BLOCK_K // 32, BLOCK_N]`,
+    zeros past K: loaded a step ahead of their use (`_moe_gemm_kernel`), since the compiler's
+    pipelining takes only the dots' operands and left this load's latency in every step."""
+    kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    ok = (rn[None, :] < N) & (kg[:, None] * 32 < K)
+    return tl.load(ws_base + kg[:, None] * s_wsk + rn[None, :] * s_wsn, mask=ok, other=0)
+
+
 @jit
 def _mxfp4_step(
-    a_ptr, w_base, ws_base, rows, ok, rn, k0, N, K, s_am, s_wn, s_wk, s_wsn, s_wsk,
-    acc, E8M0: constexpr, PRECISION: constexpr, BLOCK_K: constexpr, BLOCK_N: constexpr,
+    a_ptr, w_base, s, rows, ok, rn, k0, N, K, s_am, s_wn, s_wk,
+    acc, E8M0: constexpr, PTX: constexpr, EVEN_K: constexpr, PRECISION: constexpr,
+    BLOCK_M: constexpr, BLOCK_K: constexpr, BLOCK_N: constexpr,
 ):  # fmt: skip
     """One BLOCK_K step on MXFP4 weights: the tile's bytes loaded once, as a contiguous run of K/2
     (an index of kk // 2 hides that contiguity from the compiler, which then loaded every code on
-    its own, byte by byte across rows a whole row of K/2 apart), their low nibbles (even K) and high
-    nibbles (odd K) dotted with a's even and odd columns, the scales loaded per 32 of K and
-    broadcast over the group's 16 bytes."""
+    its own, byte by byte across rows a whole row of K/2 apart; so does a mask along K, hence
+    EVEN_K: K a multiple of BLOCK_K, no K mask, 16-byte pipelined copies), their low nibbles (even
+    K) and high nibbles (odd K) dotted with a's even and odd columns, the step's scales `s`
+    (`_mxfp4_scales`) broadcast over their groups' 16 bytes."""
     HALF: constexpr = BLOCK_K // 2
     GROUPS: constexpr = BLOCK_K // 32
     kj = k0 // 2 + tl.arange(0, HALF)  # byte index along K/2
-    ke = 2 * kj  # the low nibble's K; the high nibble's is ke + 1
-    n_ok = rn[None, :] < N
-    byte = tl.load(
-        w_base + kj[:, None] * s_wk + rn[None, :] * s_wn, mask=(ke[:, None] < K) & n_ok, other=0
-    )
-    kg = k0 // 32 + tl.arange(0, GROUPS)
-    s = tl.load(
-        ws_base + kg[:, None] * s_wsk + rn[None, :] * s_wsn,
-        mask=(kg[:, None] * 32 < K) & n_ok,
-        other=0,
-    )
-    if E8M0:  # 2^(byte - 127): the byte is a float32's exponent field
+    kk = k0 + tl.arange(0, BLOCK_K)
+    byte_ok, a_ok = rn[None, :] < N, ok[:, None]
+    if not EVEN_K:
+        byte_ok = byte_ok & (2 * kj[:, None] < K)
+        a_ok = a_ok & (kk[None, :] < K)
+    byte = tl.load(w_base + kj[:, None] * s_wk + rn[None, :] * s_wn, mask=byte_ok, other=0)
+    if PTX:  # 2^(byte - 127) in bf16, before the broadcast: once a group
+        s = (s.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)
+    elif E8M0:  # 2^(byte - 127): the byte is a float32's exponent field
         s = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
     s = tl.reshape(tl.broadcast_to(s[:, None, :], (GROUPS, 16, BLOCK_N)), (HALF, BLOCK_N))
-    a_row = a_ptr + rows[:, None] * s_am
-    a_lo = tl.load(a_row + ke[None, :], mask=ok[:, None] & (ke[None, :] < K), other=0.0)
-    a_hi = tl.load(a_row + ke[None, :] + 1, mask=ok[:, None] & (ke[None, :] + 1 < K), other=0.0)
-    # exact: 2 significant bits times a power of two
-    b_lo = (_e2m1(byte & 0xF) * s).to(a_lo.dtype)
-    b_hi = (_e2m1(byte >> 4) * s).to(a_lo.dtype)
+    # a's row loaded whole (contiguous, vectorized) and split into even and odd columns
+    a = tl.load(a_ptr + rows[:, None] * s_am + kk[None, :], mask=a_ok, other=0.0)
+    a_lo, a_hi = tl.split(tl.reshape(a, (BLOCK_M, HALF, 2)))
+    if PTX:
+        b_lo, b_hi = _e2m1_bf16(byte, s)
+    else:  # exact: 2 significant bits times a power of two
+        b_lo = (_e2m1(byte & 0xF) * s).to(a.dtype)
+        b_hi = (_e2m1(byte >> 4) * s).to(a.dtype)
     acc = tl.dot(a_lo, b_lo, acc, input_precision=PRECISION)
     return tl.dot(a_hi, b_hi, acc, input_precision=PRECISION)
 
@@ -123,13 +198,14 @@ def _moe_gemm_kernel(
     a_ptr, w_ptr, c_ptr, pair_ptr, block_expert_ptr, scale_ptr, as_ptr, ws_ptr,
     num_pairs, N, K, s_am, s_we, s_wn, s_wk, s_cm, s_asm, s_wse, s_wsn, s_wsk,
     A_DIV: constexpr, SCALE: constexpr, PRECISION: constexpr,
-    WFMT: constexpr, SCALE_N: constexpr, E8M0: constexpr,
+    WFMT: constexpr, SCALE_N: constexpr, E8M0: constexpr, PTX: constexpr, EVEN_K: constexpr,
     BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_K: constexpr,
 ):  # fmt: skip
     """WFMT PLAIN: a and w of one dtype. FP8: a e4m3 with one scale per (row, BLOCK_K = 128
     columns), w e4m3 with one per (SCALE_N rows, 128 columns); each K step's dot scaled by both.
     MXFP4: w's bytes hold two e2m1 codes along K (low nibble first), one scale per 32 of K
-    (E8M0 bytes or float32), dequantized to a's dtype in the loop (Hopper has no FP4 MMA).
+    (E8M0 bytes or float32), dequantized to a's dtype in the loop (Hopper has no FP4 MMA), by
+    `E2M1_BF16_PTX` under PTX (E8M0 scales, bf16 a, compiled for the GPU).
     FP8_W8A16: w as FP8's, widened to a's dtype (exact), each K step's dot scaled by w's scale."""
     block, pn = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + block)
@@ -144,11 +220,15 @@ def _moe_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w_base = w_ptr + expert.to(tl.int64) * s_we
     ws_base = ws_ptr + expert.to(tl.int64) * s_wse
+    if WFMT == 2:
+        s_next = _mxfp4_scales(ws_base, rn, 0, N, K, s_wsn, s_wsk, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         if WFMT == 2:  # MXFP4
+            s = s_next
+            s_next = _mxfp4_scales(ws_base, rn, k0 + BLOCK_K, N, K, s_wsn, s_wsk, BLOCK_K)
             acc = _mxfp4_step(
-                a_ptr, w_base, ws_base, rows, ok, rn, k0, N, K, s_am, s_wn, s_wk, s_wsn, s_wsk,
-                acc, E8M0, PRECISION, BLOCK_K, BLOCK_N,
+                a_ptr, w_base, s, rows, ok, rn, k0, N, K, s_am, s_wn, s_wk,
+                acc, E8M0, PTX, EVEN_K, PRECISION, BLOCK_M, BLOCK_K, BLOCK_N,
             )  # fmt: skip
         else:
             kk = k0 + rk
@@ -287,6 +367,11 @@ def _grouped_gemm(
         fmt, data, w_scale = MXFP4, w.data.view(torch.uint8), w.scale
         if w_scale.dtype == getattr(torch, "float8_e8m0fnu", None):
             w_scale = w_scale.view(torch.uint8)
+    e8m0 = w_scale.dtype == torch.uint8
+    ptx = (
+        fmt == MXFP4 and e8m0 and cfg.e2m1_ptx and a.dtype == torch.bfloat16 and a.is_cuda
+        and compiled(_moe_gemm_kernel)
+    )  # fmt: skip
     grid = (block_expert.numel(), cdiv(n, cfg.block_n))
     _moe_gemm_kernel[grid](
         a, data, out, table, block_expert, scale if scale is not None else out, a_scale, w_scale,
@@ -294,7 +379,8 @@ def _grouped_gemm(
         out.stride(0), a_scale.stride(0), *(w_scale.stride() if fmt else (0, 0, 0)),
         A_DIV=a_div, SCALE=scale is not None,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",  # tf32: unused by 16-bit inputs
-        WFMT=fmt, SCALE_N=w.block[0] if fmt in (FP8, FP8_W8A16) else 1, E8M0=w_scale.dtype == torch.uint8,
+        WFMT=fmt, SCALE_N=w.block[0] if fmt in (FP8, FP8_W8A16) else 1, E8M0=e8m0, PTX=ptx,
+        EVEN_K=k % cfg.block_k == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -26,6 +26,12 @@ def jit(fn=None, **kwargs):
     return triton.jit(fn, **kwargs) if HAVE_TRITON else fn
 
 
+def compiled(kernel) -> bool:
+    """Whether `kernel` (a `jit` function) runs compiled for a device, not in Triton's
+    interpreter (TRITON_INTERPRET=1 at import): inline assembly only runs compiled."""
+    return HAVE_TRITON and isinstance(kernel, triton.runtime.jit.JITFunction)
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
