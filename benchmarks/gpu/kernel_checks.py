@@ -1463,7 +1463,7 @@ def _mxfp4_moe_at(rows: list, shape: str, x, ids, w, bf16, mx, deadline: float) 
     t, k, e = x.shape[0], ids.shape[1], mx[0].shape[0]
     checked = min(t, 8)  # the float32 loop is slow: the first rows
     want = fused_moe.fused_moe_reference(x[:checked], *mx, w[:checked], ids[:checked])
-    cfg = fused_moe.default_config(t * k, e)
+    cfg = fused_moe.default_config(t * k, e, mxfp4=True)
     integer = dataclasses.replace(cfg, e2m1_ptx=False)
     run = functools.partial(fused_moe.fused_moe, x, *mx, w, ids)
     got, got_int = run(cfg), run(integer)

@@ -72,10 +72,17 @@ PREFILL_MIN_PAIRS = 1024  # from here on, the wide tile (tensor-core bound) wins
 # Once the experts average a full block of 128 rows each: V2-Lite's 2,000-token prefill (12,000
 # pairs over 64 experts) ran its MoE in 0.75 ms against PREFILL's 0.82 (H200, run-kern-1)
 LARGE = MoeConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+# MXFP4 experts past decode sizes: the e2m1 decode is paid once per weight per row block, so
+# PREFILL's 64-row tiles with a 64-deep K step decode too much per product. V4-Flash's experts
+# at 1,024 tokens (H200, run-gpu15-2 `mxfp4_moe_tile`): 2.64 ms against PREFILL's 10.6 (bf16
+# experts 3.63); 16 x 128 x 128 and 64 x 64 x 128 took 3.66, LARGE's shape 5.2.
+MXFP4_PREFILL = MoeConfig(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=4)
 
 
-def default_config(pairs: int, num_experts: int) -> MoeConfig:
+def default_config(pairs: int, num_experts: int, mxfp4: bool = False) -> MoeConfig:
     """The tile for a call of `pairs` (token, slot) pairs when the caller fixes none."""
+    if mxfp4 and pairs >= PREFILL_MIN_PAIRS:
+        return MXFP4_PREFILL
     if pairs >= LARGE.block_m * num_experts:
         return LARGE
     return PREFILL if pairs >= PREFILL_MIN_PAIRS else DECODE_W8A16
@@ -407,7 +414,7 @@ def fused_moe(
     tokens, topk = ids.shape
     pairs = tokens * topk
     if cfg is None:
-        cfg = default_config(pairs, gate_up.shape[0])
+        cfg = default_config(pairs, gate_up.shape[0], isinstance(gate_up, Mxfp4Weight))
     if add is not None and (add.shape != x.shape or add.dtype != x.dtype or add.stride(-1) != 1):
         return fused_moe(x, gate_up, down, weights, ids, cfg, swiglu_limit=swiglu_limit) + add
     if pairs == 0:
