@@ -12,6 +12,10 @@ be equal) and, for SmolLM2, in float32. Then tiny-deepseek (vocabulary 129,280) 
 random MTP weights (nearly no draft accepted: the draft throttle's case) against plain, with
 the throttle on and off.
 
+Section `spec_mtp` (`section_spec_mtp`, issue 34's random-MTP row alone, ~3 minutes): plain
+against MTP on tiny-deepseek and on the V2-Lite geometry with one random MTP layer, batch 1 and
+8, their ratio, and where the MTP run's time goes (`mtp_breakdown`).
+
 Decode tokens/s: prefix caching off, generate(prompts, 1 token) timed apart and taken out of
 generate(prompts, N + 1 tokens), best of two. Imported by run_all.py (section `spec_speed`).
 """
