@@ -331,7 +331,9 @@ class LLMEngine:
         """Launch a step to leave in flight; None when it raised (the synchronous step then
         runs it, failing the requests that raise alone)."""
         try:
-            return self.runner.launch(out, on_launched, feed)
+            # Only steps whose sequences all pause drafting are left in flight: their drafting
+            # opportunities are skipped, so no MTP forward reads their hidden states.
+            return self.runner.launch(out, on_launched, feed, keep_hidden=False)
         except Exception as e:
             if is_fatal(e):
                 raise

@@ -128,12 +128,16 @@ class ModelRunner:
         out: SchedulerOutput,
         on_launched: Callable[[], None] | None = None,
         feed: torch.Tensor | None = None,
+        keep_hidden: bool = True,
     ) -> LaunchedStep:
         """Queue one step and its sampling; wait for nothing but a structured output's masks.
         `feed`: a plain decode step's input ids already on the device, one per row (the previous
-        step's samples under async scheduling); the rows' own last token ids are then not read."""
+        step's samples under async scheduling); the rows' own last token ids are then not read.
+        `keep_hidden` False: no drafter reads this step's hidden states (a step run ahead, every
+        sequence's drafting paused), so none is copied out of the graph's buffers."""
+        keep = self.keep_hidden and keep_hidden
         if self._replayable(out):
-            return self._launch_graph(out, on_launched, feed)
+            return self._launch_graph(out, on_launched, feed, keep)
         inputs = self.prepare(out)
         if feed is not None:
             inputs.input_ids = feed
@@ -149,7 +153,7 @@ class ModelRunner:
             on_launched = None
         hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache)
         self._copy_blocks(out.block_copies)
-        kept = _keep_hidden(hidden, inputs.attn) if self.keep_hidden else None
+        kept = _keep_hidden(hidden, inputs.attn) if keep else None
         if not inputs.sample_seqs:
             return LaunchedStep([], None, kept)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
@@ -175,6 +179,7 @@ class ModelRunner:
         out: SchedulerOutput,
         on_launched: Callable[[], None] | None,
         feed: torch.Tensor | None,
+        keep_hidden: bool,
     ) -> LaunchedStep:
         """A decode step from the graphs; a verification's rows as decode rows (cuda_graphs.py)."""
         seqs = [item.seq for item in out.scheduled]
@@ -184,7 +189,7 @@ class ModelRunner:
         masks = self._start_masks(sample_seqs)
         logits, hidden = self.graphs.run(decode_rows(seqs, self.block_size), feed)
         kept = None
-        if self.keep_hidden:  # a copy: the graph's output is overwritten by the next replay
+        if keep_hidden:  # a copy: the graph's output is overwritten by the next replay
             kept = _step_hidden(hidden.clone(), [s.num_computed_tokens for s in seqs])
         if on_launched is not None:
             on_launched()

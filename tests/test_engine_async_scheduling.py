@@ -223,3 +223,25 @@ def test_speculation_runs_ahead_while_drafting_is_paused_with_identical_output(l
     assert async_engine.spec.stats == sync_engine.spec.stats
     if method == "mtp":
         assert sync_engine.spec.stats.num_draft_tokens > 0
+
+
+def test_a_step_run_ahead_while_mtp_drafting_is_paused_keeps_no_hidden_states(loaded):
+    """No MTP forward reads a step run ahead (its sequences skip drafting), so the runner copies
+    no hidden states out of it: a paused step costs what a plain decode step does."""
+    config = EngineConfig(
+        model=MODEL,
+        num_kv_blocks=128,
+        num_threads=1,
+        async_scheduling=True,
+        speculative=SpeculativeConfig("mtp", 3),
+    )
+    engine = LLMEngine(config, loaded)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, greedy(48))
+    in_flight = []  # the hidden states each step left in flight kept
+    while engine.has_unfinished():
+        engine.step()
+        if engine._in_flight is not None:
+            in_flight.append(engine._in_flight.hidden)
+    assert engine.overlap.ahead > 0 and in_flight
+    assert all(hidden is None for hidden in in_flight)

@@ -63,6 +63,24 @@ def test_mtp_greedy_alone_matches_plain(loaded):
     assert_no_leak(spec)
 
 
+def test_mtp_drafts_never_accepted_cost_one_mtp_forward_per_verified_draft(loaded, monkeypatch):
+    """Random MTP weights: nothing is accepted. Each MTP forward is then one draft that gets
+    verified: the first round drafts one token, not k (no chained forwards), and a step whose
+    drafting is paused runs no MTP forward."""
+    calls = []
+    forward_mtp = loaded.model.forward_mtp
+    monkeypatch.setattr(
+        loaded.model, "forward_mtp", lambda *a, **kw: calls.append(1) or forward_mtp(*a, **kw)
+    )
+    llm = make_llm(loaded, MTP3)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    llm.generate([PROMPTS[3]], params)
+    stats = llm.engine.spec.stats
+    assert stats.num_accepted_tokens == 0
+    assert stats.num_draft_tokens == stats.num_drafts == len(calls)
+    assert len(calls) < 48 // 4  # paused for most of the steps
+
+
 def test_mtp_logprobs_match_plain(loaded):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     plain = make_llm(loaded, None).generate([PROMPTS[1]], params)[0].samples[0]
@@ -287,7 +305,7 @@ def test_spec_decode_counters_are_exported_for_prometheus(loaded):
 
     from deepserve.server.component_metrics import EngineCollector
 
-    llm = make_llm(loaded, MTP3)
+    llm = make_llm(loaded, MTP3_FIXED)  # every round drafts k: a counter per position
     llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))
     registry = CollectorRegistry()
     registry.register(EngineCollector(llm.engine.stats, {"model_name": "m", "role": "mixed"}))

@@ -105,3 +105,13 @@ def test_finding_nothing_to_propose_pauses_like_a_miss_but_keeps_the_length():
     for _ in range(5):  # the pause does not grow
         assert opportunities(t, MIN_PAUSE + 1) == [0] * MIN_PAUSE + [3]
         t.nothing_proposed()
+
+
+def test_a_throttle_started_at_one_draft_grows_to_k_while_everything_is_accepted():
+    t = DraftThrottle(3, allowed=1)
+    lengths = []
+    for _ in range(4):
+        n = t.take_opportunity()
+        lengths.append(n)
+        t.observe(n, n)
+    assert lengths == [1, 2, 3, 3]

@@ -559,7 +559,7 @@ def markdown(out: dict) -> str:
     lines = [f"GPU: {out.get('gpu')}, torch {out.get('torch')}, triton {out.get('triton')}, "
              f"transformers {out.get('transformers')}", ""]  # fmt: skip
     keys = ("kernel_checks", "v4_checks", "invariant", "fp8", "kv_fp8", "kernel_tests", "linear", "parity",
-            "throughput", "determinism", "determinism_fp8", "spec_determinism", "spec_speed", "speed", "profile", "prefill_profile",
+            "throughput", "determinism", "determinism_fp8", "spec_determinism", "spec_speed", "spec_mtp", "speed", "profile", "prefill_profile",
             "serve", "serve_log_tail", "v4_parity", "v4_speed", "v4_kv", "v4_profile", "v4_long",
             "build_s", "errors")  # fmt: skip
     for key in keys:
@@ -699,6 +699,7 @@ def main() -> int:
         ("spec_determinism", lambda: section_spec_determinism(out, models, sc, deadline - 100)),
         ("determinism_fp8", lambda: section_determinism_fp8(out, work, sc, deadline - 60)),
         ("spec_speed", lambda: spec_speed.section_spec_speed(out, deadline - 60)),
+        ("spec_mtp", lambda: spec_speed.section_spec_mtp(out, deadline - 30)),
         ("throughput", lambda: section_throughput(out, models, sc, deadline - 90)),
         ("serve", lambda: serve_bench.section_serve(out, work, serve_bench.ServeRun())),
         (
@@ -738,6 +739,7 @@ def main() -> int:
         "spec_determinism",  # issue 34: --only spec_determinism
         "determinism_fp8",  # issue 29: --only determinism_fp8
         "spec_speed",  # issue 34: --only spec_speed (benchmarks/gpu/spec_speed.py)
+        "spec_mtp",  # issue 34, random-MTP row alone: --only spec_mtp
     }  # superseded by speed / checks
     for name, fn in sections:
         if name == "models":

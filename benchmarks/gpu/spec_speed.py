@@ -16,6 +16,10 @@ be equal) and, for SmolLM2, in float32. Then tiny-deepseek (vocabulary 129,280) 
 random MTP weights (nearly no draft accepted: the draft throttle's case) against plain, with
 the throttle on and off.
 
+Section `spec_mtp` (`section_spec_mtp`, issue 34's random-MTP row alone, ~3 minutes): plain
+against MTP on tiny-deepseek and on the V2-Lite geometry with one random MTP layer, batch 1 and
+8, their ratio, and where the MTP run's time goes (`mtp_breakdown`).
+
 Decode tokens/s: prefix caching off, generate(prompts, 1 token) timed apart and taken out of
 generate(prompts, N + 1 tokens), best of two. Imported by run_all.py (section `spec_speed`).
 """
@@ -225,6 +229,98 @@ def _mtp(rows: list, deadline: float) -> None:
         _release(llm)
     if "mtp" in outputs:
         equal_rows(rows, dict(label, run="mtp vs plain"), outputs["plain"], outputs["mtp"])
+
+
+def mtp_breakdown(llm, vocab: int, batch: int) -> dict:
+    """Where a speculative run's time goes, over one more timed 96-token run: MTP forwards
+    (each eager), verification rounds with drafts, host wall time inside `propose` (MTP forwards
+    and the drafts' device-to-host copy), steps run ahead and synchronous fallbacks."""
+    engine, spec = llm.engine, llm.engine.spec
+    model = engine.model
+    calls, spent = [0], [0.0]
+    forward_mtp, propose = model.forward_mtp, spec.propose
+
+    def counted(*a, **kw):
+        calls[0] += 1
+        return forward_mtp(*a, **kw)
+
+    def timed(*a, **kw):
+        t0 = time.perf_counter()
+        propose(*a, **kw)
+        spent[0] += time.perf_counter() - t0
+
+    model.forward_mtp, spec.propose = counted, timed
+    try:
+        prompts = repetitive_prompts(777, batch, vocab)
+        _timed(llm, prompts, 1)
+        rounds, ahead, fallbacks = (
+            spec.stats.num_drafts,
+            engine.overlap.ahead,
+            engine.overlap.fallbacks,
+        )
+        calls[0], spent[0] = 0, 0.0
+        total, _ = _timed(llm, prompts, TOKENS + 1)
+    finally:
+        del model.forward_mtp, spec.propose  # the instance attributes: back to the methods
+    return dict(
+        run_ms=round(1e3 * total, 2), mtp_forwards=calls[0], propose_ms=round(1e3 * spent[0], 2),
+        rounds=spec.stats.num_drafts - rounds, ahead=engine.overlap.ahead - ahead,
+        sync_fallbacks=engine.overlap.fallbacks - fallbacks,
+    )  # fmt: skip
+
+
+def _mtp_shape(rows: list, shape: str, config: dict, weights, deadline: float) -> None:
+    """Plain against `--speculative mtp` (k = 3, throttle on) over the same random weights (the
+    MTP layer's drafts are never accepted): tok/s, their ratio, the MTP run's breakdown, and
+    whether greedy output is equal."""
+    import speed
+
+    from deepserve.engine.config import SpeculativeConfig
+
+    vocab = config["vocab_size"]
+    label = dict(shape=shape, dtype="bfloat16", batch_invariant=False)
+    tok_s, outputs = {}, {}
+    for run, kw in (("plain", {}), ("mtp", dict(speculative=SpeculativeConfig("mtp", K)))):
+        if time.time() > deadline:
+            return
+        llm = speed.build_llm_over(
+            config, weights, False, max_num_seqs=8, max_model_len=1024, kv_cache_bytes=2**30,
+            enable_prefix_caching=False, **kw,
+        )  # fmt: skip
+        outputs[run] = {}
+        for batch in BATCHES:
+            if time.time() > deadline:
+                break
+            tok_s[run, batch], outputs[run][batch] = decode_run(llm, vocab, batch, 10 * batch)
+            row = dict(label, run=run, batch=batch, decode_tok_s=round(tok_s[run, batch], 1))
+            if run == "mtp":
+                row["ratio_to_plain"] = round(tok_s[run, batch] / tok_s["plain", batch], 3)
+                row |= mtp_breakdown(llm, vocab, batch)
+            rows.append(row)
+            print(row, flush=True)
+        _release(llm)
+    equal_rows(rows, dict(label, run="mtp vs plain"), outputs["plain"], outputs["mtp"])
+
+
+def section_spec_mtp(out: dict, deadline: float) -> None:
+    """Issue 34's random-MTP row alone (~3 minutes): tiny-deepseek (vocabulary 129,280: a graph
+    step is ~0.2 ms, so host work shows) and the V2-Lite geometry (27 layers, DeepseekV3
+    architecture) with one random MTP layer, plain against MTP at batch 1 and 8."""
+    from deepserve.engine.testmodels.model_shapes import DEEPSEEK_V2_LITE_AS_V3, random_weights
+    from deepserve.engine.testmodels.tiny_deepseek import TINY_CONFIG, _tensors
+
+    rows = out.setdefault("spec_mtp", [])
+    config = dict(TINY_CONFIG, vocab_size=129280)
+    _mtp_shape(
+        rows, "tiny-deepseek", config, _tensors(config, torch.Generator().manual_seed(0)), deadline
+    )
+    if time.time() > deadline:
+        return
+    config = dict(DEEPSEEK_V2_LITE_AS_V3, num_nextn_predict_layers=1)
+    weights = random_weights(config, "cuda", 0, fused_experts=True)
+    _mtp_shape(rows, "v2-lite + random MTP layer", config, weights, deadline)
+    weights.clear()
+    torch.cuda.empty_cache()
 
 
 def section_spec_speed(out: dict, deadline: float) -> None:

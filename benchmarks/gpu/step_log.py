@@ -24,10 +24,10 @@ def install(path: Path):
     plain = ModelRunner.launch
     sink = Path(path).open("a", buffering=1)  # noqa: SIM115 (open until `stop`)
 
-    def launch(self, out, on_launched=None, feed=None):
+    def launch(self, out, on_launched=None, feed=None, **kw):
         graph, ahead = int(self._replayable(out)), int(feed is not None)
         sink.write(f"{time.time():.6f} {len(out.scheduled)} {out.num_tokens} {graph} {ahead}\n")
-        return plain(self, out, on_launched, feed)
+        return plain(self, out, on_launched, feed, **kw)
 
     ModelRunner.launch = launch
 

@@ -13,7 +13,8 @@ How a step goes with speculation on (the engine, scheduler and runner call in he
 4. `propose` drafts the next step's tokens: n-gram lookup over the token ids, or the MTP layer fed
    with this step's target hidden states (it also writes the MTP layer's own KV for every newly
    verified position, so prefix-cache blocks carry it). How many per sequence is its
-   `DraftThrottle`'s call (throttle.py); a throttled sequence runs no MTP rows at all.
+   `DraftThrottle`'s call (throttle.py); a throttled sequence runs no MTP rows at all, and an
+   MTP sequence's first round drafts one token (the length grows as drafts are accepted).
 
 Not here: the KV tensor (runner), block bookkeeping (block manager), stop rules (engine).
 """
@@ -174,7 +175,10 @@ class SpeculativeDecoder:
 
     def _throttle(self, seq: Sequence) -> DraftThrottle:
         if seq.draft_throttle is None:
-            seq.draft_throttle = DraftThrottle(self.num_speculative_tokens)
+            # Each MTP draft costs a forward and a device-to-host copy before the verification
+            # can start (an n-gram draft costs neither): its length grows from one by acceptance.
+            first = 1 if self._mtp is not None else self.num_speculative_tokens
+            seq.draft_throttle = DraftThrottle(self.num_speculative_tokens, allowed=first)
         return seq.draft_throttle
 
     def _drafts_wanted(self, seq: Sequence) -> int:

@@ -61,11 +61,12 @@ class MtpProposer:
         if not work:
             return drafts
         hidden = self._forward_catch_up(work, kv_cache)
-        last_rows = torch.tensor(_cumsum([len(w.token_ids) for w in work])) - 1
         active = [i for i, w in enumerate(work) if w.num_drafts > 0]
         if not active:
             return drafts
-        hidden = hidden[last_rows[active]]
+        last_rows = [n - 1 for n in _cumsum([len(w.token_ids) for w in work])]
+        (rows,) = to_device([[last_rows[i] for i in active]], torch.long, hidden.device)
+        hidden = hidden[rows]
         for step in range(max(work[i].num_drafts for i in active)):
             tokens = self.model.compute_mtp_logits(hidden).argmax(dim=-1).tolist()
             for i, tok in zip(active, tokens, strict=True):
@@ -80,12 +81,13 @@ class MtpProposer:
 
     def _forward_catch_up(self, work: list[MtpRows], kv_cache: torch.Tensor) -> torch.Tensor:
         device = kv_cache.device
-        ids = torch.tensor([t for w in work for t in w.token_ids], dtype=torch.long, device=device)
+        ids = [t for w in work for t in w.token_ids]
+        positions = [p for w in work for p in range(w.start, w.start + len(w.token_ids))]
+        ids_t, positions_t = to_device([ids, positions], torch.long, device)
         spans = [(w.block_table, w.start, len(w.token_ids)) for w in work]
-        positions = torch.cat([torch.arange(w.start, w.start + len(w.token_ids)) for w in work])
         prev = torch.cat([w.prev_hidden for w in work]).to(device)
         attn = build_metadata(spans, self.block_size, device)
-        return self.model.forward_mtp(ids, positions.to(device), prev, attn, kv_cache)
+        return self.model.forward_mtp(ids_t, positions_t, prev, attn, kv_cache)
 
     def _forward_chained(
         self, rows: list[tuple[MtpRows, int, int]], prev: torch.Tensor, kv_cache: torch.Tensor
@@ -93,8 +95,9 @@ class MtpProposer:
         """One row per sequence: draft `token` at position last catch-up position + `offset`."""
         device = kv_cache.device
         spans = [(w.block_table, w.start + len(w.token_ids) - 1 + off, 1) for w, off, _ in rows]
-        ids = torch.tensor([tok for _, _, tok in rows], dtype=torch.long, device=device)
-        positions = torch.tensor([s[1] for s in spans], dtype=torch.long, device=device)
+        ids, positions = to_device(
+            [[tok for _, _, tok in rows], [s[1] for s in spans]], torch.long, device
+        )
         attn = build_metadata(spans, self.block_size, device)
         return self.model.forward_mtp(ids, positions, prev, attn, kv_cache)
 
@@ -112,22 +115,35 @@ def build_metadata(
         for p in range(start, start + n)
     ]
     width = max(len(table) for table, _, _ in spans)
-    tables = [table + [0] * (width - len(table)) for table, _, _ in spans]
-
-    def on_device(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
-
+    tables = [t for table, _, _ in spans for t in table + [0] * (width - len(table))]
+    query_start, seq_lens_t, context_lens_t, tables_t = to_device(
+        [[0, *_cumsum(query_lens)], seq_lens, context_lens, tables], torch.int32, device
+    )
+    (slot_mapping,) = to_device([slots], torch.int64, device)
     return AttentionMetadata(
-        query_start_loc=on_device([0, *_cumsum(query_lens)], torch.int32),
-        seq_lens=on_device(seq_lens, torch.int32),
-        context_lens=on_device(context_lens, torch.int32),
-        slot_mapping=on_device(slots, torch.int64),
-        block_tables=on_device(tables, torch.int32),
+        query_start_loc=query_start,
+        seq_lens=seq_lens_t,
+        context_lens=context_lens_t,
+        slot_mapping=slot_mapping,
+        block_tables=tables_t.view(len(spans), width),
         block_size=block_size,
         query_lens_cpu=query_lens,
         seq_lens_cpu=seq_lens,
         context_lens_cpu=context_lens,
     )
+
+
+def to_device(
+    parts: list[list[int]], dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """`parts` as tensors on `device` through one host-to-device copy that the host does not wait
+    for (pinned memory on a GPU): each eager MTP forward needs about ten small index tensors,
+    and a blocking copy apiece cost more than the layer's kernels on small models."""
+    host = torch.tensor([v for part in parts for v in part], dtype=dtype)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    flat = host.to(device, non_blocking=True)
+    return list(flat.split([len(part) for part in parts]))
 
 
 def _cumsum(values: list[int]) -> list[int]:

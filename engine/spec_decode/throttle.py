@@ -6,7 +6,10 @@ sequence, from its own verification rounds and its own proposal opportunities on
 sequences, the batch or the clock; under `--batch-invariant` the output does not depend on drafting
 at all, since acceptance is exact, but drafting stays a function of the request alone too):
 
-- it starts at the configured k;
+- it starts at the drafter's first length: the configured k for n-gram lookup, one for MTP (each
+  MTP draft is a forward of the MTP layer and a device-to-host copy, paid before verification
+  starts; with drafts never accepted, a first round of k = 3 made 2 of the 8 eager MTP forwards
+  of a 96-token request, and the only verification of 4 rows);
 - a round whose drafts were all accepted lets the next round draft one more (up to k); after a
   round with some drafts accepted the next drafts `accepted + 1`;
 - a round with none accepted is a miss: the next round drafts one token; an opportunity at which
@@ -33,7 +36,7 @@ MAX_PAUSE = 64
 @dataclass
 class DraftThrottle:
     max_drafts: int
-    allowed: int = 0  # drafts the next round may propose (set to max_drafts at creation)
+    allowed: int = 0  # drafts the next round may propose (0 at creation: max_drafts)
     misses: int = 0  # misses in a row (nothing accepted, or nothing proposed)
     waiting: int = 0  # proposal opportunities still to skip
     pause: int = MIN_PAUSE  # the next pause's length
