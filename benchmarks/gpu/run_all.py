@@ -632,6 +632,13 @@ def main() -> int:
         default=[0, 1],
         help="section long: --batch-invariant off (0) and/or on (1)",
     )
+    parser.add_argument(
+        "--spec-parts",
+        nargs="*",
+        default=["smollm2", "mtp", "v2-lite"],
+        choices=["smollm2", "mtp", "v2-lite"],
+        help="section spec_speed: which shapes' runs",
+    )
     parser.add_argument("--v4-batches", nargs="*", type=int, default=[1, 32, 64])
     parser.add_argument("--v4-no-hf", action="store_true", help="section v4: deepserve only")
     parser.add_argument(
@@ -698,7 +705,10 @@ def main() -> int:
         ("determinism", lambda: section_determinism(out, models, sc, deadline - 100)),
         ("spec_determinism", lambda: section_spec_determinism(out, models, sc, deadline - 100)),
         ("determinism_fp8", lambda: section_determinism_fp8(out, work, sc, deadline - 60)),
-        ("spec_speed", lambda: spec_speed.section_spec_speed(out, deadline - 60)),
+        (
+            "spec_speed",
+            lambda: spec_speed.section_spec_speed(out, deadline - 60, tuple(args.spec_parts)),
+        ),
         ("spec_mtp", lambda: spec_speed.section_spec_mtp(out, deadline - 30)),
         ("throughput", lambda: section_throughput(out, models, sc, deadline - 90)),
         ("serve", lambda: serve_bench.section_serve(out, work, serve_bench.ServeRun())),

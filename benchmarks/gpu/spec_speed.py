@@ -323,13 +323,18 @@ def section_spec_mtp(out: dict, deadline: float) -> None:
     torch.cuda.empty_cache()
 
 
-def section_spec_speed(out: dict, deadline: float) -> None:
+PARTS = ("smollm2", "mtp", "v2-lite")
+
+
+def section_spec_speed(out: dict, deadline: float, parts: tuple[str, ...] = PARTS) -> None:
+    """`parts`: the SmolLM2 and V2-Lite shapes' n-gram runs and tiny-deepseek's MTP run."""
     rows = out.setdefault("spec_speed", [])
     if torch.cuda.is_available():
         torch.backends.cuda.enable_cudnn_sdp(False)
-    for part in (lambda: _shape(rows, "smollm2", deadline), lambda: _mtp(rows, deadline)):
+    for part in parts:
         if time.time() > deadline:
             break
-        part()
-    if time.time() < deadline:
-        _shape(rows, "v2-lite", deadline)
+        if part == "mtp":
+            _mtp(rows, deadline)
+        else:
+            _shape(rows, part, deadline)
