@@ -203,14 +203,17 @@ def test_image_is_at_most_1_2_gb(stack):
     assert size <= MAX_IMAGE_BYTES
 
 
-def test_the_image_exposes_the_frontend_and_the_worker_ports(stack):
-    exposed = subprocess.run(
-        ["docker", "image", "inspect", IMAGE, "-f", "{{json .Config.ExposedPorts}}"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    assert set(json.loads(exposed)) == {"8000/tcp", "8100/tcp"}
+def test_every_deepserve_container_exposes_only_the_port_it_listens_on(stack):
+    listening = {"frontend": "8000/tcp", **{w: "8100/tcp" for w in WORKERS}}
+    for service, port in listening.items():
+        (container,) = stack.compose("ps", "-q", service).stdout.split()
+        exposed = subprocess.run(
+            ["docker", "inspect", container, "-f", "{{json .Config.ExposedPorts}}"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert set(json.loads(exposed)) == {port}, service
 
 
 def test_every_deepserve_container_runs_as_the_image_user_without_a_compiler(stack):

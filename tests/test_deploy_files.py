@@ -403,13 +403,19 @@ def test_dockerfile_cpu_build_names_no_cuda_image_and_fetches_no_frontend():
     assert ("ARG", "TORCH_INDEX=cpu") in instructions
 
 
-def test_the_image_exposes_the_port_of_every_role(compose):
-    """`docker ps` shows the ports a container listens on: 8000 (serve, frontend) and 8100
-    (worker), the CLI's defaults and the ports compose gives them."""
-    (exposed,) = [rest.split() for kw, rest in _dockerfile_instructions() if kw == "EXPOSE"]
-    defaults = {build_parser().parse_args([c]).port for c in ROLES_CMDS}
-    listening = {container_port(n, s) for n, s in _services(compose).items() if is_deepserve(s)}
-    assert {int(p) for p in exposed} == defaults | listening == {8000, 8100}
+def test_the_image_exposes_no_port():
+    """An image-level EXPOSE shows on every container of the image (`docker compose ps`), and the
+    roles listen on different ports: a worker would list the frontend's 8000."""
+    assert [rest for kw, rest in _dockerfile_instructions() if kw == "EXPOSE"] == []
+
+
+def test_every_listening_service_declares_exactly_its_own_port(compose):
+    for name, service in _services(compose).items():
+        if not (is_deepserve(service) or name == "redis"):
+            continue
+        published = {str(p).rsplit(":", 1)[-1] for p in service.get("ports", [])}
+        declared = {int(p) for p in {*map(str, service.get("expose", [])), *published}}
+        assert declared == {container_port(name, service)}, name
 
 
 def test_dockerfile_default_command_parses_with_the_real_cli():
