@@ -213,7 +213,9 @@ def test_every_deepserve_container_exposes_only_the_port_it_listens_on(stack):
             text=True,
             check=True,
         ).stdout
-        assert set(json.loads(exposed)) == {port}, service
+        # A port without a protocol is TCP (Docker 20.10 stores compose's `expose` entries so).
+        ports = {p if "/" in p else f"{p}/tcp" for p in json.loads(exposed)}
+        assert ports == {port}, service
 
 
 def test_every_deepserve_container_runs_as_the_image_user_without_a_compiler(stack):

@@ -360,6 +360,15 @@ def test_dockerfile_copies_existing_unignored_files():
         assert not _ignored(source, patterns), f"{source} is excluded by .dockerignore"
 
 
+def test_the_hosts_prebuilt_native_kernels_stay_out_of_the_build_context():
+    """`make setup` installs libraries built for this host there; the image compiles its own, and
+    a host's library in the context would ship in the image and change its kernels layer."""
+    from deepserve.kernels.cpu import native
+
+    prebuilt = native.PREBUILT.relative_to(Path(native.__file__).parents[2])
+    assert _ignored(f"{prebuilt}/deepserve_cpu-0.so", _dockerignore_patterns())
+
+
 def _package_roots() -> tuple[str, ...]:
     """setup.py's ROOTS: the top-level folders that become deepserve.* packages."""
     tree = ast.parse((REPO / "setup.py").read_text())
