@@ -330,10 +330,12 @@ def test_every_prometheus_target_is_up(stack):
 # ---- secrets ----------------------------------------------------------------------------------
 
 
-def test_deepserve_containers_hold_their_secrets_owner_only(stack):
+def test_every_container_holds_only_its_own_secrets_owner_only(stack):
     expected = {
         "frontend": {"api_key", "internal_token", "redis_password"},
         **{w: {"internal_token", "redis_password", "kv_secret"} for w in WORKERS},
+        "redis": {"redis_password", "redis.conf"},
+        "grafana": {"grafana_admin_password"},
     }
     for service, names in expected.items():
         files = stack.secret_files(service)
@@ -341,9 +343,9 @@ def test_deepserve_containers_hold_their_secrets_owner_only(stack):
         assert set(files.values()) == {"400 10001"}, f"{service}: {files}"
 
 
-def test_redis_and_grafana_hold_only_their_own_secret(stack):
-    assert set(stack.secret_files("redis")) == {"redis_password", "redis.conf"}
-    assert set(stack.secret_files("grafana")) == {"grafana_admin_password"}
+def test_redis_and_grafana_run_as_the_deepserve_image_uid(stack):
+    for service in ("redis", "grafana"):
+        assert stack.compose("exec", "-T", service, "id", "-u").stdout.split() == ["10001"]
 
 
 def test_no_secret_appears_in_ps_or_docker_inspect(stack):

@@ -209,14 +209,14 @@ def _mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
-def test_deepserve_secrets_are_readable_by_their_owner_only(compose, tmp_path):
+def test_every_secret_is_readable_by_its_owner_only(compose, tmp_path):
     """The `secrets` service runs as the image's deepserve user, so 0400 is that user's alone."""
     make_secrets(compose, tmp_path)
     services = _services(compose)
-    deepserve = [n for n, s in _readers(compose).items() if is_deepserve(s)]
+    readers = list(_readers(compose))
     folders = [volume_folder(tmp_path, STORE_VOLUME)]
-    folders += [local_paths(services[n], tmp_path)[SECRETS_MOUNT] for n in deepserve]
-    assert deepserve and "frontend" in deepserve and "prefill" in deepserve
+    folders += [local_paths(services[n], tmp_path)[SECRETS_MOUNT] for n in readers]
+    assert {"frontend", "prefill", "redis", "grafana"} <= set(readers)
     for folder in folders:
         assert _mode(folder) == 0o700, folder.name
         for path in folder.iterdir():
@@ -229,6 +229,17 @@ def test_the_secrets_service_user_is_the_deepserve_image_user(compose):
     assert "user" not in service  # the image's USER
     users = [rest for kw, rest in _dockerfile_instructions() if kw == "USER"]
     assert users[-1] == "deepserve"
+
+
+def _image_uid() -> str:
+    useradd = next(r for kw, r in _dockerfile_instructions() if kw == "RUN" and "useradd" in r)
+    return useradd.split("--uid", 1)[1].split()[0]
+
+
+def test_redis_and_grafana_run_as_the_deepserve_image_uid(compose):
+    """Their owner-only secrets are written by that uid: another could not read them."""
+    for name in ("redis", "grafana"):
+        assert _services(compose)[name]["user"] == f"{_image_uid()}:{_image_uid()}", name
 
 
 def test_a_secret_the_operator_wrote_is_kept_and_made_owner_only(compose, tmp_path):
