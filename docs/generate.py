@@ -75,8 +75,8 @@ COMPOSE_FOOTER = """
 No secret is a compose variable, and none has a default: on first start the `secrets` service
 writes random ones (256 bits each) into the `secrets` volume, and copies each service's own into a
 volume that only this service mounts (owner-only, 0400, for the image's deepserve uid, which
-redis and grafana run as too; they get nothing but their own password); each reads them as files,
-so none shows in `ps` or `docker inspect`. Clients need the API key:
+redis runs as too; redis and grafana get nothing but their own password); each reads them as
+files, so none shows in `ps` or `docker inspect`. Clients need the API key:
 
 ```bash
 docker compose exec frontend cat /run/deepserve-secrets/api_key
