@@ -11,9 +11,10 @@ its file into STORE before the first start (the README's Docker section shows ho
 
 Each `--copy` writes the named files into DIR (a volume that only the service reading them
 mounts) with MODE, and deletes any other file there, so a service never holds another's secret.
-This runs as the deepserve user, so 0400 copies are readable by the deepserve processes alone;
-redis and grafana run as their images' own users (whose uids differ between builds of those
-images), so their copies hold nothing but their own secret, at 0444.
+This runs as the deepserve user, so 0400 copies are readable by that uid alone: the deepserve
+processes, and redis, which compose runs as the same uid (it keeps no data). Grafana keeps its
+database in a volume its image's user owns (an existing one would not open under another uid),
+so its copy, nothing but its admin password, is 0444 in a volume only grafana mounts.
 
 Nothing is printed but the names and the command that shows the API key: container logs are kept.
 Standard library only.

@@ -74,9 +74,9 @@ Kubernetes secrets). The Redis password goes into every `redis://` URL that carr
 COMPOSE_FOOTER = """
 No secret is a compose variable, and none has a default: on first start the `secrets` service
 writes random ones (256 bits each) into the `secrets` volume, and copies each service's own into a
-volume that only this service mounts (owner-only for the deepserve user; redis and grafana get
-nothing but their own password); each reads them as files, so none shows in `ps` or
-`docker inspect`. Clients need the API key:
+volume that only this service mounts (owner-only, 0400, for the image's deepserve uid, which
+redis runs as too; redis and grafana get nothing but their own password); each reads them as
+files, so none shows in `ps` or `docker inspect`. Clients need the API key:
 
 ```bash
 docker compose exec frontend cat /run/deepserve-secrets/api_key

@@ -203,14 +203,19 @@ def test_image_is_at_most_1_2_gb(stack):
     assert size <= MAX_IMAGE_BYTES
 
 
-def test_the_image_exposes_the_frontend_and_the_worker_ports(stack):
-    exposed = subprocess.run(
-        ["docker", "image", "inspect", IMAGE, "-f", "{{json .Config.ExposedPorts}}"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    assert set(json.loads(exposed)) == {"8000/tcp", "8100/tcp"}
+def test_every_deepserve_container_exposes_only_the_port_it_listens_on(stack):
+    listening = {"frontend": "8000/tcp", **{w: "8100/tcp" for w in WORKERS}}
+    for service, port in listening.items():
+        (container,) = stack.compose("ps", "-q", service).stdout.split()
+        exposed = subprocess.run(
+            ["docker", "inspect", container, "-f", "{{json .Config.ExposedPorts}}"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        # A port without a protocol is TCP (Docker 20.10 stores compose's `expose` entries so).
+        ports = {p if "/" in p else f"{p}/tcp" for p in json.loads(exposed)}
+        assert ports == {port}, service
 
 
 def test_every_deepserve_container_runs_as_the_image_user_without_a_compiler(stack):
@@ -325,10 +330,11 @@ def test_every_prometheus_target_is_up(stack):
 # ---- secrets ----------------------------------------------------------------------------------
 
 
-def test_deepserve_containers_hold_their_secrets_owner_only(stack):
+def test_deepserve_and_redis_containers_hold_only_their_own_secrets_owner_only(stack):
     expected = {
         "frontend": {"api_key", "internal_token", "redis_password"},
         **{w: {"internal_token", "redis_password", "kv_secret"} for w in WORKERS},
+        "redis": {"redis_password", "redis.conf"},
     }
     for service, names in expected.items():
         files = stack.secret_files(service)
@@ -336,8 +342,11 @@ def test_deepserve_containers_hold_their_secrets_owner_only(stack):
         assert set(files.values()) == {"400 10001"}, f"{service}: {files}"
 
 
-def test_redis_and_grafana_hold_only_their_own_secret(stack):
-    assert set(stack.secret_files("redis")) == {"redis_password", "redis.conf"}
+def test_redis_runs_as_the_deepserve_image_uid(stack):
+    assert stack.compose("exec", "-T", "redis", "id", "-u").stdout.split() == ["10001"]
+
+
+def test_grafana_holds_only_its_admin_password(stack):
     assert set(stack.secret_files("grafana")) == {"grafana_admin_password"}
 
 

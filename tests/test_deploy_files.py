@@ -209,14 +209,15 @@ def _mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
-def test_deepserve_secrets_are_readable_by_their_owner_only(compose, tmp_path):
-    """The `secrets` service runs as the image's deepserve user, so 0400 is that user's alone."""
+def test_every_secret_but_grafanas_is_readable_by_its_owner_only(compose, tmp_path):
+    """The `secrets` service runs as the image's deepserve user, so 0400 is that user's alone.
+    Grafana runs as its image's user: its copy holds its admin password alone (test above)."""
     make_secrets(compose, tmp_path)
     services = _services(compose)
-    deepserve = [n for n, s in _readers(compose).items() if is_deepserve(s)]
+    readers = [n for n in _readers(compose) if n != "grafana"]
     folders = [volume_folder(tmp_path, STORE_VOLUME)]
-    folders += [local_paths(services[n], tmp_path)[SECRETS_MOUNT] for n in deepserve]
-    assert deepserve and "frontend" in deepserve and "prefill" in deepserve
+    folders += [local_paths(services[n], tmp_path)[SECRETS_MOUNT] for n in readers]
+    assert {"frontend", "prefill", "redis"} <= set(readers)
     for folder in folders:
         assert _mode(folder) == 0o700, folder.name
         for path in folder.iterdir():
@@ -229,6 +230,16 @@ def test_the_secrets_service_user_is_the_deepserve_image_user(compose):
     assert "user" not in service  # the image's USER
     users = [rest for kw, rest in _dockerfile_instructions() if kw == "USER"]
     assert users[-1] == "deepserve"
+
+
+def _image_uid() -> str:
+    useradd = next(r for kw, r in _dockerfile_instructions() if kw == "RUN" and "useradd" in r)
+    return useradd.split("--uid", 1)[1].split()[0]
+
+
+def test_redis_runs_as_the_deepserve_image_uid(compose):
+    """Its owner-only secrets are written by that uid: another could not read them."""
+    assert _services(compose)["redis"]["user"] == f"{_image_uid()}:{_image_uid()}"
 
 
 def test_a_secret_the_operator_wrote_is_kept_and_made_owner_only(compose, tmp_path):
@@ -360,6 +371,15 @@ def test_dockerfile_copies_existing_unignored_files():
         assert not _ignored(source, patterns), f"{source} is excluded by .dockerignore"
 
 
+def test_the_hosts_prebuilt_native_kernels_stay_out_of_the_build_context():
+    """`make setup` installs libraries built for this host there; the image compiles its own, and
+    a host's library in the context would ship in the image and change its kernels layer."""
+    from deepserve.kernels.cpu import native
+
+    prebuilt = native.PREBUILT.relative_to(Path(native.__file__).parents[2])
+    assert _ignored(f"{prebuilt}/deepserve_cpu-0.so", _dockerignore_patterns())
+
+
 def _package_roots() -> tuple[str, ...]:
     """setup.py's ROOTS: the top-level folders that become deepserve.* packages."""
     tree = ast.parse((REPO / "setup.py").read_text())
@@ -403,13 +423,19 @@ def test_dockerfile_cpu_build_names_no_cuda_image_and_fetches_no_frontend():
     assert ("ARG", "TORCH_INDEX=cpu") in instructions
 
 
-def test_the_image_exposes_the_port_of_every_role(compose):
-    """`docker ps` shows the ports a container listens on: 8000 (serve, frontend) and 8100
-    (worker), the CLI's defaults and the ports compose gives them."""
-    (exposed,) = [rest.split() for kw, rest in _dockerfile_instructions() if kw == "EXPOSE"]
-    defaults = {build_parser().parse_args([c]).port for c in ROLES_CMDS}
-    listening = {container_port(n, s) for n, s in _services(compose).items() if is_deepserve(s)}
-    assert {int(p) for p in exposed} == defaults | listening == {8000, 8100}
+def test_the_image_exposes_no_port():
+    """An image-level EXPOSE shows on every container of the image (`docker compose ps`), and the
+    roles listen on different ports: a worker would list the frontend's 8000."""
+    assert [rest for kw, rest in _dockerfile_instructions() if kw == "EXPOSE"] == []
+
+
+def test_every_listening_service_declares_exactly_its_own_port(compose):
+    for name, service in _services(compose).items():
+        if not (is_deepserve(service) or name == "redis"):
+            continue
+        published = {str(p).rsplit(":", 1)[-1] for p in service.get("ports", [])}
+        declared = {int(p) for p in {*map(str, service.get("expose", [])), *published}}
+        assert declared == {container_port(name, service)}, name
 
 
 def test_dockerfile_default_command_parses_with_the_real_cli():
