@@ -89,14 +89,19 @@ def write_smollm2_shape(folder: Path, device: str) -> Path:
     return folder
 
 
-def write_tiny_deepseek(folder: Path) -> Path:
+def write_tiny_deepseek(folder: Path, quantization: str | None = None) -> Path:
+    """tiny-deepseek with the V4 vocabulary; `quantization` "fp8": in V3's published FP8 layout
+    (128 x 128 block scales)."""
     from safetensors.torch import save_file
 
+    from deepserve.engine.testmodels.quantize import quantize_checkpoint
     from deepserve.engine.testmodels.tiny_deepseek import TINY_CONFIG, _tensors
 
     folder.mkdir(parents=True, exist_ok=True)
     config = dict(TINY_CONFIG, vocab_size=129280)
     tensors = _tensors(config, torch.Generator().manual_seed(0))
+    if quantization:
+        config, tensors = quantize_checkpoint(config, tensors, quantization)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(config))
     _word_tokenizer(folder, config["vocab_size"])
@@ -381,56 +386,44 @@ def _audit(
 def section_determinism(out: dict, models: dict[str, Path], sc: Scale, deadline: float) -> None:
     """40 prompts x 10 runs through the engine in bf16, flag on and off, at temperature 0 and at
     0.8 with a fixed seed, among random other traffic (chunked prefill; repeats hit the cache)."""
-    from deepserve.engine.sampling_params import SamplingParams
-
     res = out.setdefault("determinism", [])
     for name, folder in models.items():
         vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
         for flag in (True, False):
             llm = make_llm(folder, sc, "bfloat16", flag, max_num_batched_tokens=256)
-            for temp in (0.0, 0.8):
-                if time.time() > deadline:
-                    break
-                rng = random.Random(7)
-                prompts = random_prompts(rng, sc.prompts, 8, 200, vocab)
-                noise = random_prompts(rng, 60, 4, 300, vocab)
-                params = SamplingParams(
-                    temperature=temp, seed=1234 if temp else None, max_tokens=sc.audit_tokens,
-                    ignore_eos=True, logprobs=0,
-                )  # fmt: skip
-                differ, total = _audit(llm, prompts, noise, params, sc.runs, rng)
+            for temp, differ, total in _audits_at_two_temperatures(llm, vocab, sc, deadline):
                 res.append(dict(model=name, batch_invariant=flag, temperature=temp,
                                 differing=differ, total=total))  # fmt: skip
             del llm
             _empty_cache()
 
 
-def write_tiny_deepseek_fp8(folder: Path) -> Path:
-    """tiny-deepseek's weights in V3's published FP8 layout (128 x 128 block scales)."""
-    from safetensors.torch import save_file
+def _audits_at_two_temperatures(llm, vocab: int, sc: Scale, deadline: float) -> list[tuple]:
+    """The 40 x 10 audit greedy and at 0.8 with a seed -> [(temperature, differing, total)]."""
+    from deepserve.engine.sampling_params import SamplingParams
 
-    from deepserve.engine.testmodels.quantize import quantize_checkpoint
-    from deepserve.engine.testmodels.tiny_deepseek import TINY_CONFIG, _tensors
-
-    folder.mkdir(parents=True, exist_ok=True)
-    config = dict(TINY_CONFIG, vocab_size=129280)
-    tensors = _tensors(config, torch.Generator().manual_seed(0))
-    config, tensors = quantize_checkpoint(config, tensors, "fp8")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(config))
-    _word_tokenizer(folder, config["vocab_size"])
-    return folder
+    rows = []
+    for temp in (0.0, 0.8):
+        if time.time() > deadline:
+            break
+        rng = random.Random(7)
+        prompts = random_prompts(rng, sc.prompts, 8, 200, vocab)
+        noise = random_prompts(rng, 60, 4, 300, vocab)
+        params = SamplingParams(
+            temperature=temp, seed=1234 if temp else None, max_tokens=sc.audit_tokens,
+            ignore_eos=True, logprobs=0,
+        )  # fmt: skip
+        rows.append((temp, *_audit(llm, prompts, noise, params, sc.runs, rng)))
+    return rows
 
 
 def section_determinism_fp8(out: dict, work: Path, sc: Scale, deadline: float) -> None:
     """Issue 29: the 40 x 10 audit under `--batch-invariant` with FP8 weights (tiny-deepseek in
     V3's block-scaled layout, kept quantized on the GPU) and `--kv-cache-dtype fp8`, and with the
     FP8 KV cache alone on the SmolLM2 shape (GQA); greedy and seeded, among random traffic."""
-    from deepserve.engine.sampling_params import SamplingParams
-
     res = out.setdefault("determinism_fp8", [])
     models = {
-        "tiny-deepseek-fp8": write_tiny_deepseek_fp8(work / "tiny-deepseek-fp8"),
+        "tiny-deepseek-fp8": write_tiny_deepseek(work / "tiny-deepseek-fp8", "fp8"),
         "smollm2-shape": write_smollm2_shape(work / "smollm2", sc.device),
     }
     for name, folder in models.items():
@@ -438,17 +431,7 @@ def section_determinism_fp8(out: dict, work: Path, sc: Scale, deadline: float) -
         llm = make_llm(
             folder, sc, "bfloat16", True, max_num_batched_tokens=256, kv_cache_dtype="fp8"
         )
-        for temp in (0.0, 0.8):
-            if time.time() > deadline:
-                break
-            rng = random.Random(7)
-            prompts = random_prompts(rng, sc.prompts, 8, 200, vocab)
-            noise = random_prompts(rng, 60, 4, 300, vocab)
-            params = SamplingParams(
-                temperature=temp, seed=1234 if temp else None, max_tokens=sc.audit_tokens,
-                ignore_eos=True, logprobs=0,
-            )  # fmt: skip
-            differ, total = _audit(llm, prompts, noise, params, sc.runs, rng)
+        for temp, differ, total in _audits_at_two_temperatures(llm, vocab, sc, deadline):
             res.append(dict(model=name, kv_cache_dtype="fp8", temperature=temp,
                             differing=differ, total=total))  # fmt: skip
         del llm
