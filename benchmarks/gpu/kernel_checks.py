@@ -24,6 +24,7 @@ run_all.py; returns rows of max relative errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -1233,6 +1234,97 @@ def _fp8_paths_at(key: dict, x: torch.Tensor, w, w_bf16: torch.Tensor, w_deq) ->
     return [*out, pick]
 
 
+GEMV_SHAPES = {  # [N, K] of the dense projections at decode (V2-Lite, V3) -> layer
+    (3072, 2048): "v2-lite q_proj",
+    (576, 2048): "v2-lite kv_a",
+    (4096, 512): "v2-lite kv_b",
+    (2048, 2048): "v2-lite o_proj",
+    (5632, 2048): "v2-lite shared gate_up",
+    (2048, 2816): "v2-lite shared down",
+    (21888, 2048): "v2-lite dense gate_up",
+    (2048, 10944): "v2-lite dense down (K cut)",
+    (102400, 2048): "v2-lite lm head",
+    (1536, 7168): "v3 q_a",
+    (24576, 1536): "v3 q_b",
+    (576, 7168): "v3 kv_a",
+    (32768, 512): "v3 kv_b",
+    (7168, 16384): "v3 o_proj",
+    (36864, 7168): "v3 dense gate_up",
+    (7168, 18432): "v3 dense down",
+    (4096, 7168): "v3 shared gate_up",
+    (7168, 2048): "v3 shared down",
+    (129280, 7168): "v3 lm head",
+}
+GEMV_ROWS = (1, 2, 4, 8, 16)
+GEMV_GRAPH_CALLS = 20
+
+
+def time_gemv_one_launch(rows: list) -> None:
+    """fp8_gemv.py's one-launch split-K (the last program of a row block adds the partials)
+    beside its two-launch form (a second kernel adds them) and cuBLAS bf16, for FP8 and bf16
+    weights at every GEMV_SHAPES projection and M in GEMV_ROWS: one- vs two-launch bitwise, each
+    path's relative error against the float32 product, and us per call inside a CUDA graph of
+    GEMV_GRAPH_CALLS launches (as decode replays) and by do_bench; then whether the default
+    set's plain linear takes the stream (fp8_gemv.plain_path) and whether it beats cuBLAS."""
+    from deepserve.kernels import block_quant
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    for (n, k), layer in GEMV_SHAPES.items():
+        w_bf16 = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
+        w8 = block_quant.quantize_fp8(w_bf16)
+        weights = {"fp8": (w8, w8.dequantize()), "bf16": (w_bf16, w_bf16.float())}
+        for m in GEMV_ROWS:
+            x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+            for fmt, (w, w_ref) in weights.items():
+                row = dict(op="gemv_one_launch", layer=layer, n=n, k=k, m=m, weights=fmt)
+                try:
+                    _gemv_paths_at(row, x, w, w_ref, w_bf16)
+                except Exception as exc:  # recorded; the other shapes go on
+                    row["error"] = str(exc)[-300:]
+                rows.append(row)
+                print(row, flush=True)
+        del w_bf16, w8, weights
+        torch.cuda.empty_cache()
+
+
+def _gemv_paths_at(row: dict, x: torch.Tensor, w, w_ref: torch.Tensor, w_bf16) -> None:
+    """`time_gemv_one_launch`'s columns for one weight format, shape and row count."""
+    import triton.testing
+
+    from deepserve.kernels.triton import fp8_gemv
+
+    two = dataclasses.replace(fp8_gemv.GEMV, one_launch=False)
+    run = fp8_gemv.gemv if isinstance(w, torch.Tensor) else fp8_gemv.fp8_gemv
+    paths = {
+        "one": lambda: run(x, w),
+        "two": lambda: run(x, w, two),
+        "cublas": lambda: torch.nn.functional.linear(x, w_bf16),
+    }
+    want = x.float() @ w_ref.T
+    outs = {name: fn() for name, fn in paths.items()}
+    again = paths["one"]()  # the counters reused: same bits
+    row["split"] = fp8_gemv.split_k(row["n"], row["k"])
+    row["bitwise_one_two"] = torch.equal(outs["one"], outs["two"])
+    row["bitwise_repeat"] = torch.equal(outs["one"], again)
+    for name, fn in paths.items():
+        row[f"rel_{name}"] = rel(outs[name], want)
+        row[f"us_graph_{name}"] = round(_graph_us(fn, GEMV_GRAPH_CALLS), 2)
+        ms = triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
+        row[f"us_bench_{name}"] = round(ms * 1e3, 2)
+    counts = fp8_gemv._COUNTERS.get(x.device)
+    row["counters_at_rest"] = counts is None or int(counts.abs().sum()) == 0
+    row["tb_s_one"] = round(_weight_bytes(w) / row["us_graph_one"] / 1e6, 2)
+    row["one_vs_cublas"] = round(row["us_graph_cublas"] / row["us_graph_one"], 3)
+    if isinstance(w, torch.Tensor):
+        row["plain_path"] = fp8_gemv.plain_path(row["m"], w)
+
+
+def _weight_bytes(w) -> int:
+    if isinstance(w, torch.Tensor):
+        return w.numel() * w.element_size()
+    return w.data.numel() + w.scale.numel() * 4
+
+
 def run_fp8(
     out: dict,
     deadline: float = float("inf"),
@@ -1253,6 +1345,7 @@ def run_fp8(
         check_fp8_model,
         check_v4_quantized_model,
         time_fp8_paths,
+        time_gemv_one_launch,
         time_fp8_decode_tiles,
         time_moe_decode_configs,
     )
