@@ -65,7 +65,7 @@ def _with_v4_ops(kernels: KernelSet) -> KernelSet:
 
 
 def fast_kernels(base: KernelSet) -> KernelSet | None:
-    """cuBLAS matmuls, Triton norms, attention (MLA's long prefill chunks decompressed, on
+    """cuBLAS matmuls (few rows of large weights streamed by fp8_gemv.py), Triton norms, attention (MLA's long prefill chunks decompressed, on
     flash_prefill.py) and fused MoE, `base`'s softmaxes; None without Triton."""
     if not HAVE_TRITON:
         return None
