@@ -1257,6 +1257,13 @@ GEMV_SHAPES = {  # [N, K] of the dense projections at decode (V2-Lite, V3) -> la
 }
 GEMV_ROWS = (1, 2, 4, 8, 16)
 GEMV_GRAPH_CALLS = 20
+GEMV_TUNE_ROWS = (1, 8)  # these rows also time GEMV_CANDIDATES (graph us only)
+GEMV_CANDIDATES = {  # block_n, num_warps, num_stages, waves (fp8_gemv.GemvConfig), one launch
+    "n32": (32, 4, 4, 4),
+    "n128w8": (128, 8, 3, 4),
+    "x2": (64, 4, 4, 2),
+    "x8": (64, 4, 4, 8),
+}
 
 
 def time_gemv_one_launch(rows: list) -> None:
@@ -1264,8 +1271,10 @@ def time_gemv_one_launch(rows: list) -> None:
     beside its two-launch form (a second kernel adds them) and cuBLAS bf16, for FP8 and bf16
     weights at every GEMV_SHAPES projection and M in GEMV_ROWS: one- vs two-launch bitwise, each
     path's relative error against the float32 product, and us per call inside a CUDA graph of
-    GEMV_GRAPH_CALLS launches (as decode replays) and by do_bench; then whether the default
-    set's plain linear takes the stream (fp8_gemv.plain_path) and whether it beats cuBLAS."""
+    GEMV_GRAPH_CALLS launches (as decode replays) and by do_bench; whether the default set's
+    plain linear takes the stream (fp8_gemv.plain_path) and the graph speedup over cuBLAS (bf16
+    on the unquantized weight for both formats); at GEMV_TUNE_ROWS the graph us of other configs
+    (GEMV_CANDIDATES, one launch)."""
     from deepserve.kernels import block_quant
 
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -1317,6 +1326,13 @@ def _gemv_paths_at(row: dict, x: torch.Tensor, w, w_ref: torch.Tensor, w_bf16) -
     row["one_vs_cublas"] = round(row["us_graph_cublas"] / row["us_graph_one"], 3)
     if isinstance(w, torch.Tensor):
         row["plain_path"] = fp8_gemv.plain_path(row["m"], w)
+    if row["m"] in GEMV_TUNE_ROWS:
+        for name, c in GEMV_CANDIDATES.items():
+            fn = functools.partial(run, x, w, fp8_gemv.GemvConfig(*c))
+            try:
+                row[f"us_graph_{name}"] = round(_graph_us(fn, GEMV_GRAPH_CALLS), 2)
+            except Exception as exc:  # a config over the shared memory: recorded
+                row[f"us_graph_{name}"] = f"error: {str(exc)[-120:]}"
 
 
 def _weight_bytes(w) -> int:
