@@ -1320,6 +1320,9 @@ def _gemv_paths_at(row: dict, x: torch.Tensor, w, w_ref: torch.Tensor, w_bf16) -
         row[f"us_graph_{name}"] = round(_graph_us(fn, GEMV_GRAPH_CALLS), 2)
         ms = triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
         row[f"us_bench_{name}"] = round(ms * 1e3, 2)
+    x_in = x.clone()
+    fresh = torch.randn_like(x)
+    row["graph_like_eager"] = _graph_replays_like_eager(lambda: run(x_in, w), [x_in], [fresh])
     counts = fp8_gemv._COUNTERS.get(x.device)
     row["counters_at_rest"] = counts is None or int(counts.abs().sum()) == 0
     row["tb_s_one"] = round(_weight_bytes(w) / row["us_graph_one"] / 1e6, 2)
