@@ -1058,6 +1058,7 @@ def run_v4(out: dict) -> None:
 # ---- block-scaled FP8 (and MXFP4 experts): errors against dequantized references, timings -----
 
 FP8_SHAPES = {  # [N, K] of a projection -> its layer
+    (2112, 7168): "v3 x_proj (q_a + kv_a, as the engine fuses them)",
     (1536, 7168): "v3 q_a",
     (24576, 1536): "v3 q_b",
     (576, 7168): "v3 kv_a (N cut)",
@@ -1068,6 +1069,7 @@ FP8_SHAPES = {  # [N, K] of a projection -> its layer
     (7168, 2048): "v3 shared down",
     (32768, 1024): "v4 wide (K 1024)",
     (4096, 32768): "v4 long K",
+    (3648, 2048): "v2-lite x_proj (q_proj + kv_a, as the engine fuses them)",
     (3072, 2048): "v2-lite q_proj",
     (576, 2048): "v2-lite kv_a",
     (2048, 2048): "v2-lite o_proj",
@@ -1235,6 +1237,7 @@ def _fp8_paths_at(key: dict, x: torch.Tensor, w, w_bf16: torch.Tensor, w_deq) ->
 
 
 GEMV_SHAPES = {  # [N, K] of the dense projections at decode (V2-Lite, V3) -> layer
+    (3648, 2048): "v2-lite x_proj (q_proj + kv_a, as the engine fuses them)",
     (3072, 2048): "v2-lite q_proj",
     (576, 2048): "v2-lite kv_a",
     (4096, 512): "v2-lite kv_b",
@@ -1244,6 +1247,7 @@ GEMV_SHAPES = {  # [N, K] of the dense projections at decode (V2-Lite, V3) -> la
     (21888, 2048): "v2-lite dense gate_up",
     (2048, 10944): "v2-lite dense down (K cut)",
     (102400, 2048): "v2-lite lm head",
+    (2112, 7168): "v3 x_proj (q_a + kv_a, as the engine fuses them)",
     (1536, 7168): "v3 q_a",
     (24576, 1536): "v3 q_b",
     (576, 7168): "v3 kv_a",
@@ -1255,6 +1259,7 @@ GEMV_SHAPES = {  # [N, K] of the dense projections at decode (V2-Lite, V3) -> la
     (7168, 2048): "v3 shared down",
     (129280, 7168): "v3 lm head",
 }
+GEMV_FP32_SHAPES = {(64, 2048): "v2-lite router", (256, 7168): "v3 router"}  # float32 x and w
 GEMV_ROWS = (1, 2, 4, 8, 16)
 GEMV_GRAPH_CALLS = 20
 GEMV_TUNE_ROWS = (1, 8)  # these rows also time GEMV_CANDIDATES (graph us only)
@@ -1273,7 +1278,8 @@ def time_gemv_one_launch(rows: list) -> None:
     path's relative error against the float32 product, and us per call inside a CUDA graph of
     GEMV_GRAPH_CALLS launches (as decode replays) and by do_bench; whether the default set's
     plain linear takes the stream (fp8_gemv.plain_path) and the graph speedup over cuBLAS (bf16
-    on the unquantized weight for both formats); at GEMV_TUNE_ROWS the graph us of other configs
+    on the unquantized weight for both formats), and the float32 routers (GEMV_FP32_SHAPES,
+    beside float32 cuBLAS); at GEMV_TUNE_ROWS the graph us of other configs
     (GEMV_CANDIDATES, one launch)."""
     from deepserve.kernels import block_quant
 
@@ -1282,21 +1288,29 @@ def time_gemv_one_launch(rows: list) -> None:
         w_bf16 = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
         w8 = block_quant.quantize_fp8(w_bf16)
         weights = {"fp8": (w8, w8.dequantize()), "bf16": (w_bf16, w_bf16.float())}
-        for m in GEMV_ROWS:
-            x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
-            for fmt, (w, w_ref) in weights.items():
-                row = dict(op="gemv_one_launch", layer=layer, n=n, k=k, m=m, weights=fmt)
-                try:
-                    _gemv_paths_at(row, x, w, w_ref, w_bf16)
-                except Exception as exc:  # recorded; the other shapes go on
-                    row["error"] = str(exc)[-300:]
-                rows.append(row)
-                print(row, flush=True)
+        _gemv_rows(rows, dict(layer=layer, n=n, k=k), weights, w_bf16, torch.bfloat16, g)
         del w_bf16, w8, weights
         torch.cuda.empty_cache()
+    for (n, k), layer in GEMV_FP32_SHAPES.items():
+        w32 = torch.randn(n, k, device="cuda", generator=g) / k**0.5
+        _gemv_rows(rows, dict(layer=layer, n=n, k=k), {"fp32": (w32, w32)}, w32, torch.float32, g)
 
 
-def _gemv_paths_at(row: dict, x: torch.Tensor, w, w_ref: torch.Tensor, w_bf16) -> None:
+def _gemv_rows(rows: list, key: dict, weights: dict, w_cublas, dtype: torch.dtype, g) -> None:
+    """`time_gemv_one_launch`'s rows of one shape: every row count and weight format."""
+    for m in GEMV_ROWS:
+        x = torch.randn(m, key["k"], device="cuda", generator=g).to(dtype)
+        for fmt, (w, w_ref) in weights.items():
+            row = dict(op="gemv_one_launch", **key, m=m, weights=fmt)
+            try:
+                _gemv_paths_at(row, x, w, w_ref, w_cublas)
+            except Exception as exc:  # recorded; the other shapes go on
+                row["error"] = str(exc)[-300:]
+            rows.append(row)
+            print(row, flush=True)
+
+
+def _gemv_paths_at(row: dict, x: torch.Tensor, w, w_ref: torch.Tensor, w_cublas) -> None:
     """`time_gemv_one_launch`'s columns for one weight format, shape and row count."""
     import triton.testing
 
@@ -1307,7 +1321,7 @@ def _gemv_paths_at(row: dict, x: torch.Tensor, w, w_ref: torch.Tensor, w_bf16) -
     paths = {
         "one": lambda: run(x, w),
         "two": lambda: run(x, w, two),
-        "cublas": lambda: torch.nn.functional.linear(x, w_bf16),
+        "cublas": lambda: torch.nn.functional.linear(x, w_cublas),
     }
     want = x.float() @ w_ref.T
     outs = {name: fn() for name, fn in paths.items()}
