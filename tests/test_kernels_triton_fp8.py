@@ -11,6 +11,7 @@ The production shapes and the timing are the GPU job's (benchmarks/gpu/kernel_ch
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import replace
 
@@ -279,6 +280,45 @@ def test_plain_weights_stream_through_the_same_one_launch_split_sum(m, n, k, dty
     assert torch.equal(got, fp8_gemv.gemv(x, w, TWO_LAUNCH))
     tol = 4e-3 if dtype == torch.bfloat16 else 1e-5
     assert _rel(got, x.float() @ w.float().T) < tol
+
+
+@contextlib.contextmanager
+def _programs_shuffled(seed: int):
+    """The interpreter runs a grid's programs one after another, row block by row block and
+    splits in order, so the last to count is always the last split; here they run in a seeded
+    random order instead, so any split of a row block may be the one that adds the partials."""
+    from triton.runtime import interpreter
+
+    cls = interpreter.InterpreterBuilder
+    original, orders = cls.set_grid_idx, {}
+
+    def shuffled(self, x, y, z):
+        gx, gy, gz = self.grid_dim
+        total = gx * gy * gz
+        if total not in orders:
+            orders[total] = torch.randperm(total, generator=torch.Generator().manual_seed(seed))
+        flat = int(orders[total][(x * gy + y) * gz + z])
+        original(self, flat // (gy * gz), flat // gz % gy, flat % gz)
+
+    cls.set_grid_idx = shuffled
+    try:
+        yield
+    finally:
+        cls.set_grid_idx = original
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's program order is what is shuffled")
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_whichever_program_counts_last_the_sum_is_the_same_bits(seed):
+    m, n, k = 2, 200, 1000  # 4 row blocks of 8 splits
+    w8 = block_quant.quantize_fp8(_rand(n, k, seed=50) / k**0.5)
+    w = (_rand(n, k, seed=51) / k**0.5).to(torch.bfloat16)
+    x = _rand(m, k, seed=52, dtype=torch.bfloat16)
+    want8, want = fp8_gemv.fp8_gemv(x, w8, TWO_LAUNCH), fp8_gemv.gemv(x, w, TWO_LAUNCH)
+    with _programs_shuffled(seed):
+        got8, got = fp8_gemv.fp8_gemv(x, w8), fp8_gemv.gemv(x, w)
+    assert torch.equal(got8, want8) and torch.equal(got, want)
+    assert _counters_at_rest()
 
 
 def test_repeated_calls_leave_the_counters_at_zero_and_reuse_them():
