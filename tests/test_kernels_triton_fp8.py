@@ -282,6 +282,21 @@ def test_plain_weights_stream_through_the_same_one_launch_split_sum(m, n, k, dty
     assert _rel(got, x.float() @ w.float().T) < tol
 
 
+@pytest.mark.parametrize("n,k", [(200, 1000), (576, 2048), (64, 200)])
+def test_one_row_with_x_read_in_the_weights_layout_is_the_same_product(n, k):
+    """GemvConfig.x_tile changes where x's values come from (L1, not shared memory), not the
+    arithmetic: close to the float32 product, and one launch equals two."""
+    tile = replace(fp8_gemv.GEMV, x_tile=True)
+    w8 = block_quant.quantize_fp8(_rand(n, k, seed=53) / k**0.5)
+    w = (_rand(n, k, seed=54) / k**0.5).to(torch.bfloat16)
+    x = _rand(1, k, seed=55, dtype=torch.bfloat16)
+    got8, got = fp8_gemv.fp8_gemv(x, w8, tile), fp8_gemv.gemv(x, w, tile)
+    assert torch.equal(got8, fp8_gemv.fp8_gemv(x, w8, replace(tile, one_launch=False)))
+    assert torch.equal(got, fp8_gemv.gemv(x, w, replace(tile, one_launch=False)))
+    assert _rel(got8, x.float() @ w8.dequantize().T) < 4e-3
+    assert _rel(got, x.float() @ w.float().T) < 4e-3
+
+
 @contextlib.contextmanager
 def _programs_shuffled(seed: int):
     """The interpreter runs a grid's programs one after another, row block by row block and

@@ -292,7 +292,7 @@ def sparse_cases() -> list[tuple]:
     return cases
 
 
-def compile_gemv(w: str, x: str, block_m: int, one_launch: bool) -> dict:
+def compile_gemv(w: str, x: str, block_m: int, one_launch: bool, x_tile: bool = False) -> dict:
     """fp8_gemv.py's weight-streaming kernel for `w` weights ("fp8e4nv", "bf16", "fp32") and `x`
     rows, one-row (block_m 1) or dot form, with its one-launch split sum or not, specialised as a
     decode call is (pointers and the K-long strides divisible by 16, K a multiple of 128)."""
@@ -303,23 +303,24 @@ def compile_gemv(w: str, x: str, block_m: int, one_launch: bool) -> dict:
     sig.update(out_ptr="*fp32" if one_launch else f"*{x}", y_ptr=f"*{x}", count_ptr="*i32")
     const = dict(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=fp8_gemv.GROUP, SCALE_N=128, EVEN_K=True,
-        IEEE=x == "fp32", SCALED=w == "fp8e4nv", ONE_LAUNCH=one_launch,
+        IEEE=x == "fp32", SCALED=w == "fp8e4nv", ONE_LAUNCH=one_launch, X_TILE=x_tile,
     )  # fmt: skip
     sig.update({name: "constexpr" for name in const})
     div = [n for n in names if n.endswith("_ptr") or n in ("K", "s_xm", "s_wn")]
     attrs = {(names.index(d),): [["tt.divisibility", 16]] for d in div}
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     kernel = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32), options=opts)  # fmt: skip
-    return _resources(kernel, f"gemv w={w} x={x} block_m={block_m} one_launch={one_launch}")
+    what = f"gemv w={w} x={x} block_m={block_m} one_launch={one_launch} x_tile={x_tile}"
+    return _resources(kernel, what)
 
 
 def gemv_main() -> int:
     """The GEMV's FP8, bf16 and float32 variants the default set launches at decode."""
     failed = 0
     for w, x in (("fp8e4nv", "bf16"), ("bf16", "bf16"), ("fp32", "fp32")):
-        for block_m, one in ((1, True), (1, False), (16, True)):
+        for block_m, one, tile in ((1, True, False), (1, False, False), (1, True, True), (16, True, False)):  # fmt: skip
             try:
-                print(compile_gemv(w, x, block_m, one), flush=True)
+                print(compile_gemv(w, x, block_m, one, tile), flush=True)
             except Exception as e:
                 failed += 1
                 print("gemv", w, x, block_m, one, "FAILED:", str(e)[-600:], flush=True)

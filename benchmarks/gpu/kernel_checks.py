@@ -1268,6 +1268,8 @@ GEMV_CANDIDATES = {  # block_n, num_warps, num_stages, waves (fp8_gemv.GemvConfi
     "n128w8": (128, 8, 3, 4),
     "x2": (64, 4, 4, 2),
     "x8": (64, 4, 4, 8),
+    "xtile": (64, 4, 4, 4, True, True),  # x in w's layout at one row (GemvConfig.x_tile)
+    "xtile n128w8": (128, 8, 3, 4, True, True),
 }
 
 
@@ -1346,6 +1348,9 @@ def _gemv_paths_at(row: dict, x: torch.Tensor, w, w_ref: torch.Tensor, w_cublas)
     if row["m"] in GEMV_TUNE_ROWS:
         for name, c in GEMV_CANDIDATES.items():
             fn = functools.partial(run, x, w, fp8_gemv.GemvConfig(*c))
+            if name == "xtile":  # same arithmetic as the default? (same tile, x from L1)
+                row["xtile_bitwise_one"] = torch.equal(fn(), outs["one"])
+                row["rel_xtile"] = rel(fn(), want)
             try:
                 row[f"us_graph_{name}"] = round(_graph_us(fn, GEMV_GRAPH_CALLS), 2)
             except Exception as exc:  # a config over the shared memory: recorded

@@ -62,6 +62,10 @@ class GemvConfig:
     # has one 8 KiB step in flight, so an SM needs several to cover HBM's latency
     waves: int = 4
     one_launch: bool = True  # the last program of a row block adds its partials (else 2 kernels)
+    # one row: x loaded as a [BLOCK_N, 128] tile in w's layout (each thread its own copy, from
+    # L1) instead of once and moved through shared memory (two CTA barriers a step); the GPU
+    # job times both (kernel_checks GEMV_CANDIDATES "xtile")
+    x_tile: bool = False
 
 
 GEMV = GemvConfig()
@@ -82,19 +86,26 @@ def steps_per_split(k: int, split: int) -> int:
 
 @jit
 def _row_partial(x_ptr, w_base, w_scale, first, last, K, BLOCK_K: constexpr, EVEN_K: constexpr,
-                 SCALED: constexpr, BLOCK_N: constexpr):  # fmt: skip
+                 SCALED: constexpr, BLOCK_N: constexpr, X_TILE: constexpr):  # fmt: skip
     """One row of x against BLOCK_N rows of w over K steps [first, last): float32 [BLOCK_N]."""
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for kb in range(first, last):
         kk = kb * BLOCK_K + rk
+        if X_TILE:  # noqa: SIM108  (x in w's layout, from L1: no conversion, no barrier a step)
+            xk = kk[None, :] + tl.zeros((BLOCK_N, 1), dtype=tl.int32)
+        else:
+            xk = kk
         if EVEN_K:
             w = tl.load(w_base + kk[None, :])
-            x = tl.load(x_ptr + kk)
+            x = tl.load(x_ptr + xk)
         else:
             w = tl.load(w_base + kk[None, :], mask=kk[None, :] < K, other=0.0)
-            x = tl.load(x_ptr + kk, mask=kk < K, other=0.0)
-        part = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+            x = tl.load(x_ptr + xk, mask=xk < K, other=0.0)
+        if X_TILE:
+            part = tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
+        else:
+            part = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
         if SCALED:
             acc += part * tl.load(w_scale + kb)
         else:
@@ -135,6 +146,7 @@ def _gemv_kernel(
     s_xm, s_wn, s_wsn, s_os, s_om,
     BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_K: constexpr, SCALE_N: constexpr,
     EVEN_K: constexpr, IEEE: constexpr, SCALED: constexpr, ONE_LAUNCH: constexpr,
+    X_TILE: constexpr = False,
 ):  # fmt: skip
     """out[split, m, n]: the partial sums of split `program_id(1)`'s K steps (with one split,
     `out` is y itself, in its dtype). With ONE_LAUNCH the last of a row block's programs to
@@ -148,7 +160,8 @@ def _gemv_kernel(
     first = split * steps_per_split
     last = tl.minimum(first + steps_per_split, tl.cdiv(K, BLOCK_K))
     if BLOCK_M == 1:
-        acc = _row_partial(x_ptr, w_base, w_scale, first, last, K, BLOCK_K, EVEN_K, SCALED, BLOCK_N)
+        acc = _row_partial(x_ptr, w_base, w_scale, first, last, K, BLOCK_K, EVEN_K, SCALED,
+                           BLOCK_N, X_TILE)  # fmt: skip
         offs = rn
         keep = rn < N
     else:
@@ -248,6 +261,7 @@ def _launch(x, w_data, w_scale, scale_n: int, cfg: GemvConfig) -> torch.Tensor:
         BLOCK_M=1 if m == 1 else max(16, next_power_of_2(m)), BLOCK_N=cfg.block_n,
         BLOCK_K=GROUP, SCALE_N=max(scale_n, 1), EVEN_K=k % GROUP == 0,
         IEEE=x.dtype == torch.float32, SCALED=scale_n > 0, ONE_LAUNCH=one_launch,
+        X_TILE=cfg.x_tile and m == 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split > 1 and not one_launch:
