@@ -1259,6 +1259,16 @@ GEMV_SHAPES = {  # [N, K] of the dense projections at decode (V2-Lite, V3) -> la
     (7168, 2048): "v3 shared down",
     (129280, 7168): "v3 lm head",
 }
+# calls per decode step of V2-Lite (27 layers, the first dense) through the engine's linears
+V2_LITE_STEP_CALLS = {
+    (3648, 2048): 27,  # x_proj
+    (2048, 2048): 27,  # o_proj
+    (5632, 2048): 26,  # shared experts' gate_up
+    (2048, 2816): 26,  # shared experts' down
+    (21888, 2048): 1,
+    (2048, 10944): 1,
+    (102400, 2048): 1,  # lm head
+}
 GEMV_FP32_SHAPES = {(64, 2048): "v2-lite router", (256, 7168): "v3 router"}  # float32 x and w
 GEMV_ROWS = (1, 2, 4, 8, 16)
 GEMV_GRAPH_CALLS = 20
@@ -1296,6 +1306,36 @@ def time_gemv_one_launch(rows: list) -> None:
     for (n, k), layer in GEMV_FP32_SHAPES.items():
         w32 = torch.randn(n, k, device="cuda", generator=g) / k**0.5
         _gemv_rows(rows, dict(layer=layer, n=n, k=k), {"fp32": (w32, w32)}, w32, torch.float32, g)
+    rows.extend(_gemv_step_rows(rows))
+
+
+def _gemv_step_rows(rows: list) -> list[dict]:
+    """One row per (weights, M): V2-Lite's dense linears of one decode step (V2_LITE_STEP_CALLS)
+    summed from the graph us of each path, and of the faster of one launch and cuBLAS."""
+    out = []
+    for fmt in ("fp8", "bf16"):
+        for m in GEMV_ROWS:
+            mine = {
+                (r["n"], r["k"]): r
+                for r in rows
+                if r.get("op") == "gemv_one_launch" and r["weights"] == fmt and r["m"] == m
+            }
+            if not all(key in mine and "error" not in mine[key] for key in V2_LITE_STEP_CALLS):
+                continue
+            step = dict(op="gemv_v2_lite_step", weights=fmt, m=m)
+            for path in ("one", "two", "cublas"):
+                us = sum(c * mine[key][f"us_graph_{path}"] for key, c in V2_LITE_STEP_CALLS.items())
+                step[f"us_{path}"] = round(us, 1)
+            step["us_best_of_one_cublas"] = round(
+                sum(
+                    c * min(mine[key]["us_graph_one"], mine[key]["us_graph_cublas"])
+                    for key, c in V2_LITE_STEP_CALLS.items()
+                ),
+                1,
+            )
+            out.append(step)
+            print(step, flush=True)
+    return out
 
 
 def _gemv_rows(rows: list, key: dict, weights: dict, w_cublas, dtype: torch.dtype, g) -> None:
