@@ -11,6 +11,7 @@ The production shapes and the timing are the GPU job's (benchmarks/gpu/kernel_ch
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import replace
 
@@ -248,6 +249,120 @@ def test_split_k_is_fixed_by_the_shape_and_reaches_the_waves_where_k_allows():
     assert fp8_gemv.split_k(36864, 7168) == 1
 
 
+TWO_LAUNCH = replace(fp8_gemv.GEMV, one_launch=False)  # partials summed by a second kernel
+# (M, N, K): split K with N a multiple of the row block or not, K a multiple of 128 or not
+ONE_LAUNCH_SHAPES = [(1, 576, 2048), (2, 200, 1000), (5, 130, 384), (16, 64, 200), (1, 48, 640)]
+
+
+def _counters_at_rest() -> bool:
+    return all(int(c.abs().sum()) == 0 for c in fp8_gemv._COUNTERS.values())
+
+
+@pytest.mark.parametrize("m,n,k", ONE_LAUNCH_SHAPES)
+def test_one_launch_split_sum_is_the_two_launch_sum_bit_for_bit(m, n, k):
+    """The last program of a row block adds the partials in split order: the second kernel's
+    bits, and the float32 product up to bf16 rounding."""
+    assert fp8_gemv.split_k(n, k) > 1
+    w = block_quant.quantize_fp8(_rand(n, k, seed=40) / k**0.5)
+    x = _rand(m, k, seed=41, dtype=torch.bfloat16)
+    got = fp8_gemv.fp8_gemv(x, w)
+    assert torch.equal(got, fp8_gemv.fp8_gemv(x, w, TWO_LAUNCH))
+    assert _rel(got, x.float() @ w.dequantize().T) < 4e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,n,k", ONE_LAUNCH_SHAPES)
+def test_plain_weights_stream_through_the_same_one_launch_split_sum(m, n, k, dtype):
+    w = (_rand(n, k, seed=42) / k**0.5).to(dtype)
+    x = _rand(m, k, seed=43, dtype=dtype)
+    got = fp8_gemv.gemv(x, w)
+    assert got.dtype == dtype
+    assert torch.equal(got, fp8_gemv.gemv(x, w, TWO_LAUNCH))
+    tol = 4e-3 if dtype == torch.bfloat16 else 1e-5
+    assert _rel(got, x.float() @ w.float().T) < tol
+
+
+@pytest.mark.parametrize("n,k", [(200, 1000), (576, 2048), (64, 200)])
+def test_one_row_with_x_read_in_the_weights_layout_is_the_same_product(n, k):
+    """GemvConfig.x_tile changes where x's values come from (L1, not shared memory), not the
+    arithmetic: close to the float32 product, and one launch equals two."""
+    tile = replace(fp8_gemv.GEMV, x_tile=True)
+    w8 = block_quant.quantize_fp8(_rand(n, k, seed=53) / k**0.5)
+    w = (_rand(n, k, seed=54) / k**0.5).to(torch.bfloat16)
+    x = _rand(1, k, seed=55, dtype=torch.bfloat16)
+    got8, got = fp8_gemv.fp8_gemv(x, w8, tile), fp8_gemv.gemv(x, w, tile)
+    assert torch.equal(got8, fp8_gemv.fp8_gemv(x, w8, replace(tile, one_launch=False)))
+    assert torch.equal(got, fp8_gemv.gemv(x, w, replace(tile, one_launch=False)))
+    assert _rel(got8, x.float() @ w8.dequantize().T) < 4e-3
+    assert _rel(got, x.float() @ w.float().T) < 4e-3
+
+
+@contextlib.contextmanager
+def _programs_shuffled(seed: int):
+    """The interpreter runs a grid's programs one after another, row block by row block and
+    splits in order, so the last to count is always the last split; here they run in a seeded
+    random order instead, so any split of a row block may be the one that adds the partials."""
+    from triton.runtime import interpreter
+
+    cls = interpreter.InterpreterBuilder
+    original, orders = cls.set_grid_idx, {}
+
+    def shuffled(self, x, y, z):
+        gx, gy, gz = self.grid_dim
+        total = gx * gy * gz
+        if total not in orders:
+            orders[total] = torch.randperm(total, generator=torch.Generator().manual_seed(seed))
+        flat = int(orders[total][(x * gy + y) * gz + z])
+        original(self, flat // (gy * gz), flat // gz % gy, flat % gz)
+
+    cls.set_grid_idx = shuffled
+    try:
+        yield
+    finally:
+        cls.set_grid_idx = original
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's program order is what is shuffled")
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_whichever_program_counts_last_the_sum_is_the_same_bits(seed):
+    m, n, k = 2, 200, 1000  # 4 row blocks of 8 splits
+    w8 = block_quant.quantize_fp8(_rand(n, k, seed=50) / k**0.5)
+    w = (_rand(n, k, seed=51) / k**0.5).to(torch.bfloat16)
+    x = _rand(m, k, seed=52, dtype=torch.bfloat16)
+    want8, want = fp8_gemv.fp8_gemv(x, w8, TWO_LAUNCH), fp8_gemv.gemv(x, w, TWO_LAUNCH)
+    with _programs_shuffled(seed):
+        got8, got = fp8_gemv.fp8_gemv(x, w8), fp8_gemv.gemv(x, w)
+    assert torch.equal(got8, want8) and torch.equal(got, want)
+    assert _counters_at_rest()
+
+
+def test_repeated_calls_leave_the_counters_at_zero_and_reuse_them():
+    """Every call's reducing program zeroes its row block's counter: the next call (another
+    shape on the same buffer too) counts from zero and gives the same bits."""
+    w = block_quant.quantize_fp8(_rand(200, 1000, seed=44) / 32)
+    plain = _rand(130, 384, seed=45, dtype=torch.bfloat16) / 20
+    x, xp = _rand(3, 1000, seed=46), _rand(2, 384, seed=47, dtype=torch.bfloat16)
+    first, first_plain = fp8_gemv.fp8_gemv(x, w), fp8_gemv.gemv(xp, plain)
+    buffers = {d: c.data_ptr() for d, c in fp8_gemv._COUNTERS.items()}
+    for _ in range(3):
+        assert _counters_at_rest()
+        assert torch.equal(fp8_gemv.fp8_gemv(x, w), first)
+        assert torch.equal(fp8_gemv.gemv(xp, plain), first_plain)
+    assert {d: c.data_ptr() for d, c in fp8_gemv._COUNTERS.items()} == buffers  # allocated once
+
+
+def test_the_default_sets_plain_linear_streams_few_rows_of_large_weights_only():
+    w = (_rand(256, 4096, seed=48) / 64).to(torch.bfloat16)  # PLAIN_MIN_ELEMENTS: 2^20
+    small = w[:8, :128].contiguous()
+    x = _rand(fp8_gemv.PLAIN_ROWS + 1, 4096, seed=49, dtype=torch.bfloat16)
+    linear = fp8_gemv.streaming_linear_or(torch.nn.functional.linear)
+    assert fp8_gemv.plain_path(2, w) and not fp8_gemv.plain_path(len(x), w)
+    assert torch.equal(linear(x[:2], w), fp8_gemv.gemv(x[:2], w))
+    assert torch.equal(linear(x, w), torch.nn.functional.linear(x, w))
+    assert not fp8_gemv.plain_path(1, small)
+    assert torch.equal(linear(x[:1, :128], small), torch.nn.functional.linear(x[:1, :128], small))
+
+
 def test_the_default_set_takes_the_gemv_for_few_rows_and_the_invariant_set_never():
     w = block_quant.quantize_fp8(_rand(64, 256, seed=36))
     x = _rand(fp8_matmul.GEMV_ROWS + 1, 256, seed=37, dtype=torch.bfloat16)
@@ -427,12 +542,20 @@ for wfmt, a, w, ws, cfg, ptx, even_k in (
                   BLOCK_K=cfg.block_k if wfmt == 2 else 128)
     ptx_text = build(fm._moe_gemm_kernel, types, consts, cfg)
     assert ("mul.rn.bf16x2" in ptx_text) == ptx, "the e2m1 decode taken as asked"
-names = "x_ptr w_ptr ws_ptr out_ptr M N K steps_per_split s_xm s_wn s_wsn s_os s_om".split()
-for block_m, x, out in ((1, "*bf16", "*fp32"), (16, "*bf16", "*bf16"), (64, "*fp32", "*fp32")):
-    types = dict(zip(names, [x, "*fp8e4nv", "*fp32", out] + ["i32"] * 9))
-    consts = dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, SCALE_N=128, EVEN_K=False,
-                  IEEE=x == "*fp32")
-    build(fv._fp8_gemv_kernel, types, consts, fv.GEMV)
+names = ("x_ptr w_ptr ws_ptr out_ptr y_ptr count_ptr M N K steps_per_split n_split s_xm s_wn "
+         "s_wsn s_os s_om").split()
+for block_m, x, w, out, one in (
+    (1, "*bf16", "*fp8e4nv", "*fp32", True), (16, "*bf16", "*fp8e4nv", "*bf16", False),
+    (64, "*fp32", "*fp8e4nv", "*fp32", True), (1, "*bf16", "*bf16", "*fp32", True),
+    (8, "*bf16", "*bf16", "*fp32", True), (4, "*fp32", "*fp32", "*fp32", True),
+):
+    types = dict(zip(names, [x, w, "*fp32" if w == "*fp8e4nv" else w, out, x, "*i32"]
+                     + ["i32"] * 10))
+    consts = dict(BLOCK_M=block_m if block_m == 1 else max(16, block_m), BLOCK_N=64, BLOCK_K=128,
+                  SCALE_N=128, EVEN_K=False, IEEE=x == "*fp32", SCALED=w == "*fp8e4nv",
+                  ONE_LAUNCH=one)
+    ptx = build(fv._gemv_kernel, types, consts, fv.GEMV)
+    assert not one or "atom.global.gpu.acq_rel.add" in ptx, "the split count is an acq_rel atomic"
 types = dict(p_ptr="*fp32", y_ptr="*bf16", total="i32")
 build(fv._sum_splits_kernel, types, dict(SPLIT=8, BLOCK=1024), fv.GEMV)
 """

@@ -10,6 +10,7 @@ device call: a kernel that does not compile here does not compile there.
     .venv/bin/python benchmarks/gpu/compile_check.py   # PYTHONPATH=dir for another Triton
     .venv/bin/python benchmarks/gpu/compile_check.py --kv-fp8   # only the fp8 KV cache's kernels
     .venv/bin/python benchmarks/gpu/compile_check.py --moe-mxfp4   # only the MXFP4 MoE's
+    .venv/bin/python benchmarks/gpu/compile_check.py --gemv   # only the decode GEMV's
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from triton.compiler import ASTSource
 from deepserve.kernels.triton import (
     attention,
     decode_attention,
+    fp8_gemv,
     fused_moe,
     matmul,
     mla,
@@ -290,6 +292,41 @@ def sparse_cases() -> list[tuple]:
     return cases
 
 
+def compile_gemv(w: str, x: str, block_m: int, one_launch: bool, x_tile: bool = False) -> dict:
+    """fp8_gemv.py's weight-streaming kernel for `w` weights ("fp8e4nv", "bf16", "fp32") and `x`
+    rows, one-row (block_m 1) or dot form, with its one-launch split sum or not, specialised as a
+    decode call is (pointers and the K-long strides divisible by 16, K a multiple of 128)."""
+    fn, cfg = fp8_gemv._gemv_kernel, fp8_gemv.GEMV
+    names = fn.arg_names
+    sig = {name: "i32" for name in names}
+    sig.update(x_ptr=f"*{x}", w_ptr=f"*{w}", ws_ptr="*fp32" if w == "fp8e4nv" else f"*{w}")
+    sig.update(out_ptr="*fp32" if one_launch else f"*{x}", y_ptr=f"*{x}", count_ptr="*i32")
+    const = dict(
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=fp8_gemv.GROUP, SCALE_N=128, EVEN_K=True,
+        IEEE=x == "fp32", SCALED=w == "fp8e4nv", ONE_LAUNCH=one_launch, X_TILE=x_tile,
+    )  # fmt: skip
+    sig.update({name: "constexpr" for name in const})
+    div = [n for n in names if n.endswith("_ptr") or n in ("K", "s_xm", "s_wn")]
+    attrs = {(names.index(d),): [["tt.divisibility", 16]] for d in div}
+    opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    kernel = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32), options=opts)  # fmt: skip
+    what = f"gemv w={w} x={x} block_m={block_m} one_launch={one_launch} x_tile={x_tile}"
+    return _resources(kernel, what)
+
+
+def gemv_main() -> int:
+    """The GEMV's FP8, bf16 and float32 variants the default set launches at decode."""
+    failed = 0
+    for w, x in (("fp8e4nv", "bf16"), ("bf16", "bf16"), ("fp32", "fp32")):
+        for block_m, one, tile in ((1, True, False), (1, False, False), (1, True, True), (16, True, False)):  # fmt: skip
+            try:
+                print(compile_gemv(w, x, block_m, one, tile), flush=True)
+            except Exception as e:
+                failed += 1
+                print("gemv", w, x, block_m, one, "FAILED:", str(e)[-600:], flush=True)
+    return 1 if failed else 0
+
+
 def _resources(kernel, what: str) -> dict:
     tools = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -315,6 +352,8 @@ def main() -> int:
         return kv_fp8_main()
     if "--moe-mxfp4" in sys.argv[1:]:
         return moe_mxfp4_main()
+    if "--gemv" in sys.argv[1:]:
+        return gemv_main()
     failed = 0
     for k, n, heads, dtype in SHAPES:
         try:
@@ -335,7 +374,7 @@ def main() -> int:
             except Exception as e:
                 failed += 1
                 print(name, fn.__name__, "FAILED:", str(e)[-600:], flush=True)
-    return 1 if failed or kv_fp8_main() or moe_mxfp4_main() else 0
+    return 1 if failed or kv_fp8_main() or moe_mxfp4_main() or gemv_main() else 0
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ run_all.py; returns rows of max relative errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -1057,6 +1058,7 @@ def run_v4(out: dict) -> None:
 # ---- block-scaled FP8 (and MXFP4 experts): errors against dequantized references, timings -----
 
 FP8_SHAPES = {  # [N, K] of a projection -> its layer
+    (2112, 7168): "v3 x_proj (q_a + kv_a, as the engine fuses them)",
     (1536, 7168): "v3 q_a",
     (24576, 1536): "v3 q_b",
     (576, 7168): "v3 kv_a (N cut)",
@@ -1067,6 +1069,7 @@ FP8_SHAPES = {  # [N, K] of a projection -> its layer
     (7168, 2048): "v3 shared down",
     (32768, 1024): "v4 wide (K 1024)",
     (4096, 32768): "v4 long K",
+    (3648, 2048): "v2-lite x_proj (q_proj + kv_a, as the engine fuses them)",
     (3072, 2048): "v2-lite q_proj",
     (576, 2048): "v2-lite kv_a",
     (2048, 2048): "v2-lite o_proj",
@@ -1233,6 +1236,173 @@ def _fp8_paths_at(key: dict, x: torch.Tensor, w, w_bf16: torch.Tensor, w_deq) ->
     return [*out, pick]
 
 
+GEMV_SHAPES = {  # [N, K] of the dense projections at decode (V2-Lite, V3) -> layer
+    (3648, 2048): "v2-lite x_proj (q_proj + kv_a, as the engine fuses them)",
+    (3072, 2048): "v2-lite q_proj",
+    (576, 2048): "v2-lite kv_a",
+    (4096, 512): "v2-lite kv_b",
+    (2048, 2048): "v2-lite o_proj",
+    (5632, 2048): "v2-lite shared gate_up",
+    (2048, 2816): "v2-lite shared down",
+    (21888, 2048): "v2-lite dense gate_up",
+    (2048, 10944): "v2-lite dense down (K cut)",
+    (102400, 2048): "v2-lite lm head",
+    (2112, 7168): "v3 x_proj (q_a + kv_a, as the engine fuses them)",
+    (1536, 7168): "v3 q_a",
+    (24576, 1536): "v3 q_b",
+    (576, 7168): "v3 kv_a",
+    (32768, 512): "v3 kv_b",
+    (7168, 16384): "v3 o_proj",
+    (36864, 7168): "v3 dense gate_up",
+    (7168, 18432): "v3 dense down",
+    (4096, 7168): "v3 shared gate_up",
+    (7168, 2048): "v3 shared down",
+    (129280, 7168): "v3 lm head",
+}
+# calls per decode step of V2-Lite (27 layers, the first dense) through the engine's linears
+V2_LITE_STEP_CALLS = {
+    (3648, 2048): 27,  # x_proj
+    (2048, 2048): 27,  # o_proj
+    (5632, 2048): 26,  # shared experts' gate_up
+    (2048, 2816): 26,  # shared experts' down
+    (21888, 2048): 1,
+    (2048, 10944): 1,
+    (102400, 2048): 1,  # lm head
+}
+GEMV_FP32_SHAPES = {(64, 2048): "v2-lite router", (256, 7168): "v3 router"}  # float32 x and w
+GEMV_ROWS = (1, 2, 4, 8, 16)
+GEMV_GRAPH_CALLS = 20
+GEMV_TUNE_ROWS = (1,)  # these rows also time GEMV_CANDIDATES (graph us only)
+GEMV_CANDIDATES = {  # block_n, num_warps, num_stages, waves (fp8_gemv.GemvConfig), one launch
+    "n32": (32, 4, 4, 4),
+    "n128w8": (128, 8, 3, 4),
+    "x2": (64, 4, 4, 2),
+    "x8": (64, 4, 4, 8),
+    "xtile": (64, 4, 4, 4, True, True),  # x in w's layout at one row (GemvConfig.x_tile)
+    "xtile n128w8": (128, 8, 3, 4, True, True),
+}
+
+
+def time_gemv_one_launch(rows: list) -> None:
+    """fp8_gemv.py's one-launch split-K (the last program of a row block adds the partials)
+    beside its two-launch form (a second kernel adds them) and cuBLAS bf16, for FP8 and bf16
+    weights at every GEMV_SHAPES projection and M in GEMV_ROWS: one- vs two-launch bitwise, each
+    path's relative error against the float32 product, and us per call inside a CUDA graph of
+    GEMV_GRAPH_CALLS launches (as decode replays) and by do_bench; whether the default set's
+    plain linear takes the stream (fp8_gemv.plain_path) and the graph speedup over cuBLAS (bf16
+    on the unquantized weight for both formats), and the float32 routers (GEMV_FP32_SHAPES,
+    beside float32 cuBLAS); at GEMV_TUNE_ROWS the graph us of other configs
+    (GEMV_CANDIDATES, one launch)."""
+    from deepserve.kernels import block_quant
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    for (n, k), layer in GEMV_SHAPES.items():
+        w_bf16 = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
+        w8 = block_quant.quantize_fp8(w_bf16)
+        weights = {"fp8": (w8, w8.dequantize()), "bf16": (w_bf16, w_bf16.float())}
+        _gemv_rows(rows, dict(layer=layer, n=n, k=k), weights, w_bf16, torch.bfloat16, g)
+        del w_bf16, w8, weights
+        torch.cuda.empty_cache()
+    for (n, k), layer in GEMV_FP32_SHAPES.items():
+        w32 = torch.randn(n, k, device="cuda", generator=g) / k**0.5
+        _gemv_rows(rows, dict(layer=layer, n=n, k=k), {"fp32": (w32, w32)}, w32, torch.float32, g)
+    rows.extend(_gemv_step_rows(rows))
+
+
+def _gemv_step_rows(rows: list) -> list[dict]:
+    """One row per (weights, M): V2-Lite's dense linears of one decode step (V2_LITE_STEP_CALLS)
+    summed from the graph us of each path, and of the faster of one launch and cuBLAS."""
+    out = []
+    for fmt in ("fp8", "bf16"):
+        for m in GEMV_ROWS:
+            mine = {
+                (r["n"], r["k"]): r
+                for r in rows
+                if r.get("op") == "gemv_one_launch" and r["weights"] == fmt and r["m"] == m
+            }
+            if not all(key in mine and "error" not in mine[key] for key in V2_LITE_STEP_CALLS):
+                continue
+            step = dict(op="gemv_v2_lite_step", weights=fmt, m=m)
+            for path in ("one", "two", "cublas"):
+                us = sum(c * mine[key][f"us_graph_{path}"] for key, c in V2_LITE_STEP_CALLS.items())
+                step[f"us_{path}"] = round(us, 1)
+            step["us_best_of_one_cublas"] = round(
+                sum(
+                    c * min(mine[key]["us_graph_one"], mine[key]["us_graph_cublas"])
+                    for key, c in V2_LITE_STEP_CALLS.items()
+                ),
+                1,
+            )
+            out.append(step)
+            print(step, flush=True)
+    return out
+
+
+def _gemv_rows(rows: list, key: dict, weights: dict, w_cublas, dtype: torch.dtype, g) -> None:
+    """`time_gemv_one_launch`'s rows of one shape: every row count and weight format."""
+    for m in GEMV_ROWS:
+        x = torch.randn(m, key["k"], device="cuda", generator=g).to(dtype)
+        for fmt, (w, w_ref) in weights.items():
+            row = dict(op="gemv_one_launch", **key, m=m, weights=fmt)
+            try:
+                _gemv_paths_at(row, x, w, w_ref, w_cublas)
+            except Exception as exc:  # recorded; the other shapes go on
+                row["error"] = str(exc)[-300:]
+            rows.append(row)
+            print(row, flush=True)
+
+
+def _gemv_paths_at(row: dict, x: torch.Tensor, w, w_ref: torch.Tensor, w_cublas) -> None:
+    """`time_gemv_one_launch`'s columns for one weight format, shape and row count."""
+    import triton.testing
+
+    from deepserve.kernels.triton import fp8_gemv
+
+    two = dataclasses.replace(fp8_gemv.GEMV, one_launch=False)
+    run = fp8_gemv.gemv if isinstance(w, torch.Tensor) else fp8_gemv.fp8_gemv
+    paths = {
+        "one": lambda: run(x, w),
+        "two": lambda: run(x, w, two),
+        "cublas": lambda: torch.nn.functional.linear(x, w_cublas),
+    }
+    want = x.float() @ w_ref.T
+    outs = {name: fn() for name, fn in paths.items()}
+    again = paths["one"]()  # the counters reused: same bits
+    row["split"] = fp8_gemv.split_k(row["n"], row["k"])
+    row["bitwise_one_two"] = torch.equal(outs["one"], outs["two"])
+    row["bitwise_repeat"] = torch.equal(outs["one"], again)
+    for name, fn in paths.items():
+        row[f"rel_{name}"] = rel(outs[name], want)
+        row[f"us_graph_{name}"] = round(_graph_us(fn, GEMV_GRAPH_CALLS), 2)
+        ms = triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
+        row[f"us_bench_{name}"] = round(ms * 1e3, 2)
+    x_in = x.clone()
+    fresh = torch.randn_like(x)
+    row["graph_like_eager"] = _graph_replays_like_eager(lambda: run(x_in, w), [x_in], [fresh])
+    counts = fp8_gemv._COUNTERS.get(x.device)
+    row["counters_at_rest"] = counts is None or int(counts.abs().sum()) == 0
+    row["tb_s_one"] = round(_weight_bytes(w) / row["us_graph_one"] / 1e6, 2)
+    row["one_vs_cublas"] = round(row["us_graph_cublas"] / row["us_graph_one"], 3)
+    if isinstance(w, torch.Tensor):
+        row["plain_path"] = fp8_gemv.plain_path(row["m"], w)
+    if row["m"] in GEMV_TUNE_ROWS:
+        for name, c in GEMV_CANDIDATES.items():
+            fn = functools.partial(run, x, w, fp8_gemv.GemvConfig(*c))
+            if name == "xtile":  # same arithmetic as the default? (same tile, x from L1)
+                row["xtile_bitwise_one"] = torch.equal(fn(), outs["one"])
+                row["rel_xtile"] = rel(fn(), want)
+            try:
+                row[f"us_graph_{name}"] = round(_graph_us(fn, GEMV_GRAPH_CALLS), 2)
+            except Exception as exc:  # a config over the shared memory: recorded
+                row[f"us_graph_{name}"] = f"error: {str(exc)[-120:]}"
+
+
+def _weight_bytes(w) -> int:
+    if isinstance(w, torch.Tensor):
+        return w.numel() * w.element_size()
+    return w.data.numel() + w.scale.numel() * 4
+
+
 def run_fp8(
     out: dict,
     deadline: float = float("inf"),
@@ -1253,6 +1423,7 @@ def run_fp8(
         check_fp8_model,
         check_v4_quantized_model,
         time_fp8_paths,
+        time_gemv_one_launch,
         time_fp8_decode_tiles,
         time_moe_decode_configs,
     )

@@ -15,6 +15,7 @@ from deepserve.kernels.errors import KernelUnavailableError
 from deepserve.kernels.kernel_set import KernelSet
 from deepserve.kernels.triton import (
     attention,
+    fp8_gemv,
     fp8_matmul,
     fused_moe,
     hyper_connections,
@@ -64,14 +65,15 @@ def _with_v4_ops(kernels: KernelSet) -> KernelSet:
 
 
 def fast_kernels(base: KernelSet) -> KernelSet | None:
-    """cuBLAS matmuls, Triton norms, attention (MLA's long prefill chunks decompressed, on
+    """cuBLAS matmuls (few rows of large weights streamed by fp8_gemv.py), Triton norms, attention (MLA's long prefill chunks decompressed, on
     flash_prefill.py) and fused MoE, `base`'s softmaxes; None without Triton."""
     if not HAVE_TRITON:
         return None
     fast = replace(
         base,
         name="cuda_fast",
-        linear=fp8_matmul.linear_or(F.linear),  # FP8 weights: tiles by M
+        # FP8 weights: tiles by M; few rows of large bf16 / float32 weights streamed (fp8_gemv)
+        linear=fp8_matmul.linear_or(fp8_gemv.streaming_linear_or(F.linear)),
         rms_norm=rows.rms_norm,
         bmm=torch.matmul,
         paged_attention=FastPagedAttention(),
