@@ -553,7 +553,7 @@ for block_m, x, w, out, one in (
                      + ["i32"] * 10))
     consts = dict(BLOCK_M=block_m if block_m == 1 else max(16, block_m), BLOCK_N=64, BLOCK_K=128,
                   SCALE_N=128, EVEN_K=False, IEEE=x == "*fp32", SCALED=w == "*fp8e4nv",
-                  ONE_LAUNCH=one)
+                  ONE_LAUNCH=one, X_TILE=block_m == 1 and w == "*bf16")
     ptx = build(fv._gemv_kernel, types, consts, fv.GEMV)
     assert not one or "atom.global.gpu.acq_rel.add" in ptx, "the split count is an acq_rel atomic"
 types = dict(p_ptr="*fp32", y_ptr="*bf16", total="i32")

@@ -146,7 +146,7 @@ def _gemv_kernel(
     s_xm, s_wn, s_wsn, s_os, s_om,
     BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_K: constexpr, SCALE_N: constexpr,
     EVEN_K: constexpr, IEEE: constexpr, SCALED: constexpr, ONE_LAUNCH: constexpr,
-    X_TILE: constexpr = False,
+    X_TILE: constexpr,
 ):  # fmt: skip
     """out[split, m, n]: the partial sums of split `program_id(1)`'s K steps (with one split,
     `out` is y itself, in its dtype). With ONE_LAUNCH the last of a row block's programs to
