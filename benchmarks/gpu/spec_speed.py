@@ -186,13 +186,17 @@ def _shape(rows: list, name: str, deadline: float) -> None:
         if time.time() > deadline:
             break
         label = dict(shape=name, dtype=dtype, batch_invariant=flag)
+        oracle = ReferenceDrafter()  # under the flag verification rows are decode's bits
         llm = build(flag, dtype)
-        plain = measure(rows, dict(label, run="plain"), llm, prompts, deadline)
+        plain = measure(rows, dict(label, run="plain"), llm, prompts, deadline, oracle.known)
         _release(llm)
         llm = build(flag, dtype, speculative=ngram)
         spec = measure(rows, dict(label, run="ngram"), llm, prompts, deadline)
-        _release(llm)
         equal_rows(rows, dict(label, run="ngram vs plain"), plain, spec)
+        if flag:
+            llm.engine.spec.token_proposer = oracle
+            measure(rows, dict(label, run="oracle drafts"), llm, prompts, deadline)
+        _release(llm)
     weights.clear()  # the engines are gone; drop transformers' copy too
     del hf
     torch.cuda.empty_cache()
@@ -280,6 +284,10 @@ def _mtp_shape(rows: list, shape: str, config: dict, weights, deadline: float) -
     vocab = config["vocab_size"]
     label = dict(shape=shape, dtype="bfloat16", batch_invariant=False)
     tok_s, outputs = {}, {}
+
+    def spans(seed: int, batch: int) -> list[list[int]]:
+        return repetitive_prompts(seed, batch, vocab)
+
     for run, kw in (("plain", {}), ("mtp", dict(speculative=SpeculativeConfig("mtp", K)))):
         if time.time() > deadline:
             return
@@ -291,7 +299,7 @@ def _mtp_shape(rows: list, shape: str, config: dict, weights, deadline: float) -
         for batch in BATCHES:
             if time.time() > deadline:
                 break
-            tok_s[run, batch], outputs[run][batch] = decode_run(llm, vocab, batch, 10 * batch)
+            tok_s[run, batch], outputs[run][batch] = decode_run(llm, spans, batch, 10 * batch)
             row = dict(label, run=run, batch=batch, decode_tok_s=round(tok_s[run, batch], 1))
             if run == "mtp":
                 row["ratio_to_plain"] = round(tok_s[run, batch] / tok_s["plain", batch], 3)

@@ -48,9 +48,13 @@ SUM_BLOCK = 1024  # outputs per program of the two-launch scheme's partials' sum
 MIN_COUNTERS = 4096  # row-block counters per device: V3's 129,280-row head has 2,020 blocks
 # plain (bf16 / float32) weights: rows up to which the default set streams them here instead of
 # cuBLAS, and the least weight size worth it (a 2048 x 64 router is launch-bound either way).
-# The GPU job decides (kernel_checks `time_gemv_one_launch`, its `gemv_pick` rows).
-PLAIN_ROWS = 8
-PLAIN_MIN_ELEMENTS = 1 << 20
+# The GPU job decides (kernel_checks `time_gemv_one_launch`; run-gpu15-3): in a CUDA graph at
+# one row this kernel matched cuBLAS on V2-Lite's projections (a V2-Lite step's dense linears
+# 785 us against 757; engine batch 1 337 tok/s against 348 with all of them streamed here) and
+# beat it only on weights of tens of millions of elements (V2-Lite's head 103 us against 110,
+# V3's dense gate_up 121 against 134); at 2-16 rows cuBLAS won everywhere.
+PLAIN_ROWS = 1
+PLAIN_MIN_ELEMENTS = 1 << 25
 
 
 @dataclass(frozen=True)

@@ -75,16 +75,18 @@ LARGE = MoeConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=
 # MXFP4 experts past decode sizes: the e2m1 decode is paid once per weight per row block, so
 # PREFILL's 64-row tiles with a 64-deep K step decode too much per product. V4-Flash's experts
 # at 1,024 tokens (H200, run-gpu15-2 `mxfp4_moe_tile`): 2.64 ms against PREFILL's 10.6 (bf16
-# experts 3.63); 16 x 128 x 128 and 64 x 64 x 128 took 3.66, LARGE's shape 5.2.
+# experts 3.63); 16 x 128 x 128 and 64 x 64 x 128 took 3.66, LARGE's shape 5.2. From LARGE's
+# threshold on LARGE still wins (the V4 slice's 8,192-token prefill: 48,120 tok/s with LARGE,
+# 40,947 with this tile; run-gpu15-3).
 MXFP4_PREFILL = MoeConfig(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=4)
 
 
 def default_config(pairs: int, num_experts: int, mxfp4: bool = False) -> MoeConfig:
     """The tile for a call of `pairs` (token, slot) pairs when the caller fixes none."""
-    if mxfp4 and pairs >= PREFILL_MIN_PAIRS:
-        return MXFP4_PREFILL
     if pairs >= LARGE.block_m * num_experts:
         return LARGE
+    if mxfp4 and pairs >= PREFILL_MIN_PAIRS:
+        return MXFP4_PREFILL
     return PREFILL if pairs >= PREFILL_MIN_PAIRS else DECODE_W8A16
 
 
