@@ -541,7 +541,7 @@ def _spec_audits(res: list, name: str, vocab: int, build, methods, sc: Scale, de
 def markdown(out: dict) -> str:
     lines = [f"GPU: {out.get('gpu')}, torch {out.get('torch')}, triton {out.get('triton')}, "
              f"transformers {out.get('transformers')}", ""]  # fmt: skip
-    keys = ("kernel_checks", "v4_checks", "invariant", "fp8", "kv_fp8", "kernel_tests", "linear", "parity",
+    keys = ("kernel_checks", "v4_checks", "invariant", "fp8", "kv_fp8", "v3_fp8", "kernel_tests", "linear", "parity",
             "throughput", "determinism", "determinism_fp8", "spec_determinism", "spec_speed", "spec_mtp", "speed", "profile", "prefill_profile",
             "serve", "serve_log_tail", "v4_parity", "v4_speed", "v4_kv", "v4_profile", "v4_long",
             "build_s", "errors")  # fmt: skip
@@ -659,6 +659,7 @@ def main() -> int:
     import serve_bench
     import spec_speed
     import speed
+    import v3_fp8_speed
     import v4_speed
 
     batches = {"v2-lite": list(args.v2_batches), "smollm2": list(args.smollm2_batches)}
@@ -677,6 +678,7 @@ def main() -> int:
             ),
         ),
         ("kv_fp8", lambda: kernel_checks.run_kv_fp8(out, deadline - 30)),  # ~2 minutes
+        ("v3_fp8", lambda: v3_fp8_speed.section_v3_fp8(out, deadline - 20)),
         (
             "speed",
             lambda: speed.section_speed(
@@ -729,6 +731,7 @@ def main() -> int:
         "v4",
         "fp8",  # its own job: --only fp8
         "kv_fp8",  # --kv-cache-dtype fp8: --only kv_fp8
+        "v3_fp8",  # issue 29, V3's geometry in FP8 against its HBM floor: --only v3_fp8
         "spec_determinism",  # issue 34: --only spec_determinism
         "determinism_fp8",  # issue 29: --only determinism_fp8
         "spec_speed",  # issue 34: --only spec_speed (benchmarks/gpu/spec_speed.py)
