@@ -65,14 +65,15 @@ def _with_v4_ops(kernels: KernelSet) -> KernelSet:
 
 
 def fast_kernels(base: KernelSet) -> KernelSet | None:
-    """cuBLAS matmuls (few rows of large weights streamed by fp8_gemv.py), Triton norms, attention (MLA's long prefill chunks decompressed, on
-    flash_prefill.py) and fused MoE, `base`'s softmaxes; None without Triton."""
+    """cuBLAS matmuls (one row of the largest weights streamed by fp8_gemv.py), Triton norms,
+    attention (MLA's long prefill chunks decompressed, on flash_prefill.py) and fused MoE,
+    `base`'s softmaxes; None without Triton."""
     if not HAVE_TRITON:
         return None
     fast = replace(
         base,
         name="cuda_fast",
-        # FP8 weights: tiles by M; few rows of large bf16 / float32 weights streamed (fp8_gemv)
+        # FP8 weights: tiles by M; one row of the largest plain weights streamed (fp8_gemv)
         linear=fp8_matmul.linear_or(fp8_gemv.streaming_linear_or(F.linear)),
         rms_norm=rows.rms_norm,
         bmm=torch.matmul,
