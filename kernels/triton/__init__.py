@@ -4,8 +4,9 @@ configuration per op, so a row's result never depends on how many rows share the
 - `lang.py`: the import shim (these modules import without Triton; kernels are only launched with it)
 - `matmul.py`: invariant matmul for `linear` and `bmm` (tiles and K chunks fixed by the weight)
 - `fp8_matmul.py`: block-scaled FP8 GEMM for `Fp8Weight`s, activations quantized per 1 x 128
-- `fp8_gemv.py`: the default set's few-row path for FP8 weights (x unquantized) and large bf16 /
-  float32 ones: the weight streamed once, fixed split-K summed in order in the same launch
+- `fp8_gemv.py`: the default set's few-row path for FP8 weights (x unquantized) and one row of
+  the largest bf16 / float32 ones: the weight streamed once, fixed split-K summed in order in the
+  same launch
 - `rows.py`: row-per-program RMSNorm, softmax and log_softmax
 - `attention.py`: fixed-split paged attention over the block-table KV cache (prefill and decode alike)
 - `flash_prefill.py`: causal varlen flash attention over gathered per-head keys (MLA's prefill
