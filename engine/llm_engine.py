@@ -49,8 +49,9 @@ log = logging.getLogger(__name__)
 # it there (the p99 inter-token gap; benchmarks/RESULTS.md, runs 6 and 7).
 PREFILL_GATHER_S = 0.03
 # The default `EngineConfig.prefill_group_tokens` on the CPU: the native linear is at its ceiling
-# from ~64 rows, so past a few hundred prompt tokens a step gains nothing from another prompt.
-PREFILL_GROUP_TOKENS_CPU = 512
+# from ~64 rows, so a step of ~1,000 prompt tokens gains nothing from another prompt; short
+# prompts arriving together (a few dozen tokens each) still share one step, fixed costs and all.
+PREFILL_GROUP_TOKENS_CPU = 1024
 
 
 def prefill_group_tokens(config: EngineConfig) -> int | None:

@@ -97,7 +97,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="a waiting prompt joins a step already computing prompt tokens only while their "
-        "sum stays within this (default: 512 on cpu, no limit elsewhere; 0: no limit)",
+        "sum stays within this (default: 1024 on cpu, no limit elsewhere; 0: no limit)",
     )
     g.add_argument(
         "--async-scheduling",
