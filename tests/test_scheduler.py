@@ -1,8 +1,11 @@
-"""Scheduler: token budget, chunked prefill mixed with decodes, FCFS, preemption, forks, abort."""
+"""Scheduler: token budget, chunked prefill mixed with decodes, FCFS, preemption, forks, abort,
+the prefill group limit."""
 
 from __future__ import annotations
 
 from deepserve.engine.block_manager import BlockManager
+from deepserve.engine.config import EngineConfig
+from deepserve.engine.llm_engine import PREFILL_GROUP_TOKENS_CPU, prefill_group_tokens
 from deepserve.engine.request import Request, Sequence, SequenceStatus
 from deepserve.engine.sampling_params import SamplingParams
 from deepserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -186,3 +189,48 @@ def test_arrivals_ride_along_when_the_step_is_eager_anyway():
     sched.add(late)
     out = sched.schedule()
     assert [s.seq.request for s in out.scheduled] == [long, late]
+
+
+def test_a_second_long_prompt_waits_for_the_next_step_under_the_prefill_group_limit():
+    sched = Scheduler(BlockManager(64, BS, "fp"), 8, 100, prefill_group_tokens=16)
+    first, second = make_request(12), make_request(12, start=100)
+    sched.add(first)
+    sched.add(second)
+    out = sched.schedule()
+    assert [(s.seq.request, s.num_new_tokens) for s in out.scheduled] == [(first, 12)]
+    apply(sched, out)
+    out = sched.schedule()
+    assert [(s.seq.request, s.num_new_tokens) for s in out.scheduled] == [(first, 1), (second, 12)]
+
+
+def test_short_prompts_share_a_step_up_to_the_prefill_group_limit():
+    sched = Scheduler(BlockManager(64, BS, "fp"), 8, 100, prefill_group_tokens=16)
+    reqs = [make_request(5, start=10 * i) for i in range(4)]
+    for r in reqs:
+        sched.add(r)
+    out = sched.schedule()
+    assert [s.seq.request for s in out.scheduled] == reqs[:3]
+
+
+def test_a_prompt_longer_than_the_prefill_group_limit_still_fills_the_budget():
+    sched = Scheduler(BlockManager(64, BS, "fp"), 8, 20, prefill_group_tokens=8)
+    long = make_request(50)
+    sched.add(long)
+    out = sched.schedule()
+    assert [s.num_new_tokens for s in out.scheduled] == [20]
+
+
+def test_without_a_prefill_group_limit_a_second_prompt_fills_the_rest_of_the_budget():
+    sched = Scheduler(BlockManager(64, BS, "fp"), 8, 20)
+    first, second = make_request(12), make_request(12, start=100)
+    sched.add(first)
+    sched.add(second)
+    out = sched.schedule()
+    assert [s.num_new_tokens for s in out.scheduled] == [12, 8]
+
+
+def test_the_prefill_group_limit_is_on_by_default_only_on_the_cpu():
+    assert prefill_group_tokens(EngineConfig(device="cpu")) == PREFILL_GROUP_TOKENS_CPU
+    assert prefill_group_tokens(EngineConfig(device="cuda")) is None
+    assert prefill_group_tokens(EngineConfig(device="cpu", prefill_group_tokens=0)) is None
+    assert prefill_group_tokens(EngineConfig(device="cuda", prefill_group_tokens=300)) == 300
