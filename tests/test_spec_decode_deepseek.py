@@ -81,6 +81,27 @@ def test_mtp_drafts_never_accepted_cost_one_mtp_forward_per_verified_draft(loade
     assert len(calls) < 48 // 4  # paused for most of the steps
 
 
+def test_after_mtp_is_refused_everywhere_a_new_request_starts_paused(loaded, monkeypatch):
+    """Random MTP weights: once the engine's last rounds accepted nothing, a new request runs
+    no MTP forward until its first probe, the longest pause in (and its output stays plain)."""
+    from deepserve.engine.spec_decode.throttle import MAX_PAUSE
+
+    llm = make_llm(loaded, MTP3)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    while not llm.engine.spec.recent.cold:
+        llm.generate([PROMPTS[3]], params)
+    calls = []
+    forward_mtp = loaded.model.forward_mtp
+    monkeypatch.setattr(
+        loaded.model, "forward_mtp", lambda *a, **kw: calls.append(1) or forward_mtp(*a, **kw)
+    )
+    params = SamplingParams(temperature=0, max_tokens=MAX_PAUSE // 2, ignore_eos=True)
+    got = outputs(llm, [PROMPTS[4]], params)
+    assert calls == []
+    assert got == outputs(make_llm(loaded, None), [PROMPTS[4]], params)
+    assert_no_leak(llm)
+
+
 def test_mtp_logprobs_match_plain(loaded):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     plain = make_llm(loaded, None).generate([PROMPTS[1]], params)[0].samples[0]

@@ -1,14 +1,17 @@
 """The per-sequence draft throttle (engine/spec_decode/throttle.py): drafting backs off on
 rejected drafts, pauses after repeated misses with a doubling pause, probes with one draft, and
-recovers on acceptance; a function of the sequence's own rounds only."""
+recovers on acceptance, from the sequence's own rounds; and the MTP prior shared by the engine's
+sequences (a cold window starts new sequences in the longest pause)."""
 
 from __future__ import annotations
 
 from deepserve.engine.spec_decode.throttle import (
+    COLD_ROUNDS,
     MAX_PAUSE,
     MIN_PAUSE,
     MISSES_TO_PAUSE,
     DraftThrottle,
+    RecentRounds,
 )
 
 
@@ -115,3 +118,40 @@ def test_a_throttle_started_at_one_draft_grows_to_k_while_everything_is_accepted
         lengths.append(n)
         t.observe(n, n)
     assert lengths == [1, 2, 3, 3]
+
+
+def test_recent_rounds_turn_cold_after_a_full_window_with_nothing_accepted():
+    recent = RecentRounds()
+    for _ in range(COLD_ROUNDS - 1):
+        recent.observe(1, 0)
+    assert not recent.cold
+    recent.observe(0, 0)  # no draft: not a round
+    assert not recent.cold
+    recent.observe(1, 0)
+    assert recent.cold
+
+
+def test_one_accepted_draft_in_the_window_keeps_the_rounds_warm():
+    recent = RecentRounds()
+    recent.observe(2, 1)
+    for _ in range(COLD_ROUNDS - 1):
+        recent.observe(1, 0)
+    assert not recent.cold
+    recent.observe(1, 0)  # the accepted round leaves the window
+    assert recent.cold
+
+
+def test_a_cold_throttle_probes_with_one_draft_after_the_longest_pause():
+    t = DraftThrottle.cold(3)
+    assert t.paused
+    assert opportunities(t, MAX_PAUSE + 1) == [0] * MAX_PAUSE + [1]
+    t.observe(1, 0)
+    assert opportunities(t, MAX_PAUSE + 1) == [0] * MAX_PAUSE + [1]
+
+
+def test_an_accepted_probe_warms_a_cold_throttle():
+    t = DraftThrottle.cold(3)
+    opportunities(t, MAX_PAUSE)
+    assert t.take_opportunity() == 1
+    t.observe(1, 1)
+    assert opportunities(t, 2) == [2, 2]

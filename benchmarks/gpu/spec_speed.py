@@ -1,7 +1,7 @@
 """Speculative decoding against plain decoding on the GPU, in one process (issue 34).
 
 Per shape (SmolLM2-135M and DeepSeek-V2-Lite, bf16, transformers' random init as speed.py builds
-them), on repetitive prompts whose continuation repeats them, the case n-gram drafting is for
+them; V2-Lite's made to repeat its last token, `repeat_last_token`), on repetitive prompts whose continuation repeats them, the case n-gram drafting is for
 (a rewrite or code edit: here a random 32-token start followed by the model's own 64-token greedy
 continuation; random weights fall into runs of one token, which the continuation keeps
 repeating. A span said four times, the earlier workload, is not continued by random weights, so
@@ -69,6 +69,19 @@ def self_repeating_prompts(llm, vocab: int) -> PromptSource:
             outputs = llm.generate(starts, _greedy(64))
             table[seed, batch] = [s + r.token_ids for s, r in zip(starts, outputs, strict=True)]
     return lambda seed, batch: table[seed, batch]
+
+
+def repeat_last_token(weights: dict[str, torch.Tensor]) -> None:
+    """Random V2-Lite weights whose greedy continuation repeats its last token, as SmolLM2's random
+    init does by itself (transformers' V2-Lite init continues with tokens that never repeat, so
+    n-gram lookup found nothing to draft): the blocks' writes to the residual stream (o_proj,
+    every down_proj) scaled by 1/20 and the output head tied to the embedding, so the last hidden
+    state is nearly the current token's embedding and its own logit wins by a wide margin. Same
+    shapes, bytes and kernels per step as the plain random weights; only the values change."""
+    for name, tensor in weights.items():
+        if name.endswith("o_proj.weight") or "down_proj" in name:
+            tensor.mul_(0.05)
+    weights["lm_head.weight"].copy_(weights["model.embed_tokens.weight"])
 
 
 class ReferenceDrafter:
@@ -158,6 +171,8 @@ def _shape(rows: list, name: str, deadline: float) -> None:
     vocab = config["vocab_size"]
     hf = speed.build_hf(config)
     weights = dict(hf.state_dict())
+    if name == "v2-lite":
+        repeat_last_token(weights)
     ngram = SpeculativeConfig("ngram", K)
 
     def build(batch_invariant: bool, dtype: str = "bfloat16", **kw):

@@ -37,7 +37,7 @@ from deepserve.engine.scheduler import SchedulerOutput
 from deepserve.engine.spec_decode.mtp import MtpProposer, MtpRows
 from deepserve.engine.spec_decode.ngram import NgramProposer
 from deepserve.engine.spec_decode.stats import SpecDecodeStats
-from deepserve.engine.spec_decode.throttle import DraftThrottle
+from deepserve.engine.spec_decode.throttle import DraftThrottle, RecentRounds
 from deepserve.engine.spec_decode.verifier import num_matching
 
 logger = logging.getLogger(__name__)
@@ -93,6 +93,7 @@ class SpeculativeDecoder:
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.stats = SpecDecodeStats()
+        self.recent = RecentRounds()  # MTP's shared prior for new sequences (throttle.py)
         # Drafts from the token ids alone: `propose(token_ids, num_tokens) -> list[int]`.
         self.token_proposer: TokenProposer | None = None
         self._mtp: MtpProposer | None = None
@@ -123,6 +124,7 @@ class SpeculativeDecoder:
         assert len(sampled) == len(drafts) + 1
         accepted = num_matching(drafts, sampled)
         self.stats.observe(len(drafts), accepted)
+        self.recent.observe(len(drafts), accepted)
         if self.adaptive:
             self._throttle(seq).observe(len(drafts), accepted)
         return sampled[: accepted + 1]
@@ -176,9 +178,15 @@ class SpeculativeDecoder:
     def _throttle(self, seq: Sequence) -> DraftThrottle:
         if seq.draft_throttle is None:
             # Each MTP draft costs a forward and a device-to-host copy before the verification
-            # can start (an n-gram draft costs neither): its length grows from one by acceptance.
-            first = 1 if self._mtp is not None else self.num_speculative_tokens
-            seq.draft_throttle = DraftThrottle(self.num_speculative_tokens, allowed=first)
+            # can start (an n-gram draft costs neither): its length grows from one by acceptance,
+            # and a new sequence starts paused while the MTP layer is being refused everywhere.
+            k = self.num_speculative_tokens
+            if self._mtp is None:
+                seq.draft_throttle = DraftThrottle(k)
+            elif self.recent.cold:
+                seq.draft_throttle = DraftThrottle.cold(k)
+            else:
+                seq.draft_throttle = DraftThrottle(k, allowed=1)
         return seq.draft_throttle
 
     def _drafts_wanted(self, seq: Sequence) -> int:

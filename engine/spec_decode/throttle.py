@@ -2,9 +2,9 @@
 
 A rejected draft costs its verification rows, and an MTP draft also the MTP forward that made it;
 a sequence that never accepts should cost about what plain decoding costs. The policy, per
-sequence, from its own verification rounds and its own proposal opportunities only (never other
-sequences, the batch or the clock; under `--batch-invariant` the output does not depend on drafting
-at all, since acceptance is exact, but drafting stays a function of the request alone too):
+sequence, from its own verification rounds and its own proposal opportunities (never the batch or
+the clock; acceptance is exact, so drafting changes no output under `--batch-invariant`), with one
+prior shared by the engine's sequences (`RecentRounds`, below):
 
 - it starts at the drafter's first length: the configured k for n-gram lookup, one for MTP (each
   MTP draft is a forward of the MTP layer and a device-to-host copy, paid before verification
@@ -19,18 +19,28 @@ at all, since acceptance is exact, but drafting stays a function of the request 
   pausing (the next pause starts at `MIN_PAUSE` again).
 
 So a sequence that accepts nothing drafts one token about once every `MAX_PAUSE + 1` steps in the
-long run. A proposal opportunity is a step in which the sequence sampled (its `propose` call, or,
+long run.
+
+The shared prior, MTP only: whether an MTP draft is accepted is a property of the checkpoint's MTP
+layer more than of one prompt (a fine-tune that left the MTP layer behind, random MTP weights),
+while an n-gram draft's fate is the prompt's content. When none of the engine's last `COLD_ROUNDS`
+MTP rounds accepted a draft, a new sequence starts in the longest pause (`DraftThrottle.cold`):
+it probes once `MAX_PAUSE` steps in instead of paying its first rounds' MTP forwards and
+synchronous steps, which on a short request were most of its cost. Its probes still feed the
+window, so one accepted draft anywhere warms the next sequences again. A proposal opportunity is a step in which the sequence sampled (its `propose` call, or,
 under async scheduling, the launch of a step run ahead: only a paused sequence's steps run ahead,
 engine/async_scheduling.py). A paused sequence needs no token on the host before its next step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 MISSES_TO_PAUSE = 2
 MIN_PAUSE = 4
-MAX_PAUSE = 64
+MAX_PAUSE = 128
+COLD_ROUNDS = 8  # rounds with nothing accepted before new sequences start paused
 
 
 @dataclass
@@ -44,6 +54,13 @@ class DraftThrottle:
     def __post_init__(self) -> None:
         if not self.allowed:
             self.allowed = self.max_drafts
+
+    @classmethod
+    def cold(cls, max_drafts: int) -> DraftThrottle:
+        """A throttle that starts as if its sequence had already missed its way to the longest
+        pause: one draft a probe, the first after `MAX_PAUSE` opportunities."""
+        return cls(max_drafts, allowed=1, misses=MISSES_TO_PAUSE, waiting=MAX_PAUSE,
+                   pause=MAX_PAUSE)  # fmt: skip
 
     @property
     def paused(self) -> bool:
@@ -83,3 +100,19 @@ class DraftThrottle:
         if self.misses >= MISSES_TO_PAUSE:
             self.waiting = self.pause
             self.pause = min(2 * self.pause, MAX_PAUSE)
+
+
+@dataclass
+class RecentRounds:
+    """The engine's last `COLD_ROUNDS` verification rounds (drafted, accepted), all sequences."""
+
+    rounds: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=COLD_ROUNDS))
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.rounds.append((drafted, accepted))
+
+    @property
+    def cold(self) -> bool:
+        """A full window of rounds and not one accepted draft in it."""
+        return len(self.rounds) == COLD_ROUNDS and not any(a for _, a in self.rounds)
