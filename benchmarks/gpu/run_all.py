@@ -442,9 +442,9 @@ def section_spec_determinism(
     out: dict, models: dict[str, Path], sc: Scale, deadline: float, v2_lite: bool = True
 ) -> None:
     """`--batch-invariant` with speculation (issue 34): bf16, the 40 x 10 audit among random
-    traffic with n-gram drafting (SmolLM2 shape and, on the GPU, the V2-Lite shape; prompts that
-    repeat a span, so drafts are made; random weights seldom repeat, so also with drafts taken
-    from the plain run's own outputs, every one of which must be accepted) and MTP
+    traffic with n-gram drafting (SmolLM2 shape and, on the GPU, the V2-Lite shape with weights
+    that repeat their last token; prompts that repeat a span, so drafts are made; also with drafts
+    taken from the plain run's own outputs, every one of which must be accepted) and MTP
     (tiny-deepseek), each output compared with the same request's under the flag without
     speculation; greedy and seeded. The plain engine runs the same audit (same prompts, traffic
     and order) for tokens/s side by side."""
@@ -462,9 +462,11 @@ def section_spec_determinism(
         _spec_audits(res, name, vocab, build, methods[name], sc, deadline)
     if v2_lite and sc.device == "cuda" and time.time() < deadline:
         import speed
+        from spec_speed import repeat_last_token
 
         config = speed.SHAPES["v2-lite"]
         weights = dict(speed.build_hf(config).state_dict())
+        repeat_last_token(weights)  # so n-gram lookup has repeats to draft from, as SmolLM2's
 
         def build_v2(spec=None):
             return speed.build_llm_over(
