@@ -301,12 +301,14 @@ def audit(
 
 
 TINY_AUDIT_PROMPTS = [[7 + i + 3 * k for i in range(5 + k % 17)] for k in range(40)]
-# tiny-deepseek-v4's random weights never repeat their output, so n-gram lookup finds nothing to
-# draft there: its n-gram audit drafts with ReferenceDrafter instead (every draft accepted).
+# The tiny models' random weights never repeat their output, so n-gram lookup finds nothing to
+# draft there: their n-gram engines draft with ReferenceDrafter instead (every draft accepted).
 AUDITS = [
     ("smollm2-ngram", "smollm2-135m", SpeculativeConfig("ngram", 4), AUDIT_PROMPTS, SMOLLM2_NOISE),
     ("tiny-deepseek-mtp", "tiny-deepseek", SpeculativeConfig("mtp", 3), TINY_AUDIT_PROMPTS,
      TINY_NOISE),
+    ("tiny-deepseek-reference-drafts", "tiny-deepseek", SpeculativeConfig("ngram", 4),
+     TINY_AUDIT_PROMPTS, TINY_NOISE),
     ("tiny-deepseek-v4-reference-drafts", "tiny-deepseek-v4", SpeculativeConfig("ngram", 4),
      TINY_AUDIT_PROMPTS, TINY_NOISE),
     ("tiny-deepseek-v4-mtp", "tiny-deepseek-v4", SpeculativeConfig("mtp", 3), TINY_AUDIT_PROMPTS,
