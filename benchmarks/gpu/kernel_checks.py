@@ -1921,11 +1921,38 @@ def time_kv_fp8_engine(rows: list, layers: int = 4, batch: int = 64, ctx: int = 
                          pool_tokens=card.limits.kv_pool_tokens, kv_block_bytes=card.kv_block_bytes,
                          decode_tok_s=round(decode_tok_s), prefill_s=round(t_prefill, 2)))  # fmt: skip
         print(rows[-1], flush=True)
+        again = speed.prompts(rng, batch, ctx, config["vocab_size"])
+        rows.append(dict(op="kv_fp8_engine_step_profile", kv=kv, **_profile_decode(llm, again)))
+        print(rows[-1], flush=True)
         llm.close()
         del llm
         torch.cuda.empty_cache()
     agree = sum(a == b for a, b in zip(firsts["auto"], firsts["fp8"], strict=True))
     rows.append(dict(op="kv_fp8_engine_first_tokens", agree=agree, of=batch))
+
+
+def _profile_decode(llm, prompts: list[list[int]]) -> dict:
+    """One decode step of `prompts` (fresh, every one past its prefill) under torch.profiler:
+    speed.py's summary (kernels, syncs, busy fraction, the costliest kernels)."""
+    import speed
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    for i, ids in enumerate(prompts):
+        engine.add_admitted(f"prof-{i}", engine.admit(ids, speed.greedy(8)))
+    started: set[str] = set()
+    while len(started) < len(prompts):
+        started.update(out.request_id for out in engine.step())
+    engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    while engine.has_unfinished():
+        engine.step()
+    return speed._summary(prof, wall)
 
 
 def run_kv_fp8(out: dict, deadline: float = float("inf")) -> None:
