@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepserve.engine.host_tensors import host_tensor
 from deepserve.engine.models.base import CausalLM
 from deepserve.engine.request import Sequence
 from deepserve.kernels.attention_metadata import AttentionMetadata
@@ -149,14 +150,14 @@ class DecodeGraphs:
     def _fill(self, r: DecodeRows) -> None:
         rows, width = len(r), max(len(t) for t in r.tables)
         table = [t + [self.pad_block] * (width - len(t)) for t in r.tables]
-        host = self._pinned(torch.tensor([r.input_ids, r.positions, r.slots], dtype=torch.int64))
+        host = self._pinned(host_tensor([r.input_ids, r.positions, r.slots], torch.int64))
         dev = host.to(self.kv_cache.device, non_blocking=True)
         self.input_ids[:rows].copy_(dev[0])
         self.positions[:rows].copy_(dev[1])
         self.slots[:rows].copy_(dev[2])
         self.seq_lens[:rows].copy_(dev[1] + 1)
         self.context_lens[:rows].copy_(dev[1])
-        host_tables = self._pinned(torch.tensor(table, dtype=torch.int32))
+        host_tables = self._pinned(host_tensor(table, torch.int32))
         self.block_tables[:rows, :width].copy_(host_tables, non_blocking=True)
 
     def _pinned(self, t: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from deepserve.engine.cuda_graphs import DecodeGraphs, decode_rows
+from deepserve.engine.host_tensors import host_tensor
 from deepserve.engine.models.base import CausalLM
 from deepserve.engine.request import Sequence
 from deepserve.engine.sampler import DeviceSample, Sampler, SamplerOutput, SamplingBatch
@@ -252,7 +253,7 @@ class ModelRunner:
         )
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(values, dtype=dtype)
+        t = host_tensor(values, dtype)
         if self.device.type == "cpu":
             return t
         return t.pin_memory().to(self.device, non_blocking=True)

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 
+from deepserve.engine.host_tensors import host_tensor
 from deepserve.kernels.attention_metadata import AttentionMetadata
 
 
@@ -139,7 +140,7 @@ def to_device(
     """`parts` as tensors on `device` through one host-to-device copy that the host does not wait
     for (pinned memory on a GPU): each eager MTP forward needs about ten small index tensors,
     and a blocking copy apiece cost more than the layer's kernels on small models."""
-    host = torch.tensor([v for part in parts for v in part], dtype=dtype)
+    host = host_tensor([v for part in parts for v in part], dtype)
     if device.type == "cuda":
         host = host.pin_memory()
     flat = host.to(device, non_blocking=True)
