@@ -27,12 +27,14 @@ generate(prompts, N + 1 tokens), best of two. Imported by run_all.py (section `s
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
 TOKENS = 96
+MTP_ROUNDS = 3  # alternations of plain and MTP per batch (section spec_mtp)
 BATCHES = (1, 8)
 K = 3
 
@@ -290,7 +292,9 @@ def mtp_breakdown(llm, vocab: int, batch: int) -> dict:
 
 def _mtp_shape(rows: list, shape: str, config: dict, weights, deadline: float) -> None:
     """Plain against `--speculative mtp` (k = 3, throttle on) over the same random weights (the
-    MTP layer's drafts are never accepted): tok/s, their ratio, the MTP run's breakdown, and
+    MTP layer's drafts are never accepted): both engines built, their runs alternated
+    `MTP_ROUNDS` times per batch (a small model's tok/s swings between minutes of one call by
+    more than the difference measured), medians and their ratio, the MTP run's breakdown, and
     whether greedy output is equal."""
     import speed
 
@@ -298,29 +302,43 @@ def _mtp_shape(rows: list, shape: str, config: dict, weights, deadline: float) -
 
     vocab = config["vocab_size"]
     label = dict(shape=shape, dtype="bfloat16", batch_invariant=False)
-    tok_s, outputs = {}, {}
+    kinds = {"plain": {}, "mtp": dict(speculative=SpeculativeConfig("mtp", K))}
+    llms = {
+        run: speed.build_llm_over(
+            config,
+            weights,
+            False,
+            max_num_seqs=8,
+            max_model_len=1024,
+            kv_cache_bytes=2**30,
+            enable_prefix_caching=False,
+            **kw,
+        )  # fmt: skip
+        for run, kw in kinds.items()
+    }
+    outputs: dict[str, dict] = {run: {} for run in kinds}
 
     def spans(seed: int, batch: int) -> list[list[int]]:
         return repetitive_prompts(seed, batch, vocab)
 
-    for run, kw in (("plain", {}), ("mtp", dict(speculative=SpeculativeConfig("mtp", K)))):
-        if time.time() > deadline:
-            return
-        llm = speed.build_llm_over(
-            config, weights, False, max_num_seqs=8, max_model_len=1024, kv_cache_bytes=2**30,
-            enable_prefix_caching=False, **kw,
-        )  # fmt: skip
-        outputs[run] = {}
-        for batch in BATCHES:
+    for batch in BATCHES:
+        runs: dict[str, list[float]] = {run: [] for run in kinds}
+        for _ in range(MTP_ROUNDS):
             if time.time() > deadline:
                 break
-            tok_s[run, batch], outputs[run][batch] = decode_run(llm, spans, batch, 10 * batch)
-            row = dict(label, run=run, batch=batch, decode_tok_s=round(tok_s[run, batch], 1))
-            if run == "mtp":
-                row["ratio_to_plain"] = round(tok_s[run, batch] / tok_s["plain", batch], 3)
-                row |= mtp_breakdown(llm, vocab, batch)
-            rows.append(row)
-            print(row, flush=True)
+            for run, llm in llms.items():
+                tok_s, outputs[run][batch] = decode_run(llm, spans, batch, 10 * batch)
+                runs[run].append(round(tok_s, 1))
+        if not runs["mtp"]:
+            break
+        plain, mtp = statistics.median(runs["plain"]), statistics.median(runs["mtp"])
+        row = dict(label, batch=batch, plain_tok_s=plain, mtp_tok_s=mtp,
+                   ratio_to_plain=round(mtp / plain, 3),
+                   **{f"{run}_runs": " / ".join(map(str, v)) for run, v in runs.items()})  # fmt: skip
+        row |= mtp_breakdown(llms["mtp"], vocab, batch)
+        rows.append(row)
+        print(row, flush=True)
+    for llm in llms.values():
         _release(llm)
     equal_rows(rows, dict(label, run="mtp vs plain"), outputs["plain"], outputs["mtp"])
 
