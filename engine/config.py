@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from deepserve.kvcache.store import DEFAULT_TIMEOUT_S
 
 KV_CACHE_DTYPE_NAMES = ("auto", "fp8", "fp8_e4m3")  # kernels/kv_quant.py's KV_CACHE_DTYPES
+CPU_ISAS = ("avx2", "avx512", "avx512_bf16")  # kernels/cpu/csrc/isa.cpp's paths
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,10 @@ class EngineConfig:
     # no limit elsewhere (a GPU step gains from more rows); 0: no limit.
     prefill_group_tokens: int | None = None
     num_threads: int | None = None  # torch intra-op threads on the CPU; None: torch's default
+    # The native CPU kernels' instruction-set path ("avx2", "avx512", "avx512_bf16"; None: the
+    # widest this CPU has). A narrower one gives another host's speed and its bits (each path's
+    # bits are its own), e.g. an AVX2 laptop's, on an AVX-512 machine.
+    cpu_isa: str | None = None
     speculative: SpeculativeConfig | None = None
     kv_tiers: KVTierConfig | None = None  # None: device prefix cache only
     seed: int = 0  # model init seed for generated checkpoints; not the sampling seed
@@ -85,6 +90,8 @@ class EngineConfig:
                 "KV tiers (--kv-host-bytes / --kv-store) need prefix caching; "
                 "drop --no-prefix-caching or the tier flags"
             )
+        if self.cpu_isa is not None and self.cpu_isa not in CPU_ISAS:
+            raise ValueError(f"--cpu-isa {self.cpu_isa!r} is not one of {', '.join(CPU_ISAS)}")
         if self.tensor_parallel_size < 1:
             raise ValueError("--tensor-parallel-size must be at least 1")
         if self.async_scheduling and self.tensor_parallel_size > 1:

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from deepserve.engine.config import (
+    CPU_ISAS,
     KV_CACHE_DTYPE_NAMES,
     EngineConfig,
     KVTierConfig,
@@ -73,6 +74,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="CPU compute threads (default: the cores the host's other work leaves idle, "
         "re-checked as it changes; chosen once at start with --batch-invariant)",
+    )
+    g.add_argument(
+        "--cpu-isa",
+        choices=CPU_ISAS,
+        default=None,
+        help="the native CPU kernels' instruction-set path (default: the widest this CPU has; "
+        "a narrower one runs at another host's speed, with that path's bits)",
     )
     g.add_argument(
         "--tensor-parallel-size",
@@ -227,6 +235,7 @@ def _engine_config(args: argparse.Namespace, spec: SpeculativeConfig | None) -> 
         enable_prefix_caching=not args.no_prefix_caching,
         batch_invariant=args.batch_invariant,
         num_threads=args.num_threads,
+        cpu_isa=args.cpu_isa,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         prefill_gather_s=None if args.prefill_gather_ms is None else args.prefill_gather_ms / 1000,

@@ -47,6 +47,20 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def _choose_cpu_isa(config: EngineConfig) -> None:
+    """`--cpu-isa`: the native CPU kernels' path for this process (its ranks choose their own)."""
+    from deepserve.kernels.cpu import native
+
+    if torch.device(config.device).type != "cpu":
+        raise UnsupportedModelError("--cpu-isa applies to --device cpu only")
+    if not native.load():
+        raise UnsupportedModelError("--cpu-isa needs the native CPU kernels, which did not load")
+    try:
+        native.set_isa(config.cpu_isa)
+    except RuntimeError as e:
+        raise UnsupportedModelError(f"--cpu-isa {config.cpu_isa}: {e}") from e
+
+
 def load_model(config: EngineConfig, shard: ModelShard | None = None) -> LoadedModel:
     """The model on one process; with `tensor_parallel_size > 1`, rank 0's driver of the ranks
     (engine/parallel/launch.py). `shard`: one rank's share, loaded by that rank."""
@@ -54,6 +68,8 @@ def load_model(config: EngineConfig, shard: ModelShard | None = None) -> LoadedM
         return load_parallel_model(config, load_model)
     path = resolve_model(config.model)
     dtype = torch_dtype(config.dtype)
+    if config.cpu_isa is not None:
+        _choose_cpu_isa(config)
     try:
         kernels = get_kernels(config.device, config.batch_invariant)
     except KernelUnavailableError as e:

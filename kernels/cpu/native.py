@@ -158,15 +158,21 @@ def isa() -> str:
     return ops().isa()
 
 
+def set_isa(name: str) -> str:
+    """Run the kernels on path `name` from now on (process-wide: the engine's `--cpu-isa`);
+    returns the path that was in use. RuntimeError when the CPU lacks it."""
+    return ops().set_isa(name)
+
+
 @contextlib.contextmanager
 def use_isa(name: str) -> Iterator[None]:
     """Run the kernels on path `name` inside the block (process-wide: for tests and benchmarks
     that compare paths, not for serving); raises RuntimeError when the CPU lacks it."""
-    previous = ops().set_isa(name)
+    previous = set_isa(name)
     try:
         yield
     finally:
-        ops().set_isa(previous)
+        set_isa(previous)
 
 
 def main(argv: list[str]) -> int:
