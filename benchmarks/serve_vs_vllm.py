@@ -198,9 +198,8 @@ def vllm_run(args, hf: Path, dtype: str, threads: int) -> dict:
 def host_cpu() -> dict:
     """The CPU's model and its vector flags (the issue asks for them beside the results)."""
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    fields = dict(
-        line.split(":", 1) for line in info.splitlines()[:40] if ":" in line
-    )  # the first processor's lines
+    pairs = (line.split(":", 1) for line in info.splitlines()[:40] if ":" in line)
+    fields = {key.strip(): value for key, value in pairs}  # the first processor's lines
     flags = fields.get("flags", "").split()
     vector = [f for f in flags if f.startswith(("avx", "amx", "fma"))]
     return {"model": fields.get("model name", "").strip(), "cores": os.cpu_count(), "flags": vector}
