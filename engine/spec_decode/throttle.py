@@ -19,7 +19,9 @@ prior shared by the engine's sequences (`RecentRounds`, below):
   pausing (the next pause starts at `MIN_PAUSE` again).
 
 So a sequence that accepts nothing drafts one token about once every `MAX_PAUSE + 1` steps in the
-long run.
+long run. A proposal opportunity is a step in which the sequence sampled (its `propose` call, or,
+under async scheduling, the launch of a step run ahead: only a paused sequence's steps run ahead,
+engine/async_scheduling.py). A paused sequence needs no token on the host before its next step.
 
 The shared prior, MTP only: whether an MTP draft is accepted is a property of the checkpoint's MTP
 layer more than of one prompt (a fine-tune that left the MTP layer behind, random MTP weights),
@@ -27,9 +29,7 @@ while an n-gram draft's fate is the prompt's content. When none of the engine's 
 MTP rounds accepted a draft, a new sequence starts in the longest pause (`DraftThrottle.cold`):
 it probes once `MAX_PAUSE` steps in instead of paying its first rounds' MTP forwards and
 synchronous steps, which on a short request were most of its cost. Its probes still feed the
-window, so one accepted draft anywhere warms the next sequences again. A proposal opportunity is a step in which the sequence sampled (its `propose` call, or,
-under async scheduling, the launch of a step run ahead: only a paused sequence's steps run ahead,
-engine/async_scheduling.py). A paused sequence needs no token on the host before its next step.
+window, so one accepted draft anywhere warms the next sequences again.
 """
 
 from __future__ import annotations
