@@ -5,8 +5,9 @@ tensors, dtypes or shapes a kernel does not take, a machine where the native bui
 unavailable).
 
 Each op keeps its reference's contract and numerics (float32 within ~1e-5, accumulation in
-float32), and computes every row from that row's own inputs alone, so a token's result never
-depends on the rest of the batch. What does not live here: the kernels themselves
+float32; bfloat16 rows with the reference's roundings to bfloat16, float32 math in between), and
+computes every row from that row's own inputs alone, so a token's result never depends on the
+rest of the batch. What does not live here: the kernels themselves
 (kernels/cpu/csrc/), the build (native.py), the packed linear (packed.py), and the torch oracles
 (kernels/reference/).
 """
@@ -65,6 +66,15 @@ def _float32_rows(*xs: torch.Tensor) -> bool:
     return native(xs[0])
 
 
+def _rows(*xs: torch.Tensor) -> bool:
+    """Contiguous float32 rows, or contiguous bfloat16 rows, all of one dtype, natively."""
+    dtype = xs[0].dtype
+    for x in xs:
+        if x.dtype != dtype or not x.is_contiguous():
+            return False
+    return native(xs[0])
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(dim=-1)` of 2-D logits (the first maximum, NaN counting as the maximum),
     natively for float32 CPU rows: torch's CPU argmax is scalar, ~9x slower on a vocabulary."""
@@ -74,8 +84,9 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """RMSNorm of float32 rows natively, or None when the caller should use torch's."""
-    if not _float32_rows(x, weight):
+    """RMSNorm of float32 or bfloat16 rows (and a weight of their dtype) natively, or None when
+    the caller should use torch's."""
+    if not _rows(x, weight):
         return None
     return cpu_native.op("rms_norm")(x, weight, eps)
 
@@ -85,7 +96,7 @@ def add_rms_norm_(
 ) -> torch.Tensor | None:
     """`h += delta` in place and RMSNorm of the result in one pass, or None (h untouched) when
     the caller should use torch's ops."""
-    if not (_float32_rows(h, weight) and delta.dtype == torch.float32 and delta.shape == h.shape):
+    if not (_rows(h, weight) and delta.dtype == h.dtype and delta.shape == h.shape):
         return None
     return cpu_native.op("add_rms_norm_")(h, delta, weight, eps)
 
@@ -93,7 +104,7 @@ def add_rms_norm_(
 def silu_mul(gate_up: torch.Tensor, limit: float | None = None) -> torch.Tensor | None:
     """silu(gate) * up for `gate_up = [gate | up]`, or None for torch's ops (also for a clamped
     SwiGLU's `limit`, which the native op does not apply)."""
-    if limit or not _float32_rows(gate_up):
+    if limit or not _rows(gate_up):
         return None
     return cpu_native.op("silu_mul")(gate_up)
 
@@ -108,11 +119,12 @@ def rope_qk_write_kv_(
     num_heads: int,
 ) -> bool:
     """Rotate the q and k heads of `qkv [T, (Hq + 2 Hkv) * D]` in place (cos/sin `[T, 1, D/2]`)
-    and store k and v at `slot_mapping` in the caches `[blocks, block_size, Hkv, D]`; False (and
-    nothing done) when the caller should use torch's ops."""
+    and store k and v at `slot_mapping` in the caches `[blocks, block_size, Hkv, D]` (float32, or
+    bfloat16 with bfloat16 tables and caches); False (and nothing done) when the caller should
+    use torch's ops."""
     ok = (
-        _float32_rows(qkv, cos, sin)
-        and k_cache.dtype == v_cache.dtype == torch.float32
+        _rows(qkv, cos, sin)
+        and k_cache.dtype == v_cache.dtype == qkv.dtype
         and k_cache.stride(-1) == v_cache.stride(-1) == 1
     )
     if ok:

@@ -26,5 +26,8 @@ void linear_panels_avx512_bf16(const float* x, int64_t M, int64_t K, const uint1
 // bfloat16 rows against bfloat16 panels with vdpbf16ps (AVX512-BF16).
 void linear_panels_avx512bf16_dot(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w,
                                   float* y, int64_t N, int64_t p0, int64_t p1);
+// The same, y stored as bfloat16 (each output rounded as a cast of the float32 one rounds).
+void linear_panels_avx512bf16_dot(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w,
+                                  uint16_t* y, int64_t N, int64_t p0, int64_t p1);
 
 }  // namespace deepserve_cpu
