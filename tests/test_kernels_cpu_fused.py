@@ -143,7 +143,27 @@ def test_bfloat16_rope_qk_write_kv_equals_apply_rope_and_write_kv_bitwise():
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
 
 
-@pytest.mark.parametrize("isa", cpu_native.supported_isas() if cpu_native.load() else [])
+ISAS = cpu_native.supported_isas() if cpu_native.load() else []
+
+
+@pytest.mark.parametrize("width", [HIDDEN, HIDDEN + 8 + 5])  # 16-lane steps, then 8, then 1
+def test_bfloat16_elementwise_ops_give_the_same_bits_on_every_isa_path(width):
+    x, d, w = _bf16(9, width, seed=12, scale=3), _bf16(9, width, seed=13), _bf16(width, seed=14)
+    gate_up = _bf16(9, 2 * width, seed=15, scale=6)
+
+    def run():
+        h = x.clone()
+        return [cpu_ops.rms_norm(x, w, 1e-5), cpu_ops.add_rms_norm_(h, d, w, 1e-5), h]
+
+    results = {}
+    for isa in ISAS:
+        with cpu_native.use_isa(isa):
+            results[isa] = [*run(), cpu_ops.silu_mul(gate_up)]
+    for isa, got in results.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, results["avx2"], strict=True)), isa
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("rows", [1, 13, 200])
 def test_bfloat16_output_linear_has_the_bits_of_the_float32_output_cast(isa, rows):
     from deepserve.kernels.cpu.packed import pack_panels

@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include "bf16.h"
+#include "isa.h"
 #include "vec_math.h"
 
 #include <cmath>
@@ -28,15 +29,15 @@ inline __m256 silu8(__m256 x) {
 
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 
-inline void silu_mul_row(const float* g, const float* u, float* out, int64_t n) {
-  int64_t i = 0;
+inline void silu_mul_row(const float* g, const float* u, float* out, int64_t n, int64_t i) {
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(out + i, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
   for (; i < n; ++i) out[i] = silu(g[i]) * u[i];
 }
 
-inline void silu_mul_row(const uint16_t* g, const uint16_t* u, uint16_t* out, int64_t n) {
-  int64_t i = 0;
+// From element `i` on (elementwise_avx512.cpp may have done the row's start, with these bits).
+inline void silu_mul_row(const uint16_t* g, const uint16_t* u, uint16_t* out, int64_t n,
+                         int64_t i) {
   for (; i + 8 <= n; i += 8) {
     const __m256 s = to_bf16_precision(silu8(load_bf16x8(g + i)));
     store_bf16x8(out + i, _mm256_mul_ps(s, load_bf16x8(u + i)));
@@ -45,13 +46,26 @@ inline void silu_mul_row(const uint16_t* g, const uint16_t* u, uint16_t* out, in
     out[i] = float_to_bf16(to_bf16_precision(silu(bf16_to_float(g[i]))) * bf16_to_float(u[i]));
 }
 
+// How much of a row the AVX-512 code does: a bf16 row's first multiple of 16 on any path but
+// AVX2; none of a float32 row (its native op predates the bf16 one and stays AVX2).
+inline int64_t wide_part(const float*, const float*, float*, int64_t, bool) { return 0; }
+
+inline int64_t wide_part(const uint16_t* g, const uint16_t* u, uint16_t* out, int64_t n,
+                         bool wide) {
+  return wide ? deepserve_cpu::silu_mul_row_bf16_avx512(g, u, out, n) : 0;
+}
+
 template <class T>
 void silu_mul_rows(const at::Tensor& gate_up, at::Tensor& out, int64_t rows, int64_t n) {
   const T* src = reinterpret_cast<const T*>(gate_up.data_ptr());
   T* dst = reinterpret_cast<T*>(out.data_ptr());
   const int64_t width = 2 * n;
+  const bool wide = deepserve_cpu::isa() != deepserve_cpu::Isa::kAvx2;
   at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) silu_mul_row(src + r * width, src + r * width + n, dst + r * n, n);
+    for (int64_t r = r0; r < r1; ++r) {
+      const T *g = src + r * width, *u = g + n;
+      silu_mul_row(g, u, dst + r * n, n, wide_part(g, u, dst + r * n, n, wide));
+    }
   });
 }
 

@@ -17,22 +17,27 @@ inline __m256 load_bf16x8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
-// Round to nearest even; NaN lanes become 0x7FC0 (torch's c10::BFloat16 does the same).
-inline __m128i round_bf16x8(__m256 v) {
+// v rounded to bf16 precision, still as float32 lanes: round to nearest even, NaN lanes 0x7FC0
+// (torch's c10::BFloat16 does the same). Integer ops on the float's bits, no packing.
+inline __m256 to_bf16_precision(__m256 v) {
   const __m256i bits = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i bias = _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-  // 32-bit lanes holding 16-bit values -> 8 packed uint16 (packus works per 128-bit half)
-  const __m256i packed = _mm256_packus_epi32(r, r);
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+  const __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  const __m256 r = _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(-65536)));
+  return _mm256_blendv_ps(r, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)),
+                          _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
 }
 
-inline void store_bf16x8(uint16_t* p, __m256 v) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), round_bf16x8(v));
+// Stores 8 floats that are already of bf16 precision (their low halves zero) as bf16.
+inline void store_exact_bf16x8(uint16_t* p, __m256 v) {
+  const __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
+  // 32-bit lanes holding 16-bit values -> 8 packed uint16 (packus works per 128-bit half)
+  const __m256i packed = _mm256_packus_epi32(hi, hi);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
 }
+
+inline void store_bf16x8(uint16_t* p, __m256 v) { store_exact_bf16x8(p, to_bf16_precision(v)); }
 
 // One value each way, for the tails of rows that are not a multiple of 8.
 inline float bf16_to_float(uint16_t b) {
@@ -50,10 +55,6 @@ inline uint16_t float_to_bf16(float f) {
 }
 
 // A float32 value as torch holds it after a bf16 op: rounded to bf16 and widened back.
-inline __m256 to_bf16_precision(__m256 v) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(round_bf16x8(v)), 16));
-}
-
 inline float to_bf16_precision(float f) { return bf16_to_float(float_to_bf16(f)); }
 
 }  // namespace deepserve_cpu

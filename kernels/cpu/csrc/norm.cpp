@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "isa.h"
 
 namespace {
 
@@ -61,17 +62,17 @@ using deepserve_cpu::bf16_to_float;
 using deepserve_cpu::float_to_bf16;
 using deepserve_cpu::load_bf16x8;
 using deepserve_cpu::store_bf16x8;
+using deepserve_cpu::store_exact_bf16x8;
 using deepserve_cpu::to_bf16_precision;
 
 // Widened to float32 into `xf` (the row's values, exact), adding `delta` first with the
-// rounding of torch's bf16 add, which is also written back to `h`.
-inline void widen_row_bf16(uint16_t* h, const uint16_t* delta, float* xf, int64_t n) {
-  int64_t i = 0;
+// rounding of torch's bf16 add, which is also written back to `h`; from element `i` on.
+inline void widen_row_bf16(uint16_t* h, const uint16_t* delta, float* xf, int64_t n, int64_t i) {
   if (delta != nullptr) {
     for (; i + 8 <= n; i += 8) {
       const __m256 sum =
           to_bf16_precision(_mm256_add_ps(load_bf16x8(h + i), load_bf16x8(delta + i)));
-      store_bf16x8(h + i, sum);
+      store_exact_bf16x8(h + i, sum);
       _mm256_storeu_ps(xf + i, sum);
     }
     for (; i < n; ++i) {
@@ -84,10 +85,10 @@ inline void widen_row_bf16(uint16_t* h, const uint16_t* delta, float* xf, int64_
   for (; i < n; ++i) xf[i] = bf16_to_float(h[i]);
 }
 
-// out = bf16(w * bf16(x * r)), the reference's two roundings.
-inline void scale_row_bf16(const float* x, const uint16_t* w, float r, uint16_t* out, int64_t n) {
+// out = bf16(w * bf16(x * r)), the reference's two roundings; from element `i` on.
+inline void scale_row_bf16(const float* x, const uint16_t* w, float r, uint16_t* out, int64_t n,
+                           int64_t i) {
   const __m256 vr = _mm256_set1_ps(r);
-  int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 normed = to_bf16_precision(_mm256_mul_ps(_mm256_loadu_ps(x + i), vr));
     store_bf16x8(out + i, _mm256_mul_ps(load_bf16x8(w + i), normed));
@@ -96,15 +97,23 @@ inline void scale_row_bf16(const float* x, const uint16_t* w, float r, uint16_t*
 }
 
 // The float32 path's norm_rows for bfloat16 rows: each row widened once into a thread-local
-// buffer, then reduced and scaled as the float32 path does.
+// buffer, then reduced and scaled as the float32 path does. The widening and scaling take 16
+// lanes a step where the CPU has AVX-512 (the same bits); the sum of squares is always this
+// file's, so its order never depends on the path.
 void norm_rows_bf16(uint16_t* h, const uint16_t* delta, const uint16_t* w, uint16_t* out,
                     int64_t rows, int64_t n, float eps) {
+  const bool wide = deepserve_cpu::isa() != deepserve_cpu::Isa::kAvx2;
   at::parallel_for(0, rows, kRowsPerTask, [&](int64_t r0, int64_t r1) {
     std::vector<float> xf(n);
     for (int64_t r = r0; r < r1; ++r) {
-      widen_row_bf16(h + r * n, delta == nullptr ? nullptr : delta + r * n, xf.data(), n);
+      uint16_t* row = h + r * n;
+      const uint16_t* d = delta == nullptr ? nullptr : delta + r * n;
+      widen_row_bf16(row, d, xf.data(), n,
+                     wide ? deepserve_cpu::widen_row_bf16_avx512(row, d, xf.data(), n) : 0);
       const float inv = 1.0f / std::sqrt(sum_squares(xf.data(), n) / float(n) + eps);
-      scale_row_bf16(xf.data(), w, inv, out + r * n, n);
+      uint16_t* o = out + r * n;
+      scale_row_bf16(xf.data(), w, inv, o, n,
+                     wide ? deepserve_cpu::scale_row_bf16_avx512(xf.data(), w, inv, o, n) : 0);
     }
   });
 }
