@@ -175,8 +175,9 @@ def test_bfloat16_output_linear_has_the_bits_of_the_float32_output_cast(isa, row
     assert torch.equal(got, want)
 
 
-def _tiny_llama(seed: int):
-    """A 2-layer llama with random weights; the matmuls also carry Q4_1 blocks, as a GGUF's do."""
+def _tiny_llama(seed: int, dtype: torch.dtype = torch.float32):
+    """A 2-layer llama with random weights; the matmuls also carry Q4_1 blocks, as a GGUF's do
+    (which only a float32 model keeps)."""
     from gguf import GGMLQuantizationType, quants
 
     from deepserve.engine.loading.gguf_format import dequantize
@@ -209,12 +210,14 @@ def _tiny_llama(seed: int):
             blocks[name] = QuantizedMatrix("Q4_1", raw, shape[1])
             w = dequantize(raw.reshape(-1), GGMLQuantizationType.Q4_1, shape)
         weights[name] = w
-    store = WeightStore(weights, torch.device("cpu"), torch.float32, blocks)
+    store = WeightStore(weights, torch.device("cpu"), dtype, blocks)
     return LlamaForCausalLM(config, store, cpu_kernels(), "test")
 
 
-def test_fused_llama_layer_gives_the_bits_of_the_op_by_op_layer(monkeypatch):
-    """Prefill chunks and decode steps (few rows: the quantized blocks; more: float32 panels)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_llama_layer_gives_the_bits_of_the_op_by_op_layer(monkeypatch, dtype):
+    """Prefill chunks and decode steps (float32: few rows read the quantized blocks, more the
+    float32 panels; bfloat16: bf16 panels, bf16 rows and cache)."""
     from model_loop import SequenceLoop
 
     native_runs = []
@@ -226,7 +229,7 @@ def test_fused_llama_layer_gives_the_bits_of_the_op_by_op_layer(monkeypatch):
 
     llama_layer_ = cpu_ops.llama_layer_
     monkeypatch.setattr(cpu_ops, "llama_layer_", counted)
-    fused, plain = _tiny_llama(0), _tiny_llama(0)
+    fused, plain = _tiny_llama(0, dtype), _tiny_llama(0, dtype)
     assert all(layer.native is not None for layer in fused.layers)
     for layer in plain.layers:
         layer.native = None

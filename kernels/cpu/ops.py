@@ -59,17 +59,10 @@ def native_paged_attention(
     )
 
 
-def _float32_rows(*xs: torch.Tensor) -> bool:
-    for x in xs:  # a plain loop: this runs several hundred times per decode step
-        if x.dtype != torch.float32 or not x.is_contiguous():
-            return False
-    return native(xs[0])
-
-
 def _rows(*xs: torch.Tensor) -> bool:
     """Contiguous float32 rows, or contiguous bfloat16 rows, all of one dtype, natively."""
     dtype = xs[0].dtype
-    for x in xs:
+    for x in xs:  # a plain loop: this runs several hundred times per decode step
         if x.dtype != dtype or not x.is_contiguous():
             return False
     return native(xs[0])
@@ -138,8 +131,12 @@ def rope_qk_write_kv_(
 
 def pack_llama_layer(matmuls: list) -> tuple[list[torch.Tensor], list[int], list[int]] | None:
     """A llama layer's qkv, o, gate_up and down `PackedWeight`s as `llama_layer_`'s flat
-    arguments, or None when one of them is not packed (the layer then runs op by op)."""
-    if not all(isinstance(w, PackedWeight) and w.panels.dtype == torch.float32 for w in matmuls):
+    arguments, or None when one of them is not packed, or their panels are not all float32 or
+    all bfloat16 (the layer then runs op by op)."""
+    if not all(isinstance(w, PackedWeight) for w in matmuls):
+        return None
+    dtypes = {w.panels.dtype for w in matmuls}
+    if dtypes not in ({torch.float32}, {torch.bfloat16}):
         return None
     none = torch.empty(0, dtype=torch.uint8)
     weights = [t for w in matmuls for t in (w.panels, none if w.quant is None else w.quant)]
@@ -164,8 +161,8 @@ def llama_layer_(
     one of the ops would not run natively."""
     k_cache, v_cache = caches
     usable = (
-        _float32_rows(h, x, norms[0], norms[1])
-        and k_cache.dtype == v_cache.dtype == torch.float32
+        _rows(h, x, norms[0], norms[1], rope[0], rope[1])
+        and packed[0][0].dtype == k_cache.dtype == v_cache.dtype == h.dtype
         and k_cache.shape[-1] % 8 == 0
         and k_cache.stride(-1) == v_cache.stride(-1) == 1
         and attn.block_size <= 64
