@@ -164,7 +164,7 @@ def test_bfloat16_elementwise_ops_give_the_same_bits_on_every_isa_path(width):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("rows", [1, 13, 200])
+@pytest.mark.parametrize("rows", [0, 1, 13, 200])
 def test_bfloat16_output_linear_has_the_bits_of_the_float32_output_cast(isa, rows):
     from deepserve.kernels.cpu.packed import pack_panels
 
