@@ -38,6 +38,13 @@ inline void silu_mul_row(const float* g, const float* u, float* out, int64_t n, 
 // From element `i` on (elementwise_avx512.cpp may have done the row's start, with these bits).
 inline void silu_mul_row(const uint16_t* g, const uint16_t* u, uint16_t* out, int64_t n,
                          int64_t i) {
+  // Two independent vectors a step: exp's long dependency chain overlaps with the other's.
+  for (; i + 16 <= n; i += 16) {
+    const __m256 s0 = to_bf16_precision(silu8(load_bf16x8(g + i)));
+    const __m256 s1 = to_bf16_precision(silu8(load_bf16x8(g + i + 8)));
+    store_bf16x8(out + i, _mm256_mul_ps(s0, load_bf16x8(u + i)));
+    store_bf16x8(out + i + 8, _mm256_mul_ps(s1, load_bf16x8(u + i + 8)));
+  }
   for (; i + 8 <= n; i += 8) {
     const __m256 s = to_bf16_precision(silu8(load_bf16x8(g + i)));
     store_bf16x8(out + i, _mm256_mul_ps(s, load_bf16x8(u + i)));
