@@ -66,6 +66,7 @@ def loaded_off(model):
 
 def _llm(loaded, **kw) -> LLM:
     kw.setdefault("num_kv_blocks", 256)
+    kw.setdefault("dtype", str(loaded.model.dtype).removeprefix("torch."))
     config = EngineConfig(model=loaded.info.name, batch_invariant=True, **kw)
     return LLM(config, loaded)
 
@@ -153,3 +154,19 @@ def test_seeded_sampling_equal_in_batches_with_n_and_preemption(loaded_on):
     runs = [("busy batch", busy[: len(prompts)]), ("preemption", preempted[: len(prompts)])]
     assert _differences(reference, runs) == []
     assert any(r[0] != r[1] for r in reference), "n=2 samples should not all be equal"
+
+
+@pytest.mark.slow
+def test_bfloat16_smollm2_greedy_tokens_and_logprobs_bitwise_equal_in_any_batch():
+    """A bfloat16 model runs the native bf16 norms, RoPE + KV write, SwiGLU and bf16-output
+    linear in prefill and decode alike."""
+    loaded = _loaded_dtype("smollm2-135m", "bfloat16")
+    prompts, noise = _encode(loaded, PROMPTS), _encode(loaded, NOISE)
+    reference = _alone(loaded, prompts, GREEDY)
+    assert _differences(reference, _variants(loaded, prompts, noise, GREEDY)) == []
+
+
+def _loaded_dtype(model: str, dtype: str):
+    from deepserve.engine.loading.loader import load_model
+
+    return load_model(EngineConfig(model=model, batch_invariant=True, dtype=dtype))

@@ -1,5 +1,6 @@
 """The native CPU fused elementwise ops (kernels/cpu/csrc/norm.cpp, rope.cpp, activation.cpp,
-through kernels/cpu/ops.py) against the torch ops they replace in the llama decoder layer."""
+through kernels/cpu/ops.py) against the torch ops they replace in the llama decoder layer, on
+float32 and bfloat16 rows, and the linear's bfloat16 output (kernels/cpu/csrc/linear.cpp)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from deepserve.kernels.cpu import native as cpu_native
 from deepserve.kernels.cpu import ops as cpu_ops
 from deepserve.kernels.reference.attention import write_kv
+from deepserve.kernels.reference.ops import rms_norm as reference_rms_norm
 from deepserve.kernels.registry import cpu_kernels
 from deepserve.kernels.rope import apply_rope
 
@@ -37,14 +39,15 @@ def test_add_rms_norm_updates_residual_in_place_and_normalizes_the_sum():
     torch.testing.assert_close(out, F.rms_norm(want_h, (HIDDEN,), w, 1e-6), atol=1e-5, rtol=1e-5)
 
 
-def test_native_ops_decline_bfloat16_and_leave_inputs_alone():
+def test_native_ops_decline_mixed_or_other_dtypes_and_leave_inputs_alone():
     h = torch.randn(2, HIDDEN, dtype=torch.bfloat16)
     before = h.clone()
     assert (
-        cpu_ops.add_rms_norm_(h, h.clone(), torch.ones(HIDDEN, dtype=torch.bfloat16), 1e-6) is None
+        cpu_ops.add_rms_norm_(h, h.float(), torch.ones(HIDDEN, dtype=torch.bfloat16), 1e-6) is None
     )
+    assert cpu_ops.rms_norm(h, torch.ones(HIDDEN), 1e-6) is None
     assert torch.equal(h, before)
-    assert cpu_ops.silu_mul(h) is None
+    assert cpu_ops.silu_mul(h.half()) is None
 
 
 def test_default_cpu_rms_norm_uses_the_same_values_on_cpu():
@@ -90,8 +93,91 @@ def test_rope_qk_write_kv_equals_apply_rope_and_write_kv_bitwise():
     assert torch.equal(got, want)
 
 
-def _tiny_llama(seed: int):
-    """A 2-layer llama with random weights; the matmuls also carry Q4_1 blocks, as a GGUF's do."""
+def _bf16(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).bfloat16()
+
+
+def _mostly_bitwise(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Within one bf16 rounding of the reference everywhere, and its very bits almost everywhere:
+    the kernels round where torch's bf16 ops round, and differ only where a float32 value that
+    differs in its last bits (a sum in another order, exp's polynomial) falls on the other side
+    of a bf16 rounding boundary."""
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-5)
+    assert (got == want).float().mean() > 0.99
+
+
+def test_bfloat16_rms_norm_rounds_as_the_reference():
+    x, w = _bf16(7, HIDDEN, seed=1, scale=3), _bf16(HIDDEN, seed=2)
+    _mostly_bitwise(cpu_ops.rms_norm(x, w, 1e-5), reference_rms_norm(x, w, 1e-5))
+
+
+def test_bfloat16_add_rms_norm_stores_torchs_bfloat16_sum_and_normalizes_it():
+    h, delta, w = _bf16(5, HIDDEN, seed=3), _bf16(5, HIDDEN, seed=4), _bf16(HIDDEN, seed=5)
+    want_h = h + delta
+    out = cpu_ops.add_rms_norm_(h, delta, w, 1e-6)
+    assert torch.equal(h, want_h)
+    _mostly_bitwise(out, reference_rms_norm(want_h, w, 1e-6))
+
+
+def test_bfloat16_silu_mul_rounds_as_torchs_silu_then_multiply():
+    gate_up = _bf16(6, 2 * 1536, seed=6, scale=6)
+    gate, up = gate_up.chunk(2, dim=-1)
+    _mostly_bitwise(cpu_ops.silu_mul(gate_up), F.silu(gate) * up)
+
+
+def test_bfloat16_rope_qk_write_kv_equals_apply_rope_and_write_kv_bitwise():
+    tokens, hq, hkv, d = 6, 9, 3, 64
+    qkv = _bf16(tokens, (hq + 2 * hkv) * d, seed=7)
+    cos, sin = _bf16(tokens, 1, d // 2, seed=8), _bf16(tokens, 1, d // 2, seed=9)
+    slots = torch.tensor([0, 17, 18, 40, 63, 5])
+    want_k, want_v = torch.zeros(2, 4, 16, hkv, d, dtype=torch.bfloat16)
+    qk = apply_rope(qkv[:, : (hq + hkv) * d].view(tokens, hq + hkv, d), cos, sin)
+    write_kv(want_k, slots, qk[:, hq:])
+    write_kv(want_v, slots, qkv[:, (hq + hkv) * d :].view(tokens, hkv, d))
+    got_k, got_v = torch.zeros(2, 4, 16, hkv, d, dtype=torch.bfloat16)
+    fused = qkv.clone()
+    assert cpu_ops.rope_qk_write_kv_(fused, cos, sin, got_k, got_v, slots, hq)
+    assert torch.equal(fused[:, : hq * d].view(tokens, hq, d), qk[:, :hq])
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+ISAS = cpu_native.supported_isas() if cpu_native.load() else []
+
+
+@pytest.mark.parametrize("width", [HIDDEN, HIDDEN + 8 + 5])  # 16-lane steps, then 8, then 1
+def test_bfloat16_elementwise_ops_give_the_same_bits_on_every_isa_path(width):
+    x, d, w = _bf16(9, width, seed=12, scale=3), _bf16(9, width, seed=13), _bf16(width, seed=14)
+    gate_up = _bf16(9, 2 * width, seed=15, scale=6)
+
+    def run():
+        h = x.clone()
+        return [cpu_ops.rms_norm(x, w, 1e-5), cpu_ops.add_rms_norm_(h, d, w, 1e-5), h]
+
+    results = {}
+    for isa in ISAS:
+        with cpu_native.use_isa(isa):
+            results[isa] = [*run(), cpu_ops.silu_mul(gate_up)]
+    for isa, got in results.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, results["avx2"], strict=True)), isa
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", [0, 1, 13, 200])
+def test_bfloat16_output_linear_has_the_bits_of_the_float32_output_cast(isa, rows):
+    from deepserve.kernels.cpu.packed import pack_panels
+
+    w, x = _bf16(200, 577, seed=10), _bf16(rows, 577, seed=11)  # odd K, N off the panel width
+    with cpu_native.use_isa(isa):
+        want = cpu_native.op("linear")(x, pack_panels(w), 200).bfloat16()
+        got = cpu_native.op("linear_bf16")(x, pack_panels(w), 200)
+    assert torch.equal(got, want)
+
+
+def _tiny_llama(seed: int, dtype: torch.dtype = torch.float32):
+    """A 2-layer llama with random weights; the matmuls also carry Q4_1 blocks, as a GGUF's do
+    (which only a float32 model keeps)."""
     from gguf import GGMLQuantizationType, quants
 
     from deepserve.engine.loading.gguf_format import dequantize
@@ -124,12 +210,14 @@ def _tiny_llama(seed: int):
             blocks[name] = QuantizedMatrix("Q4_1", raw, shape[1])
             w = dequantize(raw.reshape(-1), GGMLQuantizationType.Q4_1, shape)
         weights[name] = w
-    store = WeightStore(weights, torch.device("cpu"), torch.float32, blocks)
+    store = WeightStore(weights, torch.device("cpu"), dtype, blocks)
     return LlamaForCausalLM(config, store, cpu_kernels(), "test")
 
 
-def test_fused_llama_layer_gives_the_bits_of_the_op_by_op_layer(monkeypatch):
-    """Prefill chunks and decode steps (few rows: the quantized blocks; more: float32 panels)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_llama_layer_gives_the_bits_of_the_op_by_op_layer(monkeypatch, dtype):
+    """Prefill chunks and decode steps (float32: few rows read the quantized blocks, more the
+    float32 panels; bfloat16: bf16 panels, bf16 rows and cache)."""
     from model_loop import SequenceLoop
 
     native_runs = []
@@ -141,7 +229,7 @@ def test_fused_llama_layer_gives_the_bits_of_the_op_by_op_layer(monkeypatch):
 
     llama_layer_ = cpu_ops.llama_layer_
     monkeypatch.setattr(cpu_ops, "llama_layer_", counted)
-    fused, plain = _tiny_llama(0), _tiny_llama(0)
+    fused, plain = _tiny_llama(0, dtype), _tiny_llama(0, dtype)
     assert all(layer.native is not None for layer in fused.layers)
     for layer in plain.layers:
         layer.native = None

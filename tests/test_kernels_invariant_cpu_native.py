@@ -23,6 +23,7 @@ ORACLE = invariant_kernels()
 
 
 ISAS = cpu_native.supported_isas() if cpu_native.load() else []
+DTYPES = [torch.float32, torch.bfloat16]  # the native elementwise ops' row dtypes
 
 
 @pytest.fixture(scope="module", params=ISAS)
@@ -66,14 +67,16 @@ def test_unpacked_weight_takes_the_torch_invariant_linear(ops):
     assert torch.equal(ops.linear(x, w), ORACLE.linear(x, w))
 
 
-def test_rms_norm_rows_do_not_depend_on_the_batch(ops):
-    w = _rand(576, seed=7)
-    _rows_alone_equal_batched(lambda x: ops.rms_norm(x, w, 1e-5), _rand(40, 576, seed=8) * 3)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_rows_do_not_depend_on_the_batch(ops, dtype):
+    w, x = _rand(576, seed=7, dtype=dtype), _rand(40, 576, seed=8, dtype=dtype) * 3
+    _rows_alone_equal_batched(lambda x: ops.rms_norm(x, w, 1e-5), x)
 
 
-def test_rms_norm_of_a_column_slice_has_the_bits_of_its_copy(ops):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_of_a_column_slice_has_the_bits_of_its_copy(ops, dtype):
     # a one-row slice counts as contiguous and a many-row one does not: both must take one path
-    wide, w = _rand(12, 640, seed=9), _rand(512, seed=10)
+    wide, w = _rand(12, 640, seed=9, dtype=dtype), _rand(512, seed=10, dtype=dtype)
     sliced = ops.rms_norm(wide[:, :512], w, 1e-6)
     assert torch.equal(sliced, ops.rms_norm(wide[:, :512].contiguous(), w, 1e-6))
     assert torch.equal(ops.rms_norm(wide[:1, :512], w, 1e-6)[0], sliced[0])
@@ -85,16 +88,19 @@ def test_rms_norm_matches_the_oracle(ops):
     torch.testing.assert_close(got, ORACLE.rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-5)
 
 
-def test_fused_add_rms_norm_has_the_bits_of_add_then_norm(ops):
-    h, delta, w = _rand(7, 576, seed=13), _rand(7, 576, seed=14), _rand(576, seed=15)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm_has_the_bits_of_add_then_norm(ops, dtype):
+    h, delta = _rand(7, 576, seed=13, dtype=dtype), _rand(7, 576, seed=14, dtype=dtype)
+    w = _rand(576, seed=15, dtype=dtype)
     expect = ops.rms_norm(h + delta, w, 1e-5)
     fused = h.clone()
     assert torch.equal(ops.add_rms_norm_(fused, delta, w, 1e-5), expect)
     assert torch.equal(fused, h + delta)
 
 
-def test_silu_mul_rows_do_not_depend_on_the_batch_or_layout(ops):
-    gu = _rand(40, 2 * 1536, seed=16) * 4
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_rows_do_not_depend_on_the_batch_or_layout(ops, dtype):
+    gu = _rand(40, 2 * 1536, seed=16, dtype=dtype) * 4
     _rows_alone_equal_batched(ops.silu_mul, gu)
     wide = torch.cat([gu, gu[:, :8]], dim=1)[:, : 2 * 1536]  # same values, not contiguous
     assert torch.equal(ops.silu_mul(wide), ops.silu_mul(gu))

@@ -71,8 +71,10 @@ def native_kernels(fallback: KernelSet) -> KernelSet:
     )
 
 
-def _float32(*xs: Tensor) -> bool:
-    return all(x.dtype == torch.float32 for x in xs) and cpu_ops.native(xs[0])
+def _native_dtype(*xs: Tensor) -> bool:
+    """All float32 or all bfloat16 (the native elementwise ops' dtypes), on the CPU."""
+    dtype = xs[0].dtype
+    return all(x.dtype == dtype for x in xs) and cpu_ops.native(xs[0])
 
 
 class NativeInvariantOps:
@@ -87,7 +89,7 @@ class NativeInvariantOps:
         return self.torch_set.linear(x, w)
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        if not _float32(x, weight):
+        if not _native_dtype(x, weight):
             return self.torch_set.rms_norm(x, weight, eps)
         return cpu_native.op("rms_norm")(x.contiguous(), weight.contiguous(), eps)
 
@@ -95,13 +97,13 @@ class NativeInvariantOps:
     def add_rms_norm_(h: Tensor, delta: Tensor, weight: Tensor, eps: float) -> Tensor | None:
         # None (h not contiguous, so not updatable in place) sends the caller to `h + delta` then
         # `rms_norm`: the same additions and the same native norm, so the same bits.
-        if not _float32(h, delta, weight):
+        if not _native_dtype(h, delta, weight):
             return None
         return cpu_ops.add_rms_norm_(h, delta, weight.contiguous(), eps)
 
     @staticmethod
     def silu_mul(gate_up: Tensor, limit: float | None = None) -> Tensor | None:
-        if limit or not _float32(gate_up):  # the native op has no clamp
+        if limit or not _native_dtype(gate_up):  # the native op has no clamp
             return None
         return cpu_native.op("silu_mul")(gate_up.contiguous())
 

@@ -1,7 +1,8 @@
 """Builds and loads deepserve's native CPU kernels: the C++ sources in kernels/cpu/csrc/ (and the
 headers they share), compiled with the system compiler (AVX2 + FMA, OpenMP through torch's own
-thread pool) into `torch.ops.deepserve_cpu.*`. The AVX-512 and AVX512-BF16 paths of the linear
-and attention are compiled into the same library for their own targets (kernels/cpu/csrc/isa.h);
+thread pool) into `torch.ops.deepserve_cpu.*`. The AVX-512 and AVX512-BF16 paths of the linear,
+attention and bfloat16 elementwise ops are compiled into the same library for their own targets
+(kernels/cpu/csrc/isa.h);
 AVX-512 is taken at run time when cpuid reports it, and `use_isa` forces any path the CPU has.
 
 Each source file registers its ops with `TORCH_LIBRARY_FRAGMENT(deepserve_cpu, m)`, so kernels

@@ -5,8 +5,9 @@ tensors, dtypes or shapes a kernel does not take, a machine where the native bui
 unavailable).
 
 Each op keeps its reference's contract and numerics (float32 within ~1e-5, accumulation in
-float32), and computes every row from that row's own inputs alone, so a token's result never
-depends on the rest of the batch. What does not live here: the kernels themselves
+float32; bfloat16 rows with the reference's roundings to bfloat16, float32 math in between), and
+computes every row from that row's own inputs alone, so a token's result never depends on the
+rest of the batch. What does not live here: the kernels themselves
 (kernels/cpu/csrc/), the build (native.py), the packed linear (packed.py), and the torch oracles
 (kernels/reference/).
 """
@@ -58,9 +59,11 @@ def native_paged_attention(
     )
 
 
-def _float32_rows(*xs: torch.Tensor) -> bool:
+def _rows(*xs: torch.Tensor) -> bool:
+    """Contiguous float32 rows, or contiguous bfloat16 rows, all of one dtype, natively."""
+    dtype = xs[0].dtype
     for x in xs:  # a plain loop: this runs several hundred times per decode step
-        if x.dtype != torch.float32 or not x.is_contiguous():
+        if x.dtype != dtype or not x.is_contiguous():
             return False
     return native(xs[0])
 
@@ -74,8 +77,9 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """RMSNorm of float32 rows natively, or None when the caller should use torch's."""
-    if not _float32_rows(x, weight):
+    """RMSNorm of float32 or bfloat16 rows (and a weight of their dtype) natively, or None when
+    the caller should use torch's."""
+    if not _rows(x, weight):
         return None
     return cpu_native.op("rms_norm")(x, weight, eps)
 
@@ -85,7 +89,7 @@ def add_rms_norm_(
 ) -> torch.Tensor | None:
     """`h += delta` in place and RMSNorm of the result in one pass, or None (h untouched) when
     the caller should use torch's ops."""
-    if not (_float32_rows(h, weight) and delta.dtype == torch.float32 and delta.shape == h.shape):
+    if not (_rows(h, weight) and delta.dtype == h.dtype and delta.shape == h.shape):
         return None
     return cpu_native.op("add_rms_norm_")(h, delta, weight, eps)
 
@@ -93,7 +97,7 @@ def add_rms_norm_(
 def silu_mul(gate_up: torch.Tensor, limit: float | None = None) -> torch.Tensor | None:
     """silu(gate) * up for `gate_up = [gate | up]`, or None for torch's ops (also for a clamped
     SwiGLU's `limit`, which the native op does not apply)."""
-    if limit or not _float32_rows(gate_up):
+    if limit or not _rows(gate_up):
         return None
     return cpu_native.op("silu_mul")(gate_up)
 
@@ -108,11 +112,12 @@ def rope_qk_write_kv_(
     num_heads: int,
 ) -> bool:
     """Rotate the q and k heads of `qkv [T, (Hq + 2 Hkv) * D]` in place (cos/sin `[T, 1, D/2]`)
-    and store k and v at `slot_mapping` in the caches `[blocks, block_size, Hkv, D]`; False (and
-    nothing done) when the caller should use torch's ops."""
+    and store k and v at `slot_mapping` in the caches `[blocks, block_size, Hkv, D]` (float32, or
+    bfloat16 with bfloat16 tables and caches); False (and nothing done) when the caller should
+    use torch's ops."""
     ok = (
-        _float32_rows(qkv, cos, sin)
-        and k_cache.dtype == v_cache.dtype == torch.float32
+        _rows(qkv, cos, sin)
+        and k_cache.dtype == v_cache.dtype == qkv.dtype
         and k_cache.stride(-1) == v_cache.stride(-1) == 1
     )
     if ok:
@@ -126,8 +131,12 @@ def rope_qk_write_kv_(
 
 def pack_llama_layer(matmuls: list) -> tuple[list[torch.Tensor], list[int], list[int]] | None:
     """A llama layer's qkv, o, gate_up and down `PackedWeight`s as `llama_layer_`'s flat
-    arguments, or None when one of them is not packed (the layer then runs op by op)."""
-    if not all(isinstance(w, PackedWeight) and w.panels.dtype == torch.float32 for w in matmuls):
+    arguments, or None when one of them is not packed, or their panels are not all float32 or
+    all bfloat16 (the layer then runs op by op)."""
+    if not all(isinstance(w, PackedWeight) for w in matmuls):
+        return None
+    dtypes = {w.panels.dtype for w in matmuls}
+    if dtypes not in ({torch.float32}, {torch.bfloat16}):
         return None
     none = torch.empty(0, dtype=torch.uint8)
     weights = [t for w in matmuls for t in (w.panels, none if w.quant is None else w.quant)]
@@ -152,8 +161,8 @@ def llama_layer_(
     one of the ops would not run natively."""
     k_cache, v_cache = caches
     usable = (
-        _float32_rows(h, x, norms[0], norms[1])
-        and k_cache.dtype == v_cache.dtype == torch.float32
+        _rows(h, x, norms[0], norms[1], rope[0], rope[1])
+        and packed[0][0].dtype == k_cache.dtype == v_cache.dtype == h.dtype
         and k_cache.shape[-1] % 8 == 0
         and k_cache.stride(-1) == v_cache.stride(-1) == 1
         and attn.block_size <= 64

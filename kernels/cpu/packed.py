@@ -61,9 +61,13 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight) -> torch.Tensor:
         return _packed_linear(x, w)
     # bfloat16 rows widen exactly to float32 (in the kernel, which on AVX512-BF16 multiplies
     # them as they are against bfloat16 panels) and round once at the end, like a bf16 GEMM
-    # that accumulates in float32.
+    # that accumulates in float32: in the kernel too (`linear_bf16`), which on AVX512-BF16 then
+    # writes no float32 output at all.
     rows = x.reshape(-1, x.shape[-1])
-    if rows.dtype != torch.float32 and (rows.dtype != torch.bfloat16 or w.quant is not None):
+    if rows.dtype == torch.bfloat16 and w.quant is None:
+        y = native.op("linear_bf16")(rows, w.panels, w.out_features)
+        return y.view(*x.shape[:-1], w.out_features)
+    if rows.dtype != torch.float32:
         rows = rows.float()
     y = _packed_linear(rows, w)
     y = y.view(*x.shape[:-1], w.out_features)

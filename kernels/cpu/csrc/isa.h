@@ -26,5 +26,14 @@ void linear_panels_avx512_bf16(const float* x, int64_t M, int64_t K, const uint1
 // bfloat16 rows against bfloat16 panels with vdpbf16ps (AVX512-BF16).
 void linear_panels_avx512bf16_dot(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w,
                                   float* y, int64_t N, int64_t p0, int64_t p1);
+// The same, y stored as bfloat16 (each output rounded as a cast of the float32 one rounds).
+void linear_panels_avx512bf16_dot(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w,
+                                  uint16_t* y, int64_t N, int64_t p0, int64_t p1);
 
+// bfloat16 elementwise rows, 16 lanes a step (elementwise_avx512.cpp): each does a row's first
+// multiple of 16 elements, with the AVX2 code's bits, and returns how many it did.
+int64_t widen_row_bf16_avx512(uint16_t* h, const uint16_t* delta, float* xf, int64_t n);
+int64_t scale_row_bf16_avx512(const float* x, const uint16_t* w, float r, uint16_t* out,
+                              int64_t n);
+int64_t silu_mul_row_bf16_avx512(const uint16_t* g, const uint16_t* u, uint16_t* out, int64_t n);
 }  // namespace deepserve_cpu

@@ -319,12 +319,13 @@ struct Rows {
   int64_t M, K;
 };
 
-// Checks x and allocates y, float32 (zeros when K is 0; `run` then has nothing to add).
-Rows prepare(const at::Tensor& x, int64_t K, int64_t n, at::ScalarType dtype = at::kFloat) {
+// Checks x and allocates y, float32 unless told (zeros when K is 0; `run` then has nothing to add).
+Rows prepare(const at::Tensor& x, int64_t K, int64_t n, at::ScalarType dtype = at::kFloat,
+             at::ScalarType out = at::kFloat) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype, "x must be a 2-D ", dtype, " tensor");
   TORCH_CHECK(x.size(1) == K, "x and the packed weight disagree on K");
   const at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty({xc.size(0), n}, xc.options().dtype(at::kFloat));
+  at::Tensor y = at::empty({xc.size(0), n}, xc.options().dtype(out));
   if (K == 0) y.zero_();
   return {xc, y, xc.size(0), K};
 }
@@ -399,6 +400,27 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   return r.y;
 }
 
+// `linear` rounded to bfloat16, with the bits of `linear(x, packed, n).to(bfloat16)`: the
+// AVX512-BF16 pair-dot kernel rounds each output as it leaves its register (no float32 output
+// to write, read back and cast); the FMA paths cast their float32 output.
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  const bool dot = deepserve_cpu::isa() == deepserve_cpu::Isa::kAvx512Bf16 &&
+                   packed.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16;
+  if (!dot) return linear(x, packed, n).to(at::kBFloat16);
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel, "packed must be [P, K, 16]");
+  TORCH_CHECK(packed.size(0) == (n + kPanel - 1) / kPanel, "packed has the wrong panel count");
+  TORCH_CHECK(packed.is_contiguous(), "packed must be contiguous");
+  const int64_t K = packed.size(1), P = packed.size(0);
+  const Rows r = prepare(x, K, n, at::kBFloat16, at::kBFloat16);
+  const auto* xp = reinterpret_cast<const uint16_t*>(r.x.data_ptr());
+  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(r.y.data_ptr());
+  split(r, n, P, [&](int64_t p0, int64_t p1) {
+    deepserve_cpu::linear_panels_avx512bf16_dot(xp, r.M, K, w, yp, n, p0, p1);
+  });
+  return r.y;
+}
+
 template <QuantFormat F>
 void run_quant(const Rows& r, const at::Tensor& packed, int64_t n) {
   TORCH_CHECK(packed.size(2) == QuantSource<F>::kBlockBytes, "packed has the wrong block size");
@@ -424,5 +446,6 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& packed, int64_t n
 
 TORCH_LIBRARY_FRAGMENT(deepserve_cpu, m) {
   m.def("linear(Tensor x, Tensor packed, int n) -> Tensor", &linear);
+  m.def("linear_bf16(Tensor x, Tensor packed, int n) -> Tensor", &linear_bf16);
   m.def("linear_quant(Tensor x, Tensor packed, int n, int format) -> Tensor", &linear_quant);
 }

@@ -241,8 +241,24 @@ inline void dot_step(const uint16_t* x, int64_t ldx, const Src& w, int64_t j, __
 
 // Pairs in order, each a vdpbf16ps per output (odd k, then even k, added into the accumulator):
 // the same order for every tile shape, so a row's bits never depend on its tile.
-template <int MR, int NP, class Src>
-inline void dot_tile(const uint16_t* x, int64_t ldx, Src w, int64_t K, float* y, int64_t ldy,
+// The output stored as bfloat16: rounded to nearest even as torch's cast rounds (NaN: 0x7FC0),
+// so a row's bits are those of the float32 output cast afterwards.
+inline void store_panel(uint16_t* dst, __m512 v, int64_t cols) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  const __m256i packed = _mm512_cvtepi32_epi16(r);
+  if (cols == kPanel) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), packed);
+  } else {
+    _mm256_mask_storeu_epi16(dst, static_cast<__mmask16>((1u << cols) - 1), packed);
+  }
+}
+
+template <int MR, int NP, class Src, class Out>
+inline void dot_tile(const uint16_t* x, int64_t ldx, Src w, int64_t K, Out* y, int64_t ldy,
                      int64_t last_cols) {
   __m512 acc[MR][NP];
 #pragma GCC unroll 16
@@ -259,14 +275,14 @@ inline void dot_tile(const uint16_t* x, int64_t ldx, Src w, int64_t K, float* y,
       store_panel(y + r * ldy + p * kPanel, acc[r][p], p < NP - 1 ? kPanel : last_cols);
 }
 
-template <class Src>
-void dot_rows(int rows, const uint16_t* x, int64_t ldx, Src w, int64_t K, float* y, int64_t ldy,
+template <class Src, class Out>
+void dot_rows(int rows, const uint16_t* x, int64_t ldx, Src w, int64_t K, Out* y, int64_t ldy,
               int64_t panels, int64_t last_cols) {
   auto cols = [&](int64_t p, int64_t np) { return p + np == panels ? last_cols : kPanel; };
   int64_t p = 0;
 #define DS_RUN(MR, NP)            \
   for (; p + NP <= panels; p += NP) \
-    dot_tile<MR, NP, Src>(x, ldx, w.from(p), K, y + p * kPanel, ldy, cols(p, NP));
+    dot_tile<MR, NP, Src, Out>(x, ldx, w.from(p), K, y + p * kPanel, ldy, cols(p, NP));
 #define DS_ROWS(MR, NP) \
   case MR: DS_RUN(MR, NP) DS_RUN(MR, 1) break;
   switch (rows) {
@@ -292,7 +308,8 @@ PairedPanels group_pairs(RawPairs w, int64_t g, uint16_t* scratch) {
   return {scratch, w.K};
 }
 
-void run_dot_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* wp, float* y,
+template <class Out>
+void run_dot_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* wp, Out* y,
                     int64_t N, int64_t p0, int64_t p1) {
   const int64_t panels_total = (N + kPanel - 1) / kPanel;
   const int64_t tail = N - (panels_total - 1) * kPanel;
@@ -341,6 +358,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void linear_panels
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) void
 linear_panels_avx512bf16_dot(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, float* y,
                              int64_t N, int64_t p0, int64_t p1) {
+  run_dot_panels(x, M, K, w, y, N, p0, p1);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) void
+linear_panels_avx512bf16_dot(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w,
+                             uint16_t* y, int64_t N, int64_t p0, int64_t p1) {
   run_dot_panels(x, M, K, w, y, N, p0, p1);
 }
 

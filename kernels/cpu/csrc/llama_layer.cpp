@@ -27,6 +27,7 @@ c10::TypedOperatorHandle<Sig> find(const char* name) {
 
 struct Ops {
   c10::TypedOperatorHandle<Linear> linear = find<Linear>("deepserve_cpu::linear");
+  c10::TypedOperatorHandle<Linear> linear_bf16 = find<Linear>("deepserve_cpu::linear_bf16");
   c10::TypedOperatorHandle<LinearQuant> linear_quant =
       find<LinearQuant>("deepserve_cpu::linear_quant");
   c10::TypedOperatorHandle<AddNorm> add_rms_norm = find<AddNorm>("deepserve_cpu::add_rms_norm_");
@@ -40,15 +41,16 @@ const Ops& ops() {
   return instance;
 }
 
-// kernels/cpu/packed.py's `linear` for a PackedWeight: weights[i] are its float32 panels,
-// weights[i + 1] its quantized blocks (empty when it has none), read by calls of at most
-// `quant_max_rows` rows.
+// kernels/cpu/packed.py's `linear` for a PackedWeight: weights[i] are its panels (float32, or
+// bfloat16 for bfloat16 rows, whose output is bfloat16 as well), weights[i + 1] its quantized
+// blocks (empty when it has none), read by calls of at most `quant_max_rows` rows.
 at::Tensor matmul(const at::Tensor& x, at::TensorList weights, int64_t i, int64_t format,
                   int64_t n, int64_t quant_max_rows) {
   const at::Tensor& quant = weights[i + 1];
   if (quant.numel() > 0 && x.size(0) <= quant_max_rows) {
     return ops().linear_quant.call(x, quant, n, format);
   }
+  if (x.scalar_type() == at::kBFloat16) return ops().linear_bf16.call(x, weights[i], n);
   return ops().linear.call(x, weights[i], n);
 }
 
