@@ -134,13 +134,6 @@ inline void scale_accumulate(float* acc, float alpha, const float* p, const T* c
   }
 }
 
-template <typename T>
-inline void prefetch_rows(const T* p, int64_t stride, int64_t rows, int64_t bytes) {
-  for (int64_t j = 0; j < rows; ++j)
-    for (int64_t b = 0; b < bytes; b += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(p + j * stride) + b, _MM_HINT_T0);
-}
-
 // Scores s[0:n] -> probabilities against the row's running max; returns the block's sum and
 // updates m, giving the factor the earlier accumulation must be rescaled by in *alpha.
 inline float softmax_block(float* s, int64_t n, float& m, float* alpha) {
@@ -174,10 +167,6 @@ struct Avx2 {
   static void scale_accumulate_rows(float* const* acc, const float* alpha, const float* const* p,
                                     const T* const* v, int64_t n, int64_t d) {
     for (int r = 0; r < R; ++r) ::scale_accumulate(acc[r], alpha[r], p[r], v, n, d);
-  }
-  template <typename T>
-  static void prefetch_rows(const T* p, int64_t stride, int64_t rows, int64_t bytes) {
-    ::prefetch_rows(p, stride, rows, bytes);
   }
   static float softmax_block(float* s, int64_t n, float& m, float* alpha) {
     return ::softmax_block(s, n, m, alpha);

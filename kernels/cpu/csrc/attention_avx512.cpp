@@ -224,13 +224,6 @@ struct Avx512 {
     }
   }
 
-  template <typename T>
-  static void prefetch_rows(const T* p, int64_t stride, int64_t rows, int64_t bytes) {
-    for (int64_t j = 0; j < rows; ++j)
-      for (int64_t b = 0; b < bytes; b += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(p + j * stride) + b, _MM_HINT_T1);
-  }
-
   // Scores s[0:n] (n a multiple of 8, padded with -inf) -> probabilities against the row's
   // running max; returns the block's sum, updates m, sets the earlier accumulation's rescale.
   static float softmax_block(float* s, int64_t n, float& m, float* alpha) {

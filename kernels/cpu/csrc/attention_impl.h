@@ -1,7 +1,7 @@
 // Paged attention's walk over key tiles and rows (kernels/cpu/csrc/attention.cpp has the
 // contract), written once over an ISA's vector primitives: `Isa::pack_keys` (a tile's keys
 // transposed into a [head][key] panel), `Isa::scores` (a register-blocked score tile),
-// `softmax_block`, `scale_accumulate_rows` and `prefetch_rows`. attention.cpp instantiates it
+// `softmax_block` and `scale_accumulate_rows`. attention.cpp instantiates it
 // for AVX2, attention_avx512.cpp for AVX-512. Everything here is a template on `Isa`, a type
 // local to each translation unit, so no function compiled for one target can stand in for the
 // other's at link time.
@@ -22,7 +22,7 @@
 namespace deepserve_cpu::attention {
 
 constexpr int64_t kTileRows = 48;  // query rows per work item: their acc stays in L1 for Dv <= 64
-constexpr int64_t kKeys = 128;     // keys per tile: one softmax rescale per row per tile
+constexpr int64_t kKeys = 64;      // keys per tile: one softmax rescale per row per tile
 
 // One work item: query rows row0..row1 (token-major, `group` rows a token) of one kv head of
 // one sequence.
@@ -129,11 +129,19 @@ inline void tile_rows(const T* cache, int64_t b, int64_t t, int64_t hoff, const 
   }
 }
 
-template <class Isa, typename T>
-inline void prefetch_tile(const T* const* kp, const T* const* vp, int64_t n, const Layout& L) {
+// A prefetch into L2 as an asm statement: GCC dropped `_mm_prefetch` / `__builtin_prefetch`
+// from these loops (no prefetch instruction was emitted), so it is spelled out.
+inline void prefetch_l2(const void* p) {
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+}
+
+template <typename T>
+inline void prefetch_keys(const T* const* kp, const T* const* vp, int64_t n, const Layout& L) {
   for (int64_t j = 0; j < n; ++j) {
-    Isa::prefetch_rows(kp[j], 0, 1, L.dk * int64_t(sizeof(T)));
-    Isa::prefetch_rows(vp[j], 0, 1, L.dv * int64_t(sizeof(T)));
+    for (int64_t b = 0; b < L.dk * int64_t(sizeof(T)); b += 64)
+      prefetch_l2(reinterpret_cast<const char*>(kp[j]) + b);
+    for (int64_t b = 0; b < L.dv * int64_t(sizeof(T)); b += 64)
+      prefetch_l2(reinterpret_cast<const char*>(vp[j]) + b);
   }
 }
 
@@ -164,9 +172,14 @@ void attend_item(const Work& w, const Layout& L, const float* q, const T* kc, co
     if (next > 0) {
       tile_rows(kc, L.kb, L.kt, h * L.kh, table, bs, start + n, next, kp[i ^ 1]);
       tile_rows(vc, L.vb, L.vt, h * L.vh, table, bs, start + n, next, vp[i ^ 1]);
-      prefetch_tile<Isa>(kp[i ^ 1], vp[i ^ 1], next, L);
     }
-    Isa::pack_keys(kp[i], n, L.dk, panel);
+    // 16 keys at a time, each group prefetching the next tile's keys at its place: a tile's
+    // rows all at once would queue more misses than the core keeps in flight.
+    for (int64_t j = 0; j < n; j += 16) {
+      Isa::pack_keys(kp[i] + j, std::min<int64_t>(16, n - j), L.dk, panel + j);
+      if (j < next)
+        prefetch_keys(kp[i ^ 1] + j, vp[i ^ 1] + j, std::min<int64_t>(16, next - j), L);
+    }
     int64_t vis[kTileRows];
     int64_t r = 0;
     for (int64_t x = 0; x < nrows; ++x) vis[x] = std::min(n, limit[x] - start);
