@@ -60,9 +60,11 @@ def flops(lengths: list[int], new: list[int]) -> int:
     return 4 * D * HQ * keys
 
 
-def worker(lib: str, dtype: torch.dtype, tokens: list[int], calls: int) -> dict:
+def worker(lib: str, dtype: torch.dtype, tokens: list[int], calls: int, isa: str | None) -> dict:
     torch.set_num_threads(1)
     op = load(lib)
+    if isa:
+        torch.ops.deepserve_cpu.set_isa(isa)
     shapes = {f"prefill {n}": ([n], [n]) for n in tokens}
     shapes["decode 16 x 1000"] = ([1000] * 16, [1] * 16)
     out = {}
@@ -85,20 +87,23 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--calls", type=int, default=5, help="calls per round; its minimum counts")
+    p.add_argument("--isa", help="force a path: avx2, avx512, avx512_bf16 (default: the widest)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     a = p.parse_args()
     dtype = getattr(torch, a.dtype)
     if a.worker:
-        print(json.dumps(worker(a.worker, dtype, a.tokens, a.calls)))
+        print(json.dumps(worker(a.worker, dtype, a.tokens, a.calls, a.isa)))
         return
     runs: dict[str, list[dict]] = {lib: [] for lib in a.lib}
     for _ in range(a.rounds):
         for lib in a.lib:
             cmd = [sys.executable, __file__, "--worker", lib, "--dtype", a.dtype,
-                   "--calls", str(a.calls), "--tokens", *map(str, a.tokens)]  # fmt: skip
+                   "--calls", str(a.calls), "--tokens", *map(str, a.tokens),
+                   *(["--isa", a.isa] if a.isa else [])]  # fmt: skip
             res = subprocess.run(cmd, capture_output=True, text=True, check=True)
             runs[lib].append(json.loads(res.stdout.strip().splitlines()[-1]))
-    print(f"{a.dtype} cache, 1 thread, CPU time, min of {a.calls} calls, {a.rounds} rounds")
+    print(f"{a.dtype} cache, path {a.isa or 'widest'}, 1 thread, CPU time, min of {a.calls} "
+          f"calls, {a.rounds} rounds")  # fmt: skip
     for name in runs[a.lib[0]][0]:
         for lib in a.lib:
             ms = [r[name]["ms"] for r in runs[lib]]
