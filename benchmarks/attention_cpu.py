@@ -1,6 +1,6 @@
 """The native CPU paged attention alone (issue 32), two builds of the library side by side: one
 layer of SmolLM2-135M (9 query / 3 kv heads of 64, block 16, blocks scattered) on a causal
-prefill of `--tokens` tokens, and a decode step of 16 sequences x 1,000 keys. Each build runs in
+prefill of `--tokens` tokens, and a decode step of 16 sequences x 1,000 keys (and x 50). Each build runs in
 its own process (two builds' ops cannot share one), the builds alternate round by round, and a
 round's figure is the minimum of its calls; the median and span of the rounds are printed.
 
@@ -67,6 +67,7 @@ def worker(lib: str, dtype: torch.dtype, tokens: list[int], calls: int, isa: str
         torch.ops.deepserve_cpu.set_isa(isa)
     shapes = {f"prefill {n}": ([n], [n]) for n in tokens}
     shapes["decode 16 x 1000"] = ([1000] * 16, [1] * 16)
+    shapes["decode 16 x 50"] = ([50] * 16, [1] * 16)
     out = {}
     for name, (lengths, new) in shapes.items():
         args = case(lengths, new, dtype)

@@ -79,16 +79,18 @@ inline void pack_keys(const T* const* k, int64_t n, int64_t dk, float* panel) {
   }
 }
 
-// s[r][0:kKeys] = scale * (q[r] . k[j]), -inf for keys j >= vis[r]: R x V registers of scores,
-// each lane one chain over the head in order.
+// s[r][0:n] = scale * (q[r] . k[j]), -inf for keys j >= vis[r]: R x V registers of scores, each
+// lane one chain over the head in order. n (returned) covers vis[R - 1], rounded up to a pass:
+// keys no row sees are neither scored nor exponentiated (their probabilities would be zeros).
 template <int R>
-inline void scores(const float* const* q, const float* panel, int64_t dk, float scale,
-                   const int64_t* vis, float* s) {
+inline int64_t scores(const float* const* q, const float* panel, int64_t dk, float scale,
+                      const int64_t* vis, float* s) {
   constexpr int V = R <= 2 ? 4 : 2;  // R x V accumulators within AVX2's 16 registers
   const __m256 vs = _mm256_set1_ps(scale);
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for (int64_t c0 = 0; c0 < kKeys; c0 += 8 * V) {
+  int64_t c0 = 0;
+  for (; c0 < vis[R - 1]; c0 += 8 * V) {
     __m256 a[R][V];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < V; ++v) a[r][v] = _mm256_setzero_ps();
@@ -109,6 +111,7 @@ inline void scores(const float* const* q, const float* panel, int64_t dk, float 
                         _mm256_blendv_ps(ninf, _mm256_mul_ps(a[r][v], vs), live));
       }
   }
+  return c0;
 }
 
 // acc[0:d] = acc * alpha + sum_j p[j] * v[j]: 64 columns at a time in registers (a fixed
@@ -159,9 +162,9 @@ struct Avx2 {
     ::pack_keys(k, n, dk, panel);
   }
   template <int R>
-  static void scores(const float* const* q, const float* panel, int64_t dk, float scale,
-                     const int64_t* vis, float* s) {
-    ::scores<R>(q, panel, dk, scale, vis, s);
+  static int64_t scores(const float* const* q, const float* panel, int64_t dk, float scale,
+                        const int64_t* vis, float* s) {
+    return ::scores<R>(q, panel, dk, scale, vis, s);
   }
   template <typename T, int R>
   static void scale_accumulate_rows(float* const* acc, const float* alpha, const float* const* p,

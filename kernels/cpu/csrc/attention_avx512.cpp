@@ -123,43 +123,55 @@ struct Avx512 {
     }
   }
 
-  // s[r][0:kKeys] = scale * (q[r] . k[j]), -inf for keys j >= vis[r]: R x NV registers of
-  // scores, each lane one chain over the head in order.
-  template <int R>
-  static void scores(const float* const* q, const float* panel, int64_t dk, float scale,
-                     const int64_t* vis, float* s) {
-    constexpr int NV = R <= 2 ? 8 : 4;  // enough chains in flight for the FMA latency
-    static_assert(kKeys % (16 * NV) == 0 || NV * 16 > kKeys);
-    constexpr int V = NV * 16 > kKeys ? kKeys / 16 : NV;
+  // Scores of keys [c0, c0 + 16 V) for R rows: R x V registers, each lane one chain over the
+  // head in order; scaled, and -inf for keys j >= vis[r].
+  template <int R, int V>
+  static void score_block(const float* const* q, const float* panel, int64_t dk, float scale,
+                          const int64_t* vis, float* s, int64_t c0) {
     const __m512 vs = _mm512_set1_ps(scale);
     const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t c0 = 0; c0 < kKeys; c0 += 16 * V) {
-      __m512 a[R][V];
+    __m512 a[R][V];
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r)
+    for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-        for (int v = 0; v < V; ++v) a[r][v] = _mm512_setzero_ps();
-      const float* kd = panel + c0;
-      for (int64_t d = 0; d < dk; ++d, kd += kKeys) {
-        __m512 kv[V];
+      for (int v = 0; v < V; ++v) a[r][v] = _mm512_setzero_ps();
+    const float* kd = panel + c0;
+    for (int64_t d = 0; d < dk; ++d, kd += kKeys) {
+      __m512 kv[V];
 #pragma GCC unroll 8
-        for (int v = 0; v < V; ++v) kv[v] = _mm512_load_ps(kd + 16 * v);
+      for (int v = 0; v < V; ++v) kv[v] = _mm512_load_ps(kd + 16 * v);
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          const __m512 qv = _mm512_set1_ps(q[r][d]);
+      for (int r = 0; r < R; ++r) {
+        const __m512 qv = _mm512_set1_ps(q[r][d]);
 #pragma GCC unroll 8
-          for (int v = 0; v < V; ++v) a[r][v] = _mm512_fmadd_ps(qv, kv[v], a[r][v]);
-        }
+        for (int v = 0; v < V; ++v) a[r][v] = _mm512_fmadd_ps(qv, kv[v], a[r][v]);
       }
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-        for (int v = 0; v < V; ++v) {
-          const __mmask16 live = first(vis[r] - c0 - 16 * v);
-          _mm512_store_ps(s + r * kKeys + c0 + 16 * v,
-                          _mm512_mask_mul_ps(ninf, live, a[r][v], vs));
-        }
     }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) {
+        const __mmask16 live = first(vis[r] - c0 - 16 * v);
+        _mm512_store_ps(s + r * kKeys + c0 + 16 * v, _mm512_mask_mul_ps(ninf, live, a[r][v], vs));
+      }
+  }
+
+  // s[r][0:n] = scale * (q[r] . k[j]), -inf for keys j >= vis[r], where n (returned) is
+  // vis[R - 1] rounded up to 16: keys no row sees are neither scored nor exponentiated (their
+  // probabilities would be exact zeros).
+  template <int R>
+  static int64_t scores(const float* const* q, const float* panel, int64_t dk, float scale,
+                        const int64_t* vis, float* s) {
+    static_assert(kKeys % 64 == 0);
+    const int64_t n = (vis[R - 1] + 15) & ~int64_t{15};
+    int64_t c0 = 0;
+    for (; c0 + 64 <= n; c0 += 64) score_block<R, 4>(q, panel, dk, scale, vis, s, c0);
+    switch ((n - c0) / 16) {
+      case 3: score_block<R, 3>(q, panel, dk, scale, vis, s, c0); break;
+      case 2: score_block<R, 2>(q, panel, dk, scale, vis, s, c0); break;
+      case 1: score_block<R, 1>(q, panel, dk, scale, vis, s, c0); break;
+    }
+    return n;
   }
 
   // acc[0:d] = acc * alpha + sum_j p[j] * v[j]: 64 columns at a time in registers, then 16

@@ -75,12 +75,14 @@ template <class Isa, typename T, int R>
 inline void attend_rows(const float* const* qr, const float* panel, const T* const* vp,
                         const int64_t* vis, const Layout& L, RowState* st) {
   alignas(64) float s[R][kKeys];
-  Isa::template scores<R>(qr, panel, L.dk, L.scale, vis, &s[0][0]);
+  const int64_t n = Isa::template scores<R>(qr, panel, L.dk, L.scale, vis, &s[0][0]);
   float alpha[R];
   const float* sp[R];
   float* acc[R];
   for (int r = 0; r < R; ++r) {
-    const float sum = Isa::softmax_block(s[r], kKeys, st[r].m, &alpha[r]);
+    // (a whole tile, the common case, with its length a constant the compiler unrolls)
+    const float sum = n == kKeys ? Isa::softmax_block(s[r], kKeys, st[r].m, &alpha[r])
+                                 : Isa::softmax_block(s[r], n, st[r].m, &alpha[r]);
     st[r].l = st[r].l * alpha[r] + sum;
     sp[r] = s[r];
     acc[r] = st[r].acc;
