@@ -21,7 +21,7 @@
 
 namespace deepserve_cpu::attention {
 
-constexpr int64_t kTileRows = 48;  // query rows per work item: their acc stays in L1 for Dv <= 64
+constexpr int64_t kTileRows = 96;  // query rows per work item: all share each tile's key panel
 constexpr int64_t kKeys = 64;      // keys per tile: one softmax rescale per row per tile
 
 // One work item: query rows row0..row1 (token-major, `group` rows a token) of one kv head of
