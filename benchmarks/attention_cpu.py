@@ -109,8 +109,8 @@ def main() -> None:
         for lib in a.lib:
             ms = [r[name]["ms"] for r in runs[lib]]
             gf = [r[name]["gflops"] for r in runs[lib]]
-            print(f"{name:18s} {lib:28s} {statistics.median(ms):9.2f} ms "
-                  f"({min(ms):.2f}-{max(ms):.2f})  {statistics.median(gf):6.1f} GFLOP/s")  # fmt: skip
+            print(f"{name:18s} {lib:28s} {statistics.median(ms):9.3f} ms "
+                  f"({min(ms):.3f}-{max(ms):.3f})  {statistics.median(gf):6.1f} GFLOP/s")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -7,9 +7,10 @@
 // online softmax in float32, so no [B, L] padded copy of the cache is ever made. A row's result
 // depends only on its own sequence (fixed key order), never on what else is in the batch.
 //
-// The walk over blocks and rows is attention_impl.h's; this file has the op, the AVX2 vector
-// primitives, and the choice of path (AVX-512 in attention_avx512.cpp, kernels/cpu/csrc/isa.h). A
-// path's bits are its own: AVX-512 sums a key's score and a block's probabilities over 16 lanes.
+// The walk over key tiles and rows is attention_impl.h's; this file has the op, the AVX2 vector
+// primitives, and the choice of path (AVX-512 in attention_avx512.cpp, kernels/cpu/csrc/isa.h).
+// Scores are the same on both paths (one FMA chain per score over the head); a path's bits are
+// still its own: AVX-512 sums a tile's probabilities over 16 lanes, AVX2 over 8.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>

@@ -2,10 +2,11 @@
 // register. Compiled for AVX-512 by the target pragma (the build's flags stay AVX2), called only
 // when cpuid reports it (kernels/cpu/csrc/isa.cpp).
 //
-// The output accumulation (p @ V, column by column) and exp are lane-wise, the AVX2 path's
-// operations in wider registers; a key's score (a dot product over the head) and a block's sum
-// of probabilities reduce 16 lanes in a fixed tree. Both are fixed by the head size and the
-// block's keys alone, so a row's bits do not depend on the batch on this path either.
+// Scores (keys across lanes, one FMA chain over the head each), the output accumulation (p @ V,
+// column by column) and exp are lane-wise, the AVX2 path's operations in wider registers; a
+// tile's sum of probabilities reduces 16 lanes in a fixed tree. All are fixed by the row, the
+// head size and the tile's keys alone, so a row's bits do not depend on the batch on this path
+// either.
 #include <immintrin.h>
 
 #include <algorithm>
