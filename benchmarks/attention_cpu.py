@@ -7,8 +7,9 @@ round's figure is the minimum of its calls; the median and span of the rounds ar
     .venv/bin/python benchmarks/attention_cpu.py --lib /tmp/old.so this --rounds 5
     .venv/bin/python benchmarks/attention_cpu.py --lib this --dtype bfloat16 --tokens 4096
 
-`this` is this checkout's library (built on demand). `--cpu-time` (the default) times with the
-process's CPU clock on one thread, so time a neighbour takes from the core is not counted.
+`this` is this checkout's library (built on demand). With one thread (the default) calls are
+timed with the process's CPU clock, so time a neighbour takes from the core is not counted;
+`--threads N` times wall clock.
 """
 
 from __future__ import annotations
@@ -60,8 +61,10 @@ def flops(lengths: list[int], new: list[int]) -> int:
     return 4 * D * HQ * keys
 
 
-def worker(lib: str, dtype: torch.dtype, tokens: list[int], calls: int, isa: str | None) -> dict:
-    torch.set_num_threads(1)
+def worker(lib: str, dtype: torch.dtype, tokens: list[int], calls: int, isa: str | None,
+           threads: int) -> dict:  # fmt: skip
+    torch.set_num_threads(threads)
+    clock = time.process_time if threads == 1 else time.perf_counter
     op = load(lib)
     if isa:
         torch.ops.deepserve_cpu.set_isa(isa)
@@ -74,9 +77,9 @@ def worker(lib: str, dtype: torch.dtype, tokens: list[int], calls: int, isa: str
         op(*args, D**-0.5)
         best = float("inf")
         for _ in range(calls):
-            t = time.process_time()
+            t = clock()
             op(*args, D**-0.5)
-            best = min(best, time.process_time() - t)
+            best = min(best, clock() - t)
         out[name] = {"ms": best * 1e3, "gflops": flops(lengths, new) / best / 1e9}
     return out
 
@@ -88,23 +91,26 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--calls", type=int, default=5, help="calls per round; its minimum counts")
+    p.add_argument("--threads", type=int, default=1, help="above 1: wall clock")
     p.add_argument("--isa", help="force a path: avx2, avx512, avx512_bf16 (default: the widest)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     a = p.parse_args()
     dtype = getattr(torch, a.dtype)
     if a.worker:
-        print(json.dumps(worker(a.worker, dtype, a.tokens, a.calls, a.isa)))
+        print(json.dumps(worker(a.worker, dtype, a.tokens, a.calls, a.isa, a.threads)))
         return
     runs: dict[str, list[dict]] = {lib: [] for lib in a.lib}
     for _ in range(a.rounds):
         for lib in a.lib:
             cmd = [sys.executable, __file__, "--worker", lib, "--dtype", a.dtype,
                    "--calls", str(a.calls), "--tokens", *map(str, a.tokens),
+                   "--threads", str(a.threads),
                    *(["--isa", a.isa] if a.isa else [])]  # fmt: skip
             res = subprocess.run(cmd, capture_output=True, text=True, check=True)
             runs[lib].append(json.loads(res.stdout.strip().splitlines()[-1]))
-    print(f"{a.dtype} cache, path {a.isa or 'widest'}, 1 thread, CPU time, min of {a.calls} "
-          f"calls, {a.rounds} rounds")  # fmt: skip
+    clock = "CPU time" if a.threads == 1 else "wall clock"
+    print(f"{a.dtype} cache, path {a.isa or 'widest'}, {a.threads} thread(s), {clock}, "
+          f"min of {a.calls} calls, {a.rounds} rounds")  # fmt: skip
     for name in runs[a.lib[0]][0]:
         for lib in a.lib:
             ms = [r[name]["ms"] for r in runs[lib]]
