@@ -107,7 +107,8 @@ inline int64_t scores(const float* const* q, const float* panel, int64_t dk, flo
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < V; ++v) {
         const int64_t k = std::clamp<int64_t>(vis[r] - c0 - 8 * v, 0, 8);
-        const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(k)), lane));
+        const __m256i count = _mm256_set1_epi32(int(k));
+        const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(count, lane));
         _mm256_store_ps(s + r * kKeys + c0 + 8 * v,
                         _mm256_blendv_ps(ninf, _mm256_mul_ps(a[r][v], vs), live));
       }

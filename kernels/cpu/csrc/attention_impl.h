@@ -99,25 +99,15 @@ inline void attend_rows(const float* const* qr, const float* panel, const T* con
   }
 }
 
-template <class Isa, typename T>
+// attend_rows for n rows, n <= R (Isa::kRows at the top).
+template <class Isa, typename T, int R = Isa::kRows>
 inline void attend_rows_n(int64_t n, const float* const* qr, const float* panel,
                           const T* const* vp, const int64_t* vis, const Layout& L,
                           RowState* st) {
-  static_assert(Isa::kRows <= 8);
-  switch (n) {
-    case 1: return attend_rows<Isa, T, 1>(qr, panel, vp, vis, L, st);
-    case 2: return attend_rows<Isa, T, 2>(qr, panel, vp, vis, L, st);
-    case 3: return attend_rows<Isa, T, 3>(qr, panel, vp, vis, L, st);
-    case 4: return attend_rows<Isa, T, 4>(qr, panel, vp, vis, L, st);
-    case 5: if constexpr (Isa::kRows >= 5) return attend_rows<Isa, T, 5>(qr, panel, vp, vis, L, st);
-      break;
-    case 6: if constexpr (Isa::kRows >= 6) return attend_rows<Isa, T, 6>(qr, panel, vp, vis, L, st);
-      break;
-    case 7: if constexpr (Isa::kRows >= 7) return attend_rows<Isa, T, 7>(qr, panel, vp, vis, L, st);
-      break;
-    case 8: if constexpr (Isa::kRows >= 8) return attend_rows<Isa, T, 8>(qr, panel, vp, vis, L, st);
-      break;
+  if constexpr (R > 1) {
+    if (n < R) return attend_rows_n<Isa, T, R - 1>(n, qr, panel, vp, vis, L, st);
   }
+  attend_rows<Isa, T, R>(qr, panel, vp, vis, L, st);
 }
 
 // Pointers to keys [start, start + n) of head h of a sequence (its block table `table`).
