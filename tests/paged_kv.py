@@ -14,20 +14,32 @@ LAYOUTS = {"gqa": dict(hq=9, hkv=3, dk=64, dv=64), "mla": dict(hq=4, hkv=1, dk=8
 class Cache:
     """A paged KV cache with one sequence per block-table row, blocks scattered at random."""
 
-    def __init__(self, lengths, hkv, dk, dv, mla=False, seed=0, device="cpu", dtype=torch.float32):
+    def __init__(
+        self,
+        lengths,
+        hkv,
+        dk,
+        dv,
+        mla=False,
+        seed=0,
+        device="cpu",
+        dtype=torch.float32,
+        block=BLOCK,
+    ):
         g = torch.Generator().manual_seed(seed)
-        nblocks = sum(-(-n // BLOCK) for n in lengths) + 3
+        self.block = block
+        nblocks = sum(-(-n // block) for n in lengths) + 3
         perm = torch.randperm(nblocks, generator=g).tolist()
         self.tables, used = [], 0
         for n in lengths:
-            nb = -(-n // BLOCK)
+            nb = -(-n // block)
             self.tables.append(perm[used : used + nb])
             used += nb
         if mla:
-            self.k = torch.randn(nblocks, BLOCK, 1, dk, generator=g)
+            self.k = torch.randn(nblocks, block, 1, dk, generator=g)
         else:
-            self.k = torch.randn(nblocks, BLOCK, hkv, dk, generator=g)
-            self.v = torch.randn(nblocks, BLOCK, hkv, dv, generator=g)
+            self.k = torch.randn(nblocks, block, hkv, dk, generator=g)
+            self.v = torch.randn(nblocks, block, hkv, dv, generator=g)
         # what no step wrote yet: poison, so reading past a sequence shows up
         self.k[perm[used:]] = float("nan")
         self.k = self.k.to(device, dtype)
@@ -54,7 +66,7 @@ class Cache:
             context_lens=t(ctx),
             slot_mapping=t([0] * sum(qlens), torch.int64),
             block_tables=t(tables),
-            block_size=BLOCK,
+            block_size=self.block,
             query_lens_cpu=qlens,
             seq_lens_cpu=lens,
             context_lens_cpu=ctx,
@@ -64,11 +76,21 @@ class Cache:
 class PagedCase:
     """Sequences of `lengths` tokens in a paged cache, with random queries for every position."""
 
-    def __init__(self, layout: str, lengths: list[int], device="cpu", dtype=torch.float32):
+    def __init__(
+        self, layout: str, lengths: list[int], device="cpu", dtype=torch.float32, block=BLOCK
+    ):
         shape = LAYOUTS[layout]
         self.lengths = lengths
         self.cache = Cache(
-            lengths, shape["hkv"], shape["dk"], shape["dv"], layout == "mla", 0, device, dtype
+            lengths,
+            shape["hkv"],
+            shape["dk"],
+            shape["dv"],
+            layout == "mla",
+            0,
+            device,
+            dtype,
+            block,
         )
         self.queries = [
             torch.randn(

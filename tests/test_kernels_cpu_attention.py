@@ -46,7 +46,7 @@ def test_native_decode_attention_matches_reference_for_mixed_lengths():
 def test_native_varlen_attention_matches_reference_for_prefill_mixed_with_decode():
     case = PagedCase("gqa", [20, 31, 17, 1, 60])
     # a fresh prompt, a decode, a chunk after cached context, a one-token prompt, and a prefill
-    # longer than one work tile (60 tokens x 3 query heads per kv head > 32 rows)
+    # longer than one key tile (64 keys)
     seqs = [(0, 0, 20), (1, 30, 1), (2, 10, 7), (3, 0, 1), (4, 0, 60)]
     assert_native_matches_reference(case, seqs)
 
@@ -84,6 +84,23 @@ def test_native_attention_bfloat16_cache_matches_float64_reference():
         assert out.dtype == torch.bfloat16
         # only the final rounding to bfloat16 differs: half a bfloat16 ulp
         torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=8e-3)
+
+
+@pytest.mark.parametrize("block", [7, 24])
+def test_native_attention_matches_reference_when_key_tiles_split_cache_blocks(block):
+    # key tiles are 64 positions of the sequence: here they start and end inside cache blocks
+    case = PagedCase("gqa", [150, 70], block=block)
+    assert_native_matches_reference(case, [(0, 0, 150), (1, 69, 1), (1, 20, 30)])
+
+
+@pytest.mark.parametrize("block", [7, 24])
+def test_native_attention_rows_keep_their_bits_in_chunks_and_decode_for_any_block_size(block):
+    case = PagedCase("gqa", [150], block=block)
+    whole = case.run(Native, [(0, 0, 150)])[0]
+    chunks = [case.run(Native, [(0, c, min(50, 150 - c))])[0] for c in range(0, 150, 50)]
+    assert torch.equal(torch.cat(chunks), whole)
+    for pos in (63, 64, 149):
+        assert torch.equal(case.run(Native, [(0, pos, 1)])[0][0], whole[pos])
 
 
 def test_native_attention_row_does_not_depend_on_the_batch():

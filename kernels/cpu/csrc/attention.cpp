@@ -7,9 +7,10 @@
 // online softmax in float32, so no [B, L] padded copy of the cache is ever made. A row's result
 // depends only on its own sequence (fixed key order), never on what else is in the batch.
 //
-// The walk over blocks and rows is attention_impl.h's; this file has the op, the AVX2 vector
-// primitives, and the choice of path (AVX-512 in attention_avx512.cpp, kernels/cpu/csrc/isa.h). A
-// path's bits are its own: AVX-512 sums a key's score and a block's probabilities over 16 lanes.
+// The walk over key tiles and rows is attention_impl.h's; this file has the op, the AVX2 vector
+// primitives, and the choice of path (AVX-512 in attention_avx512.cpp, kernels/cpu/csrc/isa.h).
+// Scores are the same on both paths (one FMA chain per score over the head); a path's bits are
+// still its own: AVX-512 sums a tile's probabilities over 16 lanes, AVX2 over 8.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -19,6 +20,7 @@
 #include "isa.h"
 #include "vec_math.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -44,23 +46,74 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// s[0:8] = q . k[j] for eight keys at once: eight independent accumulators, then one transpose
-// reduction instead of eight horizontal sums.
-template <typename T>
-inline void dot8(const float* q, const T* const* k, int64_t d, float* s) {
-  __m256 a[8];
-  for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < d; i += 8) {
-    const __m256 qv = load8(q + i);
-    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, load8(k[j] + i), a[j]);
+// r[i] (lane j) <- r[j] (lane i): an 8 x 8 transpose.
+inline void transpose8(__m256 (&r)[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {  // pairs of rows interleaved by 32 bits
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
   }
-  const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
-  // lanes: [k0 k1 k2 k3 | k0 k1 k2 k3] halves of sums, likewise for k4..k7
-  const __m256 lo = _mm256_permute2f128_ps(h0123, h4567, 0x20);
-  const __m256 hi = _mm256_permute2f128_ps(h0123, h4567, 0x31);
-  _mm256_storeu_ps(s, _mm256_add_ps(lo, hi));
+  for (int g = 0; g < 2; ++g) {  // u[4g + c]: rows 4g..4g+3 of columns c and c + 4
+    u[4 * g] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
+    u[4 * g + 1] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);
+    u[4 * g + 2] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
+    u[4 * g + 3] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+    r[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+  }
+}
+
+// panel[d][j] = k[j][d] (widened to float32) for a tile's n keys; columns past n are left as
+// they are (their scores are masked).
+template <typename T>
+inline void pack_keys(const T* const* k, int64_t n, int64_t dk, float* panel) {
+  for (int64_t j0 = 0; j0 < n; j0 += 8) {
+    const int64_t m = std::min<int64_t>(8, n - j0);
+    for (int64_t d0 = 0; d0 < dk; d0 += 8) {
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) r[i] = i < m ? load8(k[j0 + i] + d0) : _mm256_setzero_ps();
+      transpose8(r);
+      for (int i = 0; i < 8; ++i) _mm256_store_ps(panel + (d0 + i) * kKeys + j0, r[i]);
+    }
+  }
+}
+
+// s[r][0:n] = scale * (q[r] . k[j]), -inf for keys j >= vis[r]: R x V registers of scores, each
+// lane one chain over the head in order. n (returned) covers vis[R - 1], rounded up to a pass:
+// keys no row sees are neither scored nor exponentiated (their probabilities would be zeros).
+template <int R>
+inline int64_t scores(const float* const* q, const float* panel, int64_t dk, float scale,
+                      const int64_t* vis, float* s) {
+  constexpr int V = R <= 2 ? 4 : 2;  // R x V accumulators within AVX2's 16 registers
+  const __m256 vs = _mm256_set1_ps(scale);
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  int64_t c0 = 0;
+  for (; c0 < vis[R - 1]; c0 += 8 * V) {
+    __m256 a[R][V];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) a[r][v] = _mm256_setzero_ps();
+    const float* kd = panel + c0;
+    for (int64_t d = 0; d < dk; ++d, kd += kKeys) {
+      __m256 kv[V];
+      for (int v = 0; v < V; ++v) kv[v] = _mm256_load_ps(kd + 8 * v);
+      for (int r = 0; r < R; ++r) {
+        const __m256 qv = _mm256_broadcast_ss(q[r] + d);
+        for (int v = 0; v < V; ++v) a[r][v] = _mm256_fmadd_ps(qv, kv[v], a[r][v]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) {
+        const int64_t k = std::clamp<int64_t>(vis[r] - c0 - 8 * v, 0, 8);
+        const __m256i count = _mm256_set1_epi32(int(k));
+        const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(count, lane));
+        _mm256_store_ps(s + r * kKeys + c0 + 8 * v,
+                        _mm256_blendv_ps(ninf, _mm256_mul_ps(a[r][v], vs), live));
+      }
+  }
+  return c0;
 }
 
 // acc[0:d] = acc * alpha + sum_j p[j] * v[j]: 64 columns at a time in registers (a fixed
@@ -86,13 +139,6 @@ inline void scale_accumulate(float* acc, float alpha, const float* p, const T* c
   }
 }
 
-template <typename T>
-inline void prefetch_rows(const T* p, int64_t stride, int64_t rows, int64_t bytes) {
-  for (int64_t j = 0; j < rows; ++j)
-    for (int64_t b = 0; b < bytes; b += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(p + j * stride) + b, _MM_HINT_T0);
-}
-
 // Scores s[0:n] -> probabilities against the row's running max; returns the block's sum and
 // updates m, giving the factor the earlier accumulation must be rescaled by in *alpha.
 inline float softmax_block(float* s, int64_t n, float& m, float* alpha) {
@@ -112,16 +158,20 @@ inline float softmax_block(float* s, int64_t n, float& m, float* alpha) {
 
 // The AVX2 primitives attention_impl.h walks with.
 struct Avx2 {
+  static constexpr int kRows = 4;
   template <typename T>
-  static void dot8(const float* q, const T* const* k, int64_t d, float* s) { ::dot8(q, k, d, s); }
+  static void pack_keys(const T* const* k, int64_t n, int64_t dk, float* panel) {
+    ::pack_keys(k, n, dk, panel);
+  }
+  template <int R>
+  static int64_t scores(const float* const* q, const float* panel, int64_t dk, float scale,
+                        const int64_t* vis, float* s) {
+    return ::scores<R>(q, panel, dk, scale, vis, s);
+  }
   template <typename T, int R>
   static void scale_accumulate_rows(float* const* acc, const float* alpha, const float* const* p,
                                     const T* const* v, int64_t n, int64_t d) {
     for (int r = 0; r < R; ++r) ::scale_accumulate(acc[r], alpha[r], p[r], v, n, d);
-  }
-  template <typename T>
-  static void prefetch_rows(const T* p, int64_t stride, int64_t rows, int64_t bytes) {
-    ::prefetch_rows(p, stride, rows, bytes);
   }
   static float softmax_block(float* s, int64_t n, float& m, float* alpha) {
     return ::softmax_block(s, n, m, alpha);
@@ -154,7 +204,6 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
   TORCH_CHECK(k_cache.dtype() == v_cache.dtype(), "K and V caches must share a dtype");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "cache rows must be contiguous");
   TORCH_CHECK(k_cache.size(3) % 8 == 0 && v_cache.size(3) % 8 == 0, "head sizes must be x8");
-  TORCH_CHECK(k_cache.size(1) <= kMaxBlock, "block size too large");
   at::Tensor q = q_in.dtype() == at::kFloat ? q_in : q_in.to(at::kFloat);
   if (q.stride(2) != 1) q = q.contiguous();
   const at::Tensor loc = query_start_loc.to(at::kInt).contiguous();

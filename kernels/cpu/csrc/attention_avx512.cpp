@@ -2,10 +2,11 @@
 // register. Compiled for AVX-512 by the target pragma (the build's flags stay AVX2), called only
 // when cpuid reports it (kernels/cpu/csrc/isa.cpp).
 //
-// The output accumulation (p @ V, column by column) and exp are lane-wise, the AVX2 path's
-// operations in wider registers; a key's score (a dot product over the head) and a block's sum
-// of probabilities reduce 16 lanes in a fixed tree. Both are fixed by the head size and the
-// block's keys alone, so a row's bits do not depend on the batch on this path either.
+// Scores (keys across lanes, one FMA chain over the head each), the output accumulation (p @ V,
+// column by column) and exp are lane-wise, the AVX2 path's operations in wider registers; a
+// tile's sum of probabilities reduces 16 lanes in a fixed tree. All are fixed by the row, the
+// head size and the tile's keys alone, so a row's bits do not depend on the batch on this path
+// either.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -70,39 +71,108 @@ inline float hsum(__m512 v) {
   return _mm_cvtss_f32(s);
 }
 
-// hsum of eight registers at once, each key's lanes added in exactly `hsum`'s tree (lane i with
-// i + 8, then i + 4, i + 2, i + 1), so the scores keep their bits: 15 vector adds and their
-// shuffles for eight keys instead of eight horizontal sums.
-inline __m256 hsum8(const __m512 (&a)[8]) {
-  __m512 b[4], c[2];
-  for (int j = 0; j < 4; ++j)  // [a_j lanes i + (i + 8) | a_{j+4}'s]
-    b[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[j], a[j + 4], 0x44),
-                         _mm512_shuffle_f32x4(a[j], a[j + 4], 0xEE));
-  for (int j = 0; j < 2; ++j)  // quarters: keys j, j + 4, j + 2, j + 6, lanes i + (i + 4)
-    c[j] = _mm512_add_ps(_mm512_shuffle_f32x4(b[j], b[j + 2], 0x88),
-                         _mm512_shuffle_f32x4(b[j], b[j + 2], 0xDD));
-  // per quarter: two lanes of c[0]'s key, two of c[1]'s, lanes i + (i + 2)
-  const __m512 d = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x44),
-                                 _mm512_shuffle_ps(c[0], c[1], 0xEE));
-  const __m512 e = _mm512_add_ps(d, _mm512_permute_ps(d, 0xB1));  // lanes i + (i + 1)
-  // key 0..7 sit in lanes 0, 2, 8, 10, 4, 6, 12, 14
-  const __m512i order = _mm512_setr_epi32(0, 2, 8, 10, 4, 6, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
-  return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, e));
+// r[i] (lane j) <- r[j] (lane i): a 16 x 16 transpose in four rounds of shuffles.
+inline void transpose16(__m512 (&r)[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {  // pairs of rows interleaved by 32 bits
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {  // u[4g + c]: rows 4g..4g+3 of columns c, c+4, c+8, c+12
+    const __m512d a = _mm512_castps_pd(t[4 * g]), b = _mm512_castps_pd(t[4 * g + 2]);
+    const __m512d c = _mm512_castps_pd(t[4 * g + 1]), d = _mm512_castps_pd(t[4 * g + 3]);
+    u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+  for (int c = 0; c < 4; ++c) {  // 4 x 4 transpose of the 128-bit blocks of u[c], u[4 + c], ...
+    const __m512 v0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44);
+    const __m512 v1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xEE);
+    const __m512 v2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512 v3 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_f32x4(v0, v2, 0x88);
+    r[4 + c] = _mm512_shuffle_f32x4(v0, v2, 0xDD);
+    r[8 + c] = _mm512_shuffle_f32x4(v1, v3, 0x88);
+    r[12 + c] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
+  }
+}
+
+// The first k of 16 lanes (none for k <= 0).
+inline __mmask16 first(int64_t k) {
+  return k >= 16 ? __mmask16(0xFFFF) : k <= 0 ? __mmask16(0) : __mmask16((1u << k) - 1);
 }
 
 struct Avx512 {
-  // s[0:8] = q . k[j] for eight keys: eight accumulators over the head, reduced together by
-  // `hsum8`, which adds each key's lanes in `hsum`'s tree.
+  static constexpr int kRows = 6;  // rows of a score block: 6 x 4 registers of keys
+
+  // panel[d][j] = k[j][d] (widened to float32) for the tile's n keys; columns past n are left
+  // as they are (their scores are masked).
   template <typename T>
-  static void dot8(const float* q, const T* const* k, int64_t d, float* s) {
-    __m512 a[8];
-    for (int j = 0; j < 8; ++j) a[j] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < d; i += 16) {
-      const __mmask16 m = lanes(i, d);
-      const __m512 qv = load16(q + i, m);
-      for (int j = 0; j < 8; ++j) a[j] = _mm512_fmadd_ps(qv, load16(k[j] + i, m), a[j]);
+  static void pack_keys(const T* const* k, int64_t n, int64_t dk, float* panel) {
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      const int64_t m = std::min<int64_t>(16, n - j0);
+      for (int64_t d0 = 0; d0 < dk; d0 += 16) {
+        const __mmask16 dm = lanes(d0, dk);
+        __m512 r[16];
+        for (int i = 0; i < 16; ++i)
+          r[i] = i < m ? load16(k[j0 + i] + d0, dm) : _mm512_setzero_ps();
+        transpose16(r);
+        const int rows = dk - d0 >= 16 ? 16 : 8;
+        for (int i = 0; i < rows; ++i) _mm512_store_ps(panel + (d0 + i) * kKeys + j0, r[i]);
+      }
     }
-    _mm256_storeu_ps(s, hsum8(a));
+  }
+
+  // Scores of keys [c0, c0 + 16 V) for R rows: R x V registers, each lane one chain over the
+  // head in order; scaled, and -inf for keys j >= vis[r].
+  template <int R, int V>
+  static void score_block(const float* const* q, const float* panel, int64_t dk, float scale,
+                          const int64_t* vis, float* s, int64_t c0) {
+    const __m512 vs = _mm512_set1_ps(scale);
+    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    __m512 a[R][V];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) a[r][v] = _mm512_setzero_ps();
+    const float* kd = panel + c0;
+    for (int64_t d = 0; d < dk; ++d, kd += kKeys) {
+      __m512 kv[V];
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) kv[v] = _mm512_load_ps(kd + 16 * v);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512 qv = _mm512_set1_ps(q[r][d]);
+#pragma GCC unroll 8
+        for (int v = 0; v < V; ++v) a[r][v] = _mm512_fmadd_ps(qv, kv[v], a[r][v]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) {
+        const __mmask16 live = first(vis[r] - c0 - 16 * v);
+        _mm512_store_ps(s + r * kKeys + c0 + 16 * v, _mm512_mask_mul_ps(ninf, live, a[r][v], vs));
+      }
+  }
+
+  // s[r][0:n] = scale * (q[r] . k[j]), -inf for keys j >= vis[r], where n (returned) is
+  // vis[R - 1] rounded up to 16: keys no row sees are neither scored nor exponentiated (their
+  // probabilities would be exact zeros).
+  template <int R>
+  static int64_t scores(const float* const* q, const float* panel, int64_t dk, float scale,
+                        const int64_t* vis, float* s) {
+    static_assert(kKeys % 64 == 0);
+    const int64_t n = (vis[R - 1] + 15) & ~int64_t{15};
+    int64_t c0 = 0;
+    for (; c0 + 64 <= n; c0 += 64) score_block<R, 4>(q, panel, dk, scale, vis, s, c0);
+    switch ((n - c0) / 16) {
+      case 3: score_block<R, 3>(q, panel, dk, scale, vis, s, c0); break;
+      case 2: score_block<R, 2>(q, panel, dk, scale, vis, s, c0); break;
+      case 1: score_block<R, 1>(q, panel, dk, scale, vis, s, c0); break;
+    }
+    return n;
   }
 
   // acc[0:d] = acc * alpha + sum_j p[j] * v[j]: 64 columns at a time in registers, then 16
@@ -142,36 +212,29 @@ struct Avx512 {
     }
     for (int64_t c = 0; c < d; c += 64) {
       __m512 a[R][4];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const __m512 va = _mm512_set1_ps(alpha[r]);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int u = 0; u < 4; ++u)
           a[r][u] = _mm512_mul_ps(va, _mm512_loadu_ps(acc[r] + c + 16 * u));
       }
       for (int64_t j = 0; j < n; ++j) {
         __m512 vj[4];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int u = 0; u < 4; ++u) vj[u] = load16(v[j] + c + 16 * u, 0xFFFF);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           const __m512 pj = _mm512_set1_ps(p[r][j]);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
           for (int u = 0; u < 4; ++u) a[r][u] = _mm512_fmadd_ps(pj, vj[u], a[r][u]);
         }
       }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int u = 0; u < 4; ++u) _mm512_storeu_ps(acc[r] + c + 16 * u, a[r][u]);
     }
-  }
-
-  template <typename T>
-  static void prefetch_rows(const T* p, int64_t stride, int64_t rows, int64_t bytes) {
-    for (int64_t j = 0; j < rows; ++j)
-      for (int64_t b = 0; b < bytes; b += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(p + j * stride) + b, _MM_HINT_T0);
   }
 
   // Scores s[0:n] (n a multiple of 8, padded with -inf) -> probabilities against the row's

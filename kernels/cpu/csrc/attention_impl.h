@@ -1,9 +1,17 @@
-// Paged attention's walk over blocks and rows (kernels/cpu/csrc/attention.cpp has the contract),
-// written once over an ISA's vector primitives: `Isa::dot8` (eight keys' scores), `softmax_block`,
-// `scale_accumulate_rows` and `prefetch_rows`. attention.cpp instantiates it for AVX2,
-// attention_avx512.cpp for AVX-512. Everything here is a template on `Isa`, a type local to each
-// translation unit, so no function compiled for one target can stand in for the other's at link
-// time.
+// Paged attention's walk over key tiles and rows (kernels/cpu/csrc/attention.cpp has the
+// contract), written once over an ISA's vector primitives: `Isa::pack_keys` (a tile's keys
+// transposed into a [head][key] panel), `Isa::scores` (a register-blocked score tile),
+// `softmax_block` and `scale_accumulate_rows`. attention.cpp instantiates it
+// for AVX2, attention_avx512.cpp for AVX-512. Everything here is a template on `Isa`, a type
+// local to each translation unit, so no function compiled for one target can stand in for the
+// other's at link time.
+//
+// Scores are a small GEMM: per key tile, the keys are transposed once into a panel and each
+// score q . k is ONE multiply-add chain over the head, d = 0, 1, ..., in a vector lane of its
+// own (keys across lanes, query rows broadcast), so a score's bits depend on its q row and key
+// alone. Key tiles are fixed by absolute key position (tile i holds keys [i kKeys, (i+1) kKeys)
+// of the sequence), so a row's online softmax sees the same tiles, in the same order, whether
+// it is computed in a prefill, a chunk of one, a decode step or beside any other rows.
 #pragma once
 
 #include <algorithm>
@@ -13,8 +21,8 @@
 
 namespace deepserve_cpu::attention {
 
-constexpr int64_t kTileRows = 32;  // query rows per work item: acc stays in L1 for Dv <= 64
-constexpr int64_t kMaxBlock = 64;  // largest KV block size the score buffer holds
+constexpr int64_t kTileRows = 96;  // query rows per work item: all share each tile's key panel
+constexpr int64_t kKeys = 64;      // keys per tile: one softmax rescale per row per tile
 
 // One work item: query rows row0..row1 (token-major, `group` rows a token) of one kv head of
 // one sequence.
@@ -49,88 +57,128 @@ struct RowState {
   float* acc;
 };
 
-// Fold `visible` keys kp/vp (pointer arrays padded to a multiple of 8) into R rows' states, each
-// row's arithmetic exactly what it would be alone: R rows share the value loads and interleave
-// their FMA chains (`Isa::scale_accumulate_rows`), which a lone row leaves latency-bound.
-template <class Isa, typename T, int R>
-inline void attend_block(const float* const* qr, const T* const* kp, const T* const* vp,
-                         int64_t visible, const Layout& L, RowState* const* st) {
-  alignas(64) float s[R][kMaxBlock + 16];
-  const float* sp[R];
-  float alpha[R];
-  float* acc[R];
-  const int64_t padded = (visible + 7) & ~int64_t{7};
-  for (int r = 0; r < R; ++r) {
-    for (int64_t j = 0; j < padded; j += 8) Isa::dot8(qr[r], kp + j, L.dk, s[r] + j);
-    for (int64_t j = 0; j < visible; ++j) s[r][j] *= L.scale;
-    for (int64_t j = visible; j < padded; ++j) s[r][j] = -std::numeric_limits<float>::infinity();
-    const float sum = Isa::softmax_block(s[r], padded, st[r]->m, &alpha[r]);
-    st[r]->l = st[r]->l * alpha[r] + sum;
-    sp[r] = s[r];
-    acc[r] = st[r]->acc;
+// One thread's scratch, reused across its work items: the rows' outputs and the key panel.
+struct Scratch {
+  std::vector<float> acc, panel_store;
+  std::vector<RowState> rows;
+  float* panel(int64_t dk) {  // [dk][kKeys], 64-byte aligned
+    panel_store.resize(dk * kKeys + 16);
+    const auto p = reinterpret_cast<uintptr_t>(panel_store.data());
+    return panel_store.data() + ((64 - p % 64) % 64) / sizeof(float);
   }
-  Isa::template scale_accumulate_rows<T, R>(acc, alpha, sp, vp, visible, L.dv);
+};
+
+// R rows of a tile (vis[r] of its keys visible to row r, nondecreasing: rows are token-major):
+// their scores, the softmax update and p @ V. Each row's operations and their order are the
+// same for any R; the R rows share the panel and value loads and interleave their chains.
+template <class Isa, typename T, int R>
+inline void attend_rows(const float* const* qr, const float* panel, const T* const* vp,
+                        const int64_t* vis, const Layout& L, RowState* st) {
+  alignas(64) float s[R][kKeys];
+  const int64_t n = Isa::template scores<R>(qr, panel, L.dk, L.scale, vis, &s[0][0]);
+  float alpha[R];
+  const float* sp[R];
+  float* acc[R];
+  for (int r = 0; r < R; ++r) {
+    // (a whole tile, the common case, with its length a constant the compiler unrolls)
+    const float sum = n == kKeys ? Isa::softmax_block(s[r], kKeys, st[r].m, &alpha[r])
+                                 : Isa::softmax_block(s[r], n, st[r].m, &alpha[r]);
+    st[r].l = st[r].l * alpha[r] + sum;
+    sp[r] = s[r];
+    acc[r] = st[r].acc;
+  }
+  // Keys every row sees together, then each row's own last keys (acc * 1 is exact, so the
+  // split leaves each row's chain over its keys as one).
+  const int64_t shared = vis[0];
+  Isa::template scale_accumulate_rows<T, R>(acc, alpha, sp, vp, shared, L.dv);
+  for (int r = 1; r < R; ++r) {
+    if (vis[r] == shared) continue;
+    const float one = 1.0f, *p = sp[r] + shared;
+    Isa::template scale_accumulate_rows<T, 1>(&acc[r], &one, &p, vp + shared, vis[r] - shared,
+                                              L.dv);
+  }
 }
 
-// Rows [r, r + R) of an item when they all see `n` keys of the block, else false.
-template <int R>
-inline bool same_visible(const int64_t* visible, int64_t r, int64_t nrows, int64_t n) {
-  if (r + R > nrows) return false;
-  for (int i = 0; i < R; ++i)
-    if (visible[r + i] != n) return false;
-  return true;
+// attend_rows for n rows, n <= R (Isa::kRows at the top).
+template <class Isa, typename T, int R = Isa::kRows>
+inline void attend_rows_n(int64_t n, const float* const* qr, const float* panel,
+                          const T* const* vp, const int64_t* vis, const Layout& L,
+                          RowState* st) {
+  if constexpr (R > 1) {
+    if (n < R) return attend_rows_n<Isa, T, R - 1>(n, qr, panel, vp, vis, L, st);
+  }
+  attend_rows<Isa, T, R>(qr, panel, vp, vis, L, st);
 }
 
-template <class Isa, typename T>
-inline void prefetch_block(const T* kc, const T* vc, int64_t blk, int64_t n, int64_t h,
-                           const Layout& L) {
-  Isa::prefetch_rows(kc + blk * L.kb + h * L.kh, L.kt, n, L.dk * int64_t(sizeof(T)));
-  Isa::prefetch_rows(vc + blk * L.vb + h * L.vh, L.vt, n, L.dv * int64_t(sizeof(T)));
+// Pointers to keys [start, start + n) of head h of a sequence (its block table `table`).
+template <typename T>
+inline void tile_rows(const T* cache, int64_t b, int64_t t, int64_t hoff, const int32_t* table,
+                      int64_t bs, int64_t start, int64_t n, const T** out) {
+  int64_t blk = start / bs, off = start % bs;
+  for (int64_t j = 0; j < n; ++j) {
+    out[j] = cache + table[blk] * b + off * t + hoff;
+    if (++off == bs) off = 0, ++blk;
+  }
 }
 
-// The item's rows over its sequence's keys, block by block, prefetching the next block while
-// this one computes.
+// A prefetch into L2 as an asm statement: GCC dropped `_mm_prefetch` / `__builtin_prefetch`
+// from these loops (no prefetch instruction was emitted), so it is spelled out.
+inline void prefetch_l2(const void* p) {
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+}
+
+template <typename T>
+inline void prefetch_keys(const T* const* kp, const T* const* vp, int64_t n, const Layout& L) {
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t b = 0; b < L.dk * int64_t(sizeof(T)); b += 64)
+      prefetch_l2(reinterpret_cast<const char*>(kp[j]) + b);
+    for (int64_t b = 0; b < L.dv * int64_t(sizeof(T)); b += 64)
+      prefetch_l2(reinterpret_cast<const char*>(vp[j]) + b);
+  }
+}
+
+// The item's rows over its sequence's keys, tile by tile, prefetching the next tile while this
+// one computes.
 template <class Isa, typename T>
 void attend_item(const Work& w, const Layout& L, const float* q, const T* kc, const T* vc,
-                 const int32_t* table, int64_t q0, int64_t ctx, std::vector<RowState>& rows,
-                 std::vector<float>& acc) {
+                 const int32_t* table, int64_t q0, int64_t ctx, Scratch& sc) {
   const int64_t nrows = w.row1 - w.row0, G = L.group, bs = L.block_size, h = w.head;
-  acc.assign(nrows * L.dv, 0.0f);
-  rows.assign(nrows, RowState{});
-  for (int64_t r = 0; r < nrows; ++r) rows[r].acc = acc.data() + r * L.dv;
-  const int64_t keys = ctx + (w.row1 - 1) / G + 1;  // the item's last row sees the most keys
-  const T* kp[kMaxBlock + 8];
-  const T* vp[kMaxBlock + 8];
-  prefetch_block<Isa>(kc, vc, table[0], std::min(bs, keys), h, L);
-  for (int64_t start = 0; start < keys; start += bs) {
-    const int64_t blk = table[start / bs], n = std::min(bs, keys - start);
-    if (start + bs < keys)
-      prefetch_block<Isa>(kc, vc, table[start / bs + 1], std::min(bs, keys - start - bs), h, L);
-    for (int64_t j = 0; j < n; ++j) {
-      kp[j] = kc + blk * L.kb + j * L.kt + h * L.kh;
-      vp[j] = vc + blk * L.vb + j * L.vt + h * L.vh;
+  sc.acc.assign(nrows * L.dv, 0.0f);
+  sc.rows.assign(nrows, RowState{});
+  int64_t limit[kTileRows];  // keys of the sequence row r sees
+  const float* qr[kTileRows];
+  for (int64_t r = 0; r < nrows; ++r) {
+    const int64_t row = w.row0 + r, t = row / G;
+    sc.rows[r].acc = sc.acc.data() + r * L.dv;
+    limit[r] = ctx + t + 1;
+    qr[r] = q + (q0 + t) * L.qs0 + (h * G + row % G) * L.qs1;
+  }
+  float* panel = sc.panel(L.dk);
+  const int64_t keys = limit[nrows - 1];
+  const T* kp[2][kKeys];
+  const T* vp[2][kKeys];
+  tile_rows(kc, L.kb, L.kt, h * L.kh, table, bs, 0, std::min(kKeys, keys), kp[0]);
+  tile_rows(vc, L.vb, L.vt, h * L.vh, table, bs, 0, std::min(kKeys, keys), vp[0]);
+  for (int64_t start = 0, i = 0; start < keys; start += kKeys, i ^= 1) {
+    const int64_t n = std::min(kKeys, keys - start), next = std::min(kKeys, keys - start - n);
+    if (next > 0) {
+      tile_rows(kc, L.kb, L.kt, h * L.kh, table, bs, start + n, next, kp[i ^ 1]);
+      tile_rows(vc, L.vb, L.vt, h * L.vh, table, bs, start + n, next, vp[i ^ 1]);
     }
-    for (int64_t j = n; j < ((n + 7) & ~int64_t{7}); ++j) kp[j] = kp[0];  // scored, then masked
-    int64_t visible[kTileRows];
-    const float* qr[kTileRows];
-    RowState* st[kTileRows];
-    for (int64_t r = 0; r < nrows; ++r) {
-      const int64_t row = w.row0 + r, t = row / G;
-      visible[r] = std::min(n, ctx + t + 1 - start);
-      qr[r] = q + (q0 + t) * L.qs0 + (h * G + row % G) * L.qs1;
-      st[r] = &rows[r];
+    // 16 keys at a time, each group prefetching the next tile's keys at its place: a tile's
+    // rows all at once would queue more misses than the core keeps in flight.
+    for (int64_t j = 0; j < n; j += 16) {
+      Isa::pack_keys(kp[i] + j, std::min<int64_t>(16, n - j), L.dk, panel + j);
+      if (j < next)
+        prefetch_keys(kp[i ^ 1] + j, vp[i ^ 1] + j, std::min<int64_t>(16, next - j), L);
     }
-    for (int64_t r = 0; r < nrows;) {
-      if (same_visible<4>(visible, r, nrows, n)) {
-        attend_block<Isa, T, 4>(qr + r, kp, vp, n, L, st + r);
-        r += 4;
-      } else if (same_visible<2>(visible, r, nrows, n)) {
-        attend_block<Isa, T, 2>(qr + r, kp, vp, n, L, st + r);
-        r += 2;
-      } else {
-        if (visible[r] > 0) attend_block<Isa, T, 1>(qr + r, kp, vp, visible[r], L, st + r);
-        r += 1;
-      }
+    int64_t vis[kTileRows];
+    int64_t r = 0;
+    for (int64_t x = 0; x < nrows; ++x) vis[x] = std::min(n, limit[x] - start);
+    while (vis[r] <= 0) ++r;  // the last row sees this tile
+    for (; r < nrows; r += Isa::kRows) {
+      const int64_t m = std::min<int64_t>(Isa::kRows, nrows - r);
+      attend_rows_n<Isa, T>(m, qr + r, panel, vp[i], vis + r, L, sc.rows.data() + r);
     }
   }
 }
@@ -149,13 +197,12 @@ void store_item(const Work& w, const Layout& L, const std::vector<RowState>& row
 // Work items [i0, i1) of one call: one thread's share.
 template <class Isa, typename T>
 void attend_items(const Batch<T>& b, const Layout& L, const Work* items, int64_t i0, int64_t i1) {
-  std::vector<float> acc;
-  std::vector<RowState> rows;
+  Scratch sc;
   for (int64_t i = i0; i < i1; ++i) {
     const Work& w = items[i];
     const int64_t q0 = b.loc[w.seq], ctx = b.lens[w.seq] - (b.loc[w.seq + 1] - b.loc[w.seq]);
-    attend_item<Isa, T>(w, L, b.q, b.k, b.v, b.tables + w.seq * b.tstride, q0, ctx, rows, acc);
-    store_item<Isa>(w, L, rows, q0, b.out, b.os0, b.os1);
+    attend_item<Isa, T>(w, L, b.q, b.k, b.v, b.tables + w.seq * b.tstride, q0, ctx, sc);
+    store_item<Isa>(w, L, sc.rows, q0, b.out, b.os0, b.os1);
   }
 }
 
