@@ -1935,7 +1935,6 @@ def _profile_decode(llm, prompts: list[list[int]]) -> dict:
     """One decode step of `prompts` (fresh, every one past its prefill) under torch.profiler:
     speed.py's summary (kernels, syncs, busy fraction, the costliest kernels)."""
     import speed
-    from torch.profiler import ProfilerActivity, profile
 
     engine = llm.engine
     for i, ids in enumerate(prompts):
@@ -1944,15 +1943,7 @@ def _profile_decode(llm, prompts: list[list[int]]) -> dict:
     while len(started) < len(prompts):
         started.update(out.request_id for out in engine.step())
     engine.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        engine.step()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-    while engine.has_unfinished():
-        engine.step()
-    return speed._summary(prof, wall)
+    return speed.profile_next_step(engine)
 
 
 def run_kv_fp8(out: dict, deadline: float = float("inf")) -> None:

@@ -195,14 +195,19 @@ def profile_decode_step(llm, batch: int, vocab: int, rng: random.Random) -> dict
     """One decode step of `batch` running sequences under torch.profiler: kernels launched
     (inside graphs too), device-to-host copies, synchronizing calls, and the GPU busy fraction
     (kernel time over the step's wall time)."""
-    from torch.profiler import ProfilerActivity, profile
-
     engine = llm.engine
     for i, p in enumerate(prompts(rng, batch, 128, vocab)):
         engine.add_request(f"prof-{batch}-{i}", p, greedy(64))
     chunk = engine.config.max_num_batched_tokens
     for _ in range(-(-batch * 128 // chunk) + 2):  # the prefill chunks, then two decode steps
         engine.step()
+    return dict(batch=batch, **profile_next_step(engine))
+
+
+def profile_next_step(engine) -> dict:
+    """The engine's next step under torch.profiler (`_summary`), then its requests run out."""
+    from torch.profiler import ProfilerActivity, profile
+
     _sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
@@ -211,7 +216,7 @@ def profile_decode_step(llm, batch: int, vocab: int, rng: random.Random) -> dict
         wall = time.perf_counter() - t0
     while engine.has_unfinished():
         engine.step()
-    return dict(batch=batch, **_summary(prof, wall))
+    return _summary(prof, wall)
 
 
 def profile_prefill(llm, vocab: int, rng: random.Random, length: int) -> dict:

@@ -93,7 +93,7 @@ class SpeculativeDecoder:
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.stats = SpecDecodeStats()
-        self.recent = RecentRounds()  # MTP's shared prior for new sequences (throttle.py)
+        self.recent = RecentRounds()  # MTP's rounds: the prior for new sequences (throttle.py)
         # Drafts from the token ids alone: `propose(token_ids, num_tokens) -> list[int]`.
         self.token_proposer: TokenProposer | None = None
         self._mtp: MtpProposer | None = None
@@ -124,7 +124,8 @@ class SpeculativeDecoder:
         assert len(sampled) == len(drafts) + 1
         accepted = num_matching(drafts, sampled)
         self.stats.observe(len(drafts), accepted)
-        self.recent.observe(len(drafts), accepted)
+        if self._mtp is not None:
+            self.recent.observe(len(drafts), accepted)
         if self.adaptive:
             self._throttle(seq).observe(len(drafts), accepted)
         return sampled[: accepted + 1]
