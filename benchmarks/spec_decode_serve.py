@@ -71,8 +71,19 @@ def ratios(runs: list[dict]) -> dict:
             "output_tok_s ngram/plain": med("ngram", "output_throughput")
             / med("plain", "output_throughput"),
             "tpot_p50 ngram/plain": med("ngram", "median_tpot_ms") / med("plain", "median_tpot_ms"),
+            # each round's two runs share their minutes of the host: the fairer pairing
+            "output_tok_s ngram/plain, median of rounds": statistics.median(
+                _round_ratios([r for r in runs if r["concurrency"] == c])
+            ),
         }
     return out
+
+
+def _round_ratios(runs: list[dict]) -> list[float]:
+    by_round: dict[int, dict[str, float]] = {}
+    for r in runs:
+        by_round.setdefault(r["round"], {})[r["server"]] = r["output_throughput"]
+    return [v["ngram"] / v["plain"] for v in by_round.values() if len(v) == 2]
 
 
 def main() -> None:

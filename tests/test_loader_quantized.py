@@ -283,6 +283,34 @@ def test_v3_slice_fp8_greedy_tokens_equal_the_dequantized_bf16_checkpoint(tmp_pa
     assert greedy(folder, prompts=prompts) == greedy(reference, prompts=prompts)
 
 
+# every quantized matrix one 128 block or whole blocks along each side: transformers' FP8 loader
+# (Fp8Dequantize) divides a side by its scale count, so a cut edge block (V3's 576-row
+# kv_a_proj_with_mqa, the small slice above) reads as equal blocks there, or is refused
+V3_SLICE_ALIGNED = dict(
+    vocab_size=300, hidden_size=256, intermediate_size=256, moe_intermediate_size=128,
+    num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128, kv_lora_rank=64,
+    qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, n_routed_experts=16,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("length", [1, 40])
+def test_v3_fp8_logits_match_transformers_finegrained_fp8_on_the_same_checkpoint(tmp_path, length):
+    """transformers' own reading of V3's FP8 format (FineGrainedFP8, dequantizing: its FP8
+    kernels come from the hub) against ours, float32, last-position logits."""
+    from model_loop import logit_gap_to_transformers
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    folder = write_shaped_model(
+        "deepseek-v3-slice", tmp_path / "q", overrides=V3_SLICE_ALIGNED, quantization="fp8"
+    )
+    hf = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, quantization_config=FineGrainedFP8Config(dequantize=True)
+    ).eval()
+    ours = load_model(EngineConfig(model=str(folder), dtype="float32"))
+    prompt = torch.randint(2, 300, (length,), generator=torch.Generator().manual_seed(1)).tolist()
+    assert logit_gap_to_transformers(ours.model, hf, prompt) < 1e-4
+
+
 def test_scales_of_the_wrong_shape_are_refused_naming_the_tensor(v3_fp8, tmp_path):
     folder = tmp_path / "bad-scale"
     shutil.copytree(v3_fp8, folder)

@@ -34,7 +34,11 @@ from collections.abc import Callable
 import torch
 
 TOKENS = 96
-MTP_ROUNDS = 3  # alternations of plain and MTP per batch (section spec_mtp)
+# Section spec_mtp: tiny-deepseek's 96-token run lasted ~30 ms, and runs of one engine swung
+# 0.8-1.7x between minutes of one call (run-gpu16): longer runs, more alternations, and MTP's
+# probes (one every MAX_PAUSE steps when cold) inside the timed run.
+MTP_TOKENS = 480
+MTP_ROUNDS = 5  # alternations of plain and MTP per batch
 BATCHES = (1, 8)
 K = 3
 
@@ -110,7 +114,12 @@ def _timed(llm, prompts, n: int) -> tuple[float, list[list[int]]]:
 
 
 def decode_run(
-    llm, prompt_source: PromptSource, batch: int, seed: int, record: dict | None = None
+    llm,
+    prompt_source: PromptSource,
+    batch: int,
+    seed: int,
+    record: dict | None = None,
+    tokens: int = TOKENS,
 ) -> tuple[float, list[list[int]]]:
     """Decode tok/s of `batch` prompts (best of two), and the last run's outputs; `record`:
     filled with prompt -> output of the timed runs."""
@@ -119,8 +128,8 @@ def decode_run(
     for rep in SEED_OFFSETS[1:]:
         prompts = prompt_source(seed + rep, batch)
         prefill, _ = _timed(llm, prompts, 1)
-        total, outputs = _timed(llm, prompts, TOKENS + 1)
-        best = max(best, batch * TOKENS / max(total - prefill, 1e-9))
+        total, outputs = _timed(llm, prompts, tokens + 1)
+        best = max(best, batch * tokens / max(total - prefill, 1e-9))
         if record is not None:
             record.update((tuple(p), o) for p, o in zip(prompts, outputs, strict=True))
     return best, outputs
@@ -252,8 +261,8 @@ def _mtp(rows: list, deadline: float) -> None:
         equal_rows(rows, dict(label, run="mtp vs plain"), outputs["plain"], outputs["mtp"])
 
 
-def mtp_breakdown(llm, vocab: int, batch: int) -> dict:
-    """Where a speculative run's time goes, over one more timed 96-token run: MTP forwards
+def mtp_breakdown(llm, vocab: int, batch: int, tokens: int = TOKENS) -> dict:
+    """Where a speculative run's time goes, over one more timed run: MTP forwards
     (each eager), verification rounds with drafts, host wall time inside `propose` (MTP forwards
     and the drafts' device-to-host copy), steps run ahead and synchronous fallbacks."""
     engine, spec = llm.engine, llm.engine.spec
@@ -280,7 +289,7 @@ def mtp_breakdown(llm, vocab: int, batch: int) -> dict:
             engine.overlap.fallbacks,
         )
         calls[0], spent[0] = 0, 0.0
-        total, _ = _timed(llm, prompts, TOKENS + 1)
+        total, _ = _timed(llm, prompts, tokens + 1)
     finally:
         del model.forward_mtp, spec.propose  # the instance attributes: back to the methods
     return dict(
@@ -323,19 +332,24 @@ def _mtp_shape(rows: list, shape: str, config: dict, weights, deadline: float) -
 
     for batch in BATCHES:
         runs: dict[str, list[float]] = {run: [] for run in kinds}
-        for _ in range(MTP_ROUNDS):
+        for r in range(MTP_ROUNDS):
             if time.time() > deadline:
                 break
-            for run, llm in llms.items():
-                tok_s, outputs[run][batch] = decode_run(llm, spans, batch, 10 * batch)
+            order = list(llms.items())  # which engine goes first alternates too
+            for run, llm in order if r % 2 == 0 else order[::-1]:
+                tok_s, outputs[run][batch] = decode_run(
+                    llm, spans, batch, 10 * batch, tokens=MTP_TOKENS
+                )
                 runs[run].append(round(tok_s, 1))
         if not runs["mtp"]:
             break
         plain, mtp = statistics.median(runs["plain"]), statistics.median(runs["mtp"])
         row = dict(label, batch=batch, plain_tok_s=plain, mtp_tok_s=mtp,
                    ratio_to_plain=round(mtp / plain, 3),
+                   ratio_median_of_rounds=round(statistics.median(
+                       m / p for m, p in zip(runs["mtp"], runs["plain"], strict=False)), 3),
                    **{f"{run}_runs": " / ".join(map(str, v)) for run, v in runs.items()})  # fmt: skip
-        row |= mtp_breakdown(llms["mtp"], vocab, batch)
+        row |= mtp_breakdown(llms["mtp"], vocab, batch, MTP_TOKENS)
         rows.append(row)
         print(row, flush=True)
     for llm in llms.values():
