@@ -102,6 +102,31 @@ def test_after_mtp_is_refused_everywhere_a_new_request_starts_paused(loaded, mon
     assert_no_leak(llm)
 
 
+def test_while_mtp_is_refused_everywhere_a_batch_probes_once_per_cold_window_of_steps(
+    loaded, monkeypatch
+):
+    """Eight cold sequences all reach their probe in one run: the engine grants one MTP round
+    (one probe per `COLD_PROBE_STEPS` steps, whichever sequence asks), the rest pause again."""
+    from deepserve.engine.spec_decode.throttle import COLD_PROBE_STEPS, MAX_PAUSE
+
+    llm = make_llm(loaded, MTP3, num_kv_blocks=512)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    while not llm.engine.spec.recent.cold:
+        llm.generate([PROMPTS[3]], params)
+    calls = []
+    forward_mtp = loaded.model.forward_mtp
+    monkeypatch.setattr(
+        loaded.model, "forward_mtp", lambda *a, **kw: calls.append(1) or forward_mtp(*a, **kw)
+    )
+    params = SamplingParams(temperature=0, max_tokens=MAX_PAUSE + 8, ignore_eos=True)
+    assert MAX_PAUSE + 8 < COLD_PROBE_STEPS
+    prompts = [PROMPTS[i % len(PROMPTS)] + [7 + i] for i in range(8)]
+    got = outputs(llm, prompts, params)
+    assert len(calls) == 1
+    assert got == outputs(make_llm(loaded, None, num_kv_blocks=512), prompts, params)
+    assert_no_leak(llm)
+
+
 def test_mtp_logprobs_match_plain(loaded):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     plain = make_llm(loaded, None).generate([PROMPTS[1]], params)[0].samples[0]

@@ -6,6 +6,7 @@ sequences (a cold window starts new sequences in the longest pause)."""
 from __future__ import annotations
 
 from deepserve.engine.spec_decode.throttle import (
+    COLD_PROBE_STEPS,
     COLD_ROUNDS,
     MAX_PAUSE,
     MIN_PAUSE,
@@ -155,3 +156,40 @@ def test_an_accepted_probe_warms_a_cold_throttle():
     assert t.take_opportunity() == 1
     t.observe(1, 1)
     assert opportunities(t, 2) == [2, 2]
+
+
+def cold_rounds() -> RecentRounds:
+    recent = RecentRounds()
+    for _ in range(COLD_ROUNDS):
+        recent.observe(1, 0)
+    return recent
+
+
+def test_a_warm_window_grants_every_probe():
+    recent = RecentRounds()
+    assert all(recent.grant_probe() for _ in range(3))
+
+
+def test_a_cold_window_grants_one_probe_per_cold_probe_steps_of_the_engine():
+    recent = cold_rounds()
+    assert recent.grant_probe()
+    granted = []
+    for _ in range(COLD_PROBE_STEPS):
+        recent.tick()
+        granted.append(recent.grant_probe())
+    assert granted == [False] * (COLD_PROBE_STEPS - 1) + [True]
+
+
+def test_probe_due_only_looks():
+    recent = cold_rounds()
+    assert recent.probe_due() and recent.probe_due()
+    assert recent.grant_probe()
+    assert not recent.probe_due()
+
+
+def test_a_deferred_draft_pauses_again_as_long_as_the_last_pause():
+    t = DraftThrottle.cold(3)
+    opportunities(t, MAX_PAUSE)
+    assert t.take_opportunity() == 1
+    t.defer()
+    assert opportunities(t, MAX_PAUSE + 1) == [0] * MAX_PAUSE + [1]

@@ -397,6 +397,80 @@ def _long_decode_rows(rows: list, length: int, gen) -> None:
         print(rows[-1], flush=True)
 
 
+DECODE_TILE_CASES = {  # name -> (context lengths of the batch, cache block size)
+    "b1 x 32K": ([32768], 16),
+    "b1 x 131K": ([131072], 16),
+    "b64 x 4K": ([4096] * 64, 16),
+}
+
+
+def time_long_decode_tiles(rows: list, deadline: float = float("inf")) -> None:
+    """MLA decode attention (V2-Lite: 16 heads over the 576-wide latent, bf16) swept over the
+    split kernel's tile (keys per iteration, warps), the minimum split width and (batch 1) the
+    launch's split count, at
+    batch 1 over 32K and 131K keys and batch 64 over 4K: median us each, error against the
+    reference; the default config's row first (`default` True). Issue 31: a layer's decode
+    attention at 32K took ~98 us against ~8 us of HBM time (37.7 MB)."""
+    import itertools
+
+    from deepserve.kernels.triton import decode_attention as da
+
+    gen = torch.Generator().manual_seed(12)
+    # no stages: none of these tiles pipelines its loads (no LDGSTS in compile_check's SASS), so
+    # a program's memory parallelism is its one tile in flight: more programs is the lever
+    sweep = [(da.WIDE_TILE, da.MIN_SPLIT_KEYS, None)] + [
+        (da.DecodeTile(n, w, 2), keys, splits)
+        for n, w, keys, splits in itertools.product(
+            (16, 32, 64), (4, 8), (64, 128, 256, 512), (None, 528, 1056)
+        )
+    ]
+    for case, (lens, bs) in DECODE_TILE_CASES.items():
+        if not _decode_tiles_at(rows, case, lens, bs, sweep, gen, deadline):
+            return
+        torch.cuda.empty_cache()
+
+
+def _decode_tiles_at(rows: list, case: str, lens, bs: int, sweep, gen, deadline: float) -> bool:
+    """time_long_decode_tiles at one case; False once out of time."""
+    import triton.testing
+
+    from deepserve.kernels.reference import attention as attention_ref
+    from deepserve.kernels.triton import decode_attention as da
+
+    nb = sum(-(-n // bs) for n in lens) + 8
+    q, k_cache, v_cache, attn = _decode_case("mla", torch.bfloat16, lens, bs, nb, gen)
+    want = attention_ref.paged_attention(q.float(), k_cache.float(), v_cache.float(), attn, 0.07)
+    hbm_us = k_cache.shape[-1] * 2 * sum(lens) / 4.8e6
+    for i, (tile, keys, splits) in enumerate(sweep):
+        if time.time() > deadline:
+            rows.append(dict(op="decode_tile", error="skipped: out of time"))
+            return False
+        if splits and len(lens) > 1:
+            continue  # a batch fills the GPU with its rows
+        fn = functools.partial(
+            da.decode_attention, q, k_cache, v_cache, attn, 0.07, keys, tile, splits
+        )
+        row = dict(op="decode_tile", case=case, default=i == 0, block_n=tile.block_n,
+                   warps=tile.num_warps, min_keys=keys, splits=splits or "default",
+                   hbm_us=round(hbm_us, 1))  # fmt: skip
+        try:  # a tile past the shared memory fails to compile: recorded, the sweep goes on
+            row["rel_err"] = rel(fn(), want)
+            row["us"] = round(1000 * triton.testing.do_bench(fn, return_mode="median"), 1)
+        except Exception as e:
+            row["error"] = str(e)[:200]
+        rows.append(row)
+    timed = [r for r in rows if r.get("case") == case and "us" in r]
+    if timed:
+        best = min(timed, key=lambda r: r["us"])
+        print(case, "default", timed[0]["us"], "best", best, flush=True)
+    return True
+
+
+def run_decode_tiles(out: dict, deadline: float) -> None:
+    """`--only decode_tiles`: `time_long_decode_tiles` alone."""
+    time_long_decode_tiles(out.setdefault("decode_tiles", []), deadline)
+
+
 def run(out: dict) -> None:
     rows = out.setdefault("kernel_checks", [])
     for fn in (

@@ -543,7 +543,7 @@ def _spec_audits(res: list, name: str, vocab: int, build, methods, sc: Scale, de
 def markdown(out: dict) -> str:
     lines = [f"GPU: {out.get('gpu')}, torch {out.get('torch')}, triton {out.get('triton')}, "
              f"transformers {out.get('transformers')}", ""]  # fmt: skip
-    keys = ("kernel_checks", "v4_checks", "invariant", "fp8", "kv_fp8", "v3_fp8", "kernel_tests", "linear", "parity",
+    keys = ("kernel_checks", "v4_checks", "invariant", "fp8", "kv_fp8", "decode_tiles", "v3_fp8", "kernel_tests", "linear", "parity",
             "throughput", "determinism", "determinism_fp8", "spec_determinism", "spec_speed", "spec_mtp", "speed", "profile", "prefill_profile",
             "serve", "serve_log_tail", "v4_parity", "v4_speed", "v4_kv", "v4_profile", "v4_long",
             "build_s", "errors")  # fmt: skip
@@ -680,6 +680,7 @@ def main() -> int:
             ),
         ),
         ("kv_fp8", lambda: kernel_checks.run_kv_fp8(out, deadline - 30)),  # ~2 minutes
+        ("decode_tiles", lambda: kernel_checks.run_decode_tiles(out, deadline - 20)),
         ("v3_fp8", lambda: v3_fp8_speed.section_v3_fp8(out, deadline - 20)),
         (
             "speed",
@@ -733,6 +734,7 @@ def main() -> int:
         "v4",
         "fp8",  # its own job: --only fp8
         "kv_fp8",  # --kv-cache-dtype fp8: --only kv_fp8
+        "decode_tiles",  # issue 31, MLA decode attention's tile sweep: --only decode_tiles
         "v3_fp8",  # issue 29, V3's geometry in FP8 against its HBM floor: --only v3_fp8
         "spec_determinism",  # issue 34: --only spec_determinism
         "determinism_fp8",  # issue 29: --only determinism_fp8

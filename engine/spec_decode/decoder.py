@@ -147,6 +147,7 @@ class SpeculativeDecoder:
         self, out: SchedulerOutput, step: StepHidden | None, kv_cache: torch.Tensor
     ) -> None:
         """Set `spec_token_ids` for every sequence that sampled this step and is still running."""
+        self.recent.tick()
         if self.token_proposer is not None:
             for seq in _sampled_seqs(out):
                 if not seq.is_finished:
@@ -163,18 +164,25 @@ class SpeculativeDecoder:
         return max(0, min(self.num_speculative_tokens, room - 1))
 
     def may_run_ahead(self, seqs: list[Sequence]) -> bool:
-        """Every sequence's drafting is paused, so its next opportunity drafts nothing and the
-        step after this one needs none of this step's ids on the host (async scheduling)."""
-        return self.adaptive and all(
-            s.draft_throttle is not None and s.draft_throttle.paused for s in seqs
-        )
+        """No sequence drafts at its next opportunity (its drafting is paused, or for MTP the
+        engine's cold window grants no probe now), so the step after this one needs none of this
+        step's ids on the host (async scheduling)."""
+        return self.adaptive and all(self._drafts_nothing_next(s) for s in seqs)
+
+    def _drafts_nothing_next(self, seq: Sequence) -> bool:
+        throttle = seq.draft_throttle
+        if throttle is None:
+            return False
+        return throttle.paused or (self._mtp is not None and not self.recent.probe_due())
 
     def skip_opportunities(self, seqs: list[Sequence]) -> None:
         """The opportunities of a step run ahead (`may_run_ahead`), which `propose` never sees:
-        paused sequences skip them as they would have there (MTP rows too)."""
+        sequences skip them as they would have there (MTP rows too); one whose draft was due
+        defers it, as `_drafts_wanted` does when no probe is granted."""
+        self.recent.tick()
         for seq in seqs:
-            drafts = seq.draft_throttle.take_opportunity()
-            assert drafts == 0, "only paused sequences run ahead"
+            if seq.draft_throttle.take_opportunity():
+                seq.draft_throttle.defer()
 
     def _throttle(self, seq: Sequence) -> DraftThrottle:
         if seq.draft_throttle is None:
@@ -196,7 +204,12 @@ class SpeculativeDecoder:
         budget = self.draft_budget(seq)
         if not self.adaptive:
             return budget
-        return min(budget, self._throttle(seq).take_opportunity())
+        throttle = self._throttle(seq)
+        drafts = min(budget, throttle.take_opportunity())
+        if drafts and self._mtp is not None and not self.recent.grant_probe():
+            throttle.defer()
+            return 0
+        return drafts
 
     def _token_drafts(self, seq: Sequence) -> list[int]:
         assert self.token_proposer is not None

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -163,6 +164,20 @@ def _shares_rows(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class DecodeTile:
+    """The split kernel's keys per iteration and launch shape (the GPU job sweeps them:
+    kernel_checks `time_long_decode_tiles`)."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+WIDE_TILE = DecodeTile(32, 8, 2)  # heads wider than 256 (MLA's 576-wide latent)
+NARROW_TILE = DecodeTile(64, 4, 2)
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -170,10 +185,14 @@ def decode_attention(
     attn: AttentionMetadata,
     scale: float,
     min_split_keys: int = MIN_SPLIT_KEYS,
+    tile: DecodeTile | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """kernels/reference/attention.py's `paged_attention` for steps where every sequence brings one
     query (q `[B, Hq, Dk]`; caches `[num_blocks, block_size, Hkv, D]`, last dim contiguous).
-    `min_split_keys`: see MIN_SPLIT_KEYS (tests lower it to reach many splits at small sizes)."""
+    `min_split_keys`: see MIN_SPLIT_KEYS (tests lower it to reach many splits at small sizes);
+    `tile`: the split kernel's (default: WIDE_TILE or NARROW_TILE by the head width); `splits`:
+    the launch's split count (default: `num_splits`)."""
     batch, hq, dk = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
     group = hq // hkv
@@ -184,14 +203,14 @@ def decode_attention(
     if dm & (dm - 1) or dm < 16:
         raise ValueError(f"decode_attention takes a leading head part of 2^a >= 16, not {dm}")
     head_blocks = cdiv(group, BLOCK_H)
-    splits = num_splits(batch, hkv * head_blocks)
+    splits = splits or num_splits(batch, hkv * head_blocks)
     out = torch.empty(batch, hq, dv, device=q.device, dtype=q.dtype)
     part_m = torch.empty(batch, hq, splits, device=q.device, dtype=torch.float32)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty(batch, hq, splits, dv, device=q.device, dtype=torch.float32)
     block_dv = next_power_of_2(dv)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    wide = dk > 256
+    tile = tile or (WIDE_TILE if dk > 256 else NARROW_TILE)
     tables, seq_lens = attn.block_tables, attn.seq_lens
     _decode_split_kernel[(batch, hkv * head_blocks, splits)](
         q, k_cache, v_cache, tables, seq_lens, part_m, part_l, part_acc,
@@ -200,13 +219,13 @@ def decode_attention(
         part_m.stride(0), part_m.stride(1), *part_acc.stride()[:3],
         scale, hq, group, dv, attn.block_size, splits, BASE=BASE_SPLITS, MIN_KEYS=min_split_keys,
         DM=dm, DT=max(16, next_power_of_2(dt)) if dt else 0, DT_REAL=dt, BLOCK_DV=block_dv, SHARED_V=shared, HEAD_BLOCKS=head_blocks,
-        BLOCK_H=BLOCK_H, BLOCK_N=32 if wide else 64, PRECISION=precision,
-        num_warps=8 if wide else 4, num_stages=2,
+        BLOCK_H=BLOCK_H, BLOCK_N=tile.block_n, PRECISION=precision,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     _decode_combine_kernel[(batch, hq)](
         part_m, part_l, part_acc, seq_lens, out,
         part_m.stride(0), part_m.stride(1), *part_acc.stride()[:3], out.stride(0), out.stride(1),
-        dv, splits, BASE=BASE_SPLITS, MIN_KEYS=min_split_keys, BLOCK_N=32 if wide else 64, BLOCK_DV=block_dv, num_warps=4,
+        dv, splits, BASE=BASE_SPLITS, MIN_KEYS=min_split_keys, BLOCK_N=tile.block_n, BLOCK_DV=block_dv, num_warps=4,
     )  # fmt: skip
     return out
 
