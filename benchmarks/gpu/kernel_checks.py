@@ -420,9 +420,7 @@ def time_long_decode_tiles(rows: list, deadline: float = float("inf")) -> None:
     # a program's memory parallelism is its one tile in flight: more programs is the lever
     sweep = [(da.WIDE_TILE, da.MIN_SPLIT_KEYS, None)] + [
         (da.DecodeTile(n, w, 2), keys, splits)
-        for n, w, keys, splits in itertools.product(
-            (16, 32, 64), (4, 8), (64, 128, 256, 512), (None, 528, 1056)
-        )
+        for n, w, keys, splits in itertools.product((16, 32), (4, 8), (128, 256, 512), (None, 528))
     ]
     for case, (lens, bs) in DECODE_TILE_CASES.items():
         if not _decode_tiles_at(rows, case, lens, bs, sweep, gen, deadline):
@@ -441,6 +439,8 @@ def _decode_tiles_at(rows: list, case: str, lens, bs: int, sweep, gen, deadline:
     q, k_cache, v_cache, attn = _decode_case("mla", torch.bfloat16, lens, bs, nb, gen)
     want = attention_ref.paged_attention(q.float(), k_cache.float(), v_cache.float(), attn, 0.07)
     hbm_us = k_cache.shape[-1] * 2 * sum(lens) / 4.8e6
+    # the first config timed read 103 us where its later repeat read 75 (run-gpu17-2): warm up
+    triton.testing.do_bench(functools.partial(da.decode_attention, q, k_cache, v_cache, attn, 0.07))
     for i, (tile, keys, splits) in enumerate(sweep):
         if time.time() > deadline:
             rows.append(dict(op="decode_tile", error="skipped: out of time"))

@@ -299,12 +299,15 @@ def mtp_breakdown(llm, vocab: int, batch: int, tokens: int = TOKENS) -> dict:
     )  # fmt: skip
 
 
-def _mtp_shape(rows: list, shape: str, config: dict, weights, deadline: float) -> None:
+def _mtp_shape(
+    rows: list, shape: str, config: dict, weights, deadline: float, control: bool = False
+) -> None:
     """Plain against `--speculative mtp` (k = 3, throttle on) over the same random weights (the
     MTP layer's drafts are never accepted): both engines built, their runs alternated
     `MTP_ROUNDS` times per batch (a small model's tok/s swings between minutes of one call by
     more than the difference measured), medians and their ratio, the MTP run's breakdown, and
-    whether greedy output is equal."""
+    whether greedy output is equal. `control`: a second plain engine in the alternation, its
+    ratio to the first the spread two identical engines show."""
     import speed
 
     from deepserve.engine.config import SpeculativeConfig
@@ -312,6 +315,8 @@ def _mtp_shape(rows: list, shape: str, config: dict, weights, deadline: float) -
     vocab = config["vocab_size"]
     label = dict(shape=shape, dtype="bfloat16", batch_invariant=False)
     kinds = {"plain": {}, "mtp": dict(speculative=SpeculativeConfig("mtp", K))}
+    if control:
+        kinds["control"] = {}
     llms = {
         run: speed.build_llm_over(
             config,
@@ -335,8 +340,8 @@ def _mtp_shape(rows: list, shape: str, config: dict, weights, deadline: float) -
         for r in range(MTP_ROUNDS):
             if time.time() > deadline:
                 break
-            order = list(llms.items())  # which engine goes first alternates too
-            for run, llm in order if r % 2 == 0 else order[::-1]:
+            order = list(llms.items())  # which engine goes first rotates too
+            for run, llm in order[r % len(order) :] + order[: r % len(order)]:
                 tok_s, outputs[run][batch] = decode_run(
                     llm, spans, batch, 10 * batch, tokens=MTP_TOKENS
                 )
@@ -348,6 +353,9 @@ def _mtp_shape(rows: list, shape: str, config: dict, weights, deadline: float) -
                    ratio_to_plain=round(mtp / plain, 3),
                    ratio_median_of_rounds=round(statistics.median(
                        m / p for m, p in zip(runs["mtp"], runs["plain"], strict=False)), 3),
+                   **({"control_ratio_median_of_rounds": round(statistics.median(
+                       c / p for c, p in zip(runs["control"], runs["plain"], strict=False)), 3)}
+                      if control else {}),
                    **{f"{run}_runs": " / ".join(map(str, v)) for run, v in runs.items()})  # fmt: skip
         row |= mtp_breakdown(llms["mtp"], vocab, batch, MTP_TOKENS)
         rows.append(row)
@@ -366,9 +374,8 @@ def section_spec_mtp(out: dict, deadline: float) -> None:
 
     rows = out.setdefault("spec_mtp", [])
     config = dict(TINY_CONFIG, vocab_size=129280)
-    _mtp_shape(
-        rows, "tiny-deepseek", config, _tensors(config, torch.Generator().manual_seed(0)), deadline
-    )
+    weights = _tensors(config, torch.Generator().manual_seed(0))
+    _mtp_shape(rows, "tiny-deepseek", config, weights, deadline, control=True)
     if time.time() > deadline:
         return
     config = dict(DEEPSEEK_V2_LITE_AS_V3, num_nextn_predict_layers=1)

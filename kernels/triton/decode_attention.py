@@ -127,27 +127,41 @@ def _decode_combine_kernel(
     pm_ptr, pl_ptr, pacc_ptr, seq_lens_ptr, o_ptr,
     s_pb, s_ph, s_ab, s_ah, s_as, s_ob, s_oh, DV, NUM_SPLITS,
     BASE: constexpr, MIN_KEYS: constexpr, BLOCK_N: constexpr, BLOCK_DV: constexpr,
+    SPLITS_P2: constexpr, BLOCK_S: constexpr,
 ):  # fmt: skip
-    b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    """One (sequence, head, BLOCK_DV columns): the splits' partials weighted by exp(m_s - M)
+    against their largest max M, BLOCK_S splits a load. Spread over the columns and with no
+    chain from one split to the next: at batch 1 the fold used to be 16 programs each walking
+    its head's 256 splits one after another, longer than the splits' own walk."""
+    b, h, d = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     per_split = _split_width(seq_len, NUM_SPLITS, BASE, MIN_KEYS, BLOCK_N)
     splits = tl.cdiv(seq_len, per_split)
-    dv = tl.arange(0, BLOCK_DV)
-    base, acc_base = b * s_pb + h * s_ph, pacc_ptr + b * s_ab + h * s_ah + dv
-    m = tl.load(pm_ptr + base)
-    l_sum = tl.load(pl_ptr + base)
-    acc = tl.load(acc_base, mask=dv < DV, other=0.0)
-    for s in range(1, splits):
-        ms = tl.load(pm_ptr + base + s)
-        ls = tl.load(pl_ptr + base + s)
-        a_s = tl.load(acc_base + s * s_as, mask=dv < DV, other=0.0)
-        m_new = tl.maximum(m, ms)
-        old, new = tl.exp(m - m_new), tl.exp(ms - m_new)
-        acc = acc * old + a_s * new
-        l_sum = l_sum * old + ls * new
-        m = m_new
+    base = b * s_pb + h * s_ph
+    every = tl.arange(0, SPLITS_P2)
+    m_all = tl.load(pm_ptr + base + every, mask=every < splits, other=float("-inf"))
+    top = tl.max(m_all, axis=0)
+    l_all = tl.load(pl_ptr + base + every, mask=every < splits, other=0.0)
+    l_sum = tl.sum(l_all * tl.exp(m_all - top), axis=0)
+    dv = d * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    acc = tl.zeros((BLOCK_DV,), tl.float32)
+    acc_base = pacc_ptr + b * s_ab + h * s_ah
+    for s0 in range(0, splits, BLOCK_S):
+        sv = s0 + tl.arange(0, BLOCK_S)
+        ok = sv < splits
+        w = tl.exp(tl.load(pm_ptr + base + sv, mask=ok, other=float("-inf")) - top)
+        a = tl.load(
+            acc_base + sv[:, None] * s_as + dv[None, :],
+            mask=ok[:, None] & (dv[None, :] < DV),
+            other=0.0,
+        )
+        acc += tl.sum(a * w[:, None], axis=0)
     out = acc / l_sum
     tl.store(o_ptr + b * s_ob + h * s_oh + dv, out.to(o_ptr.dtype.element_ty), mask=dv < DV)
+
+
+COMBINE_DV = 64  # columns per fold program
+COMBINE_SPLITS = 32  # splits per fold load
 
 
 def num_splits(batch: int, kv_programs: int) -> int:
@@ -174,7 +188,10 @@ class DecodeTile:
     num_stages: int
 
 
-WIDE_TILE = DecodeTile(32, 8, 2)  # heads wider than 256 (MLA's 576-wide latent)
+# heads wider than 256 (MLA's 576-wide latent): V2-Lite's MLA at batch 1 over 32K / 131K keys
+# and batch 64 over 4K, 64 / 128 / 191 us against 75 / 193 / 251 with 8 warps (run-gpu17-2,
+# `--only decode_tiles`, before the fold was spread over the columns)
+WIDE_TILE = DecodeTile(32, 4, 2)
 NARROW_TILE = DecodeTile(64, 4, 2)
 
 
@@ -222,10 +239,12 @@ def decode_attention(
         BLOCK_H=BLOCK_H, BLOCK_N=tile.block_n, PRECISION=precision,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
-    _decode_combine_kernel[(batch, hq)](
+    fold_dv = min(COMBINE_DV, block_dv)
+    _decode_combine_kernel[(batch, hq, cdiv(dv, fold_dv))](
         part_m, part_l, part_acc, seq_lens, out,
         part_m.stride(0), part_m.stride(1), *part_acc.stride()[:3], out.stride(0), out.stride(1),
-        dv, splits, BASE=BASE_SPLITS, MIN_KEYS=min_split_keys, BLOCK_N=tile.block_n, BLOCK_DV=block_dv, num_warps=4,
+        dv, splits, BASE=BASE_SPLITS, MIN_KEYS=min_split_keys, BLOCK_N=tile.block_n, BLOCK_DV=fold_dv,
+        SPLITS_P2=next_power_of_2(splits), BLOCK_S=COMBINE_SPLITS, num_warps=4,
     )  # fmt: skip
     return out
 
