@@ -56,6 +56,7 @@ SHAPES = [  # (K, N, bmm heads or 0, dtype): the V2-Lite and SmolLM2 weights
     (576, 49152, 0, "bf16"),
 ]
 TORCH_DTYPE = {"bf16": "bfloat16", "fp32": "float32"}
+TORCH_KV = {"bf16": "bfloat16", "fp8e4nv": "float8_e4m3fn"}
 
 
 def compile_matmul(k: int, n: int, bmm: bool, dtype: str) -> dict:
@@ -130,8 +131,23 @@ def compile_decode(dk: int, dv: int, heads: int, kv_heads: int, shared: bool, kv
         BLOCK_N=32 if wide else 64, PRECISION="tf32",
     )  # fmt: skip
     sig.update({name: "constexpr" for name in const})
-    opts = dict(num_warps=8 if wide else 4, num_stages=2)
-    kernel = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=opts)  # fmt: skip
+    import torch
+
+    tile = decode_attention.default_tile(dk, getattr(torch, TORCH_KV[kv]))
+    const["BLOCK_N"] = tile.block_n
+    # as the JIT specialises them at run time (pointers, and the cache's strides are multiples of
+    # 16 elements): without the head stride's, no K load is pipelined (no LDGSTS)
+    div = [n for n in names if n.endswith("_ptr")] + [
+        "s_kb",
+        "s_ks",
+        "s_kh",
+        "s_vb",
+        "s_vs",
+        "s_vh",
+    ]
+    attrs = {(names.index(d),): [["tt.divisibility", 16]] for d in div}
+    opts = dict(num_warps=tile.num_warps, num_stages=tile.num_stages)
+    kernel = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32), options=opts)  # fmt: skip
     return _resources(kernel, f"_decode_split_kernel DK={dk} DV={dv} kv={kv}")
 
 

@@ -192,7 +192,16 @@ class DecodeTile:
 # and batch 64 over 4K, 64 / 128 / 191 us against 75 / 193 / 251 with 8 warps (run-gpu17-2,
 # `--only decode_tiles`, before the fold was spread over the columns)
 WIDE_TILE = DecodeTile(32, 4, 2)
+# an e4m3 cache widens its tiles in registers: on 4 warps the MLA tile spills (compile_check:
+# 255 registers, 19 spill stores), on 8 it does not; its speed was measured on 8 (kv_fp8)
+WIDE_FP8_TILE = DecodeTile(32, 8, 2)
 NARROW_TILE = DecodeTile(64, 4, 2)
+
+
+def default_tile(head_dim: int, kv_dtype: torch.dtype) -> DecodeTile:
+    if head_dim <= 256:
+        return NARROW_TILE
+    return WIDE_FP8_TILE if kv_dtype.itemsize == 1 else WIDE_TILE
 
 
 def decode_attention(
@@ -208,7 +217,7 @@ def decode_attention(
     """kernels/reference/attention.py's `paged_attention` for steps where every sequence brings one
     query (q `[B, Hq, Dk]`; caches `[num_blocks, block_size, Hkv, D]`, last dim contiguous).
     `min_split_keys`: see MIN_SPLIT_KEYS (tests lower it to reach many splits at small sizes);
-    `tile`: the split kernel's (default: WIDE_TILE or NARROW_TILE by the head width); `splits`:
+    `tile`: the split kernel's (default: `default_tile`); `splits`:
     the launch's split count (default: `num_splits`)."""
     batch, hq, dk = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
@@ -227,7 +236,7 @@ def decode_attention(
     part_acc = torch.empty(batch, hq, splits, dv, device=q.device, dtype=torch.float32)
     block_dv = next_power_of_2(dv)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    tile = tile or (WIDE_TILE if dk > 256 else NARROW_TILE)
+    tile = tile or default_tile(dk, k_cache.dtype)
     tables, seq_lens = attn.block_tables, attn.seq_lens
     _decode_split_kernel[(batch, hkv * head_blocks, splits)](
         q, k_cache, v_cache, tables, seq_lens, part_m, part_l, part_acc,
