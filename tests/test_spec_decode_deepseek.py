@@ -81,12 +81,10 @@ def test_mtp_drafts_never_accepted_cost_one_mtp_forward_per_verified_draft(loade
     assert len(calls) < 48 // 4  # paused for most of the steps
 
 
-def test_after_mtp_is_refused_everywhere_a_new_request_starts_paused(loaded, monkeypatch):
-    """Random MTP weights: once the engine's last rounds accepted nothing, a new request runs
-    no MTP forward until its first probe, the longest pause in (and its output stays plain)."""
-    from deepserve.engine.spec_decode.throttle import MAX_PAUSE
-
-    llm = make_llm(loaded, MTP3)
+def cold_mtp_llm(loaded, monkeypatch, **kw) -> tuple[LLM, list]:
+    """An MTP engine run until its recent rounds are cold (random MTP weights), and the list
+    its MTP forwards are counted in from then on."""
+    llm = make_llm(loaded, MTP3, **kw)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     while not llm.engine.spec.recent.cold:
         llm.generate([PROMPTS[3]], params)
@@ -95,6 +93,15 @@ def test_after_mtp_is_refused_everywhere_a_new_request_starts_paused(loaded, mon
     monkeypatch.setattr(
         loaded.model, "forward_mtp", lambda *a, **kw: calls.append(1) or forward_mtp(*a, **kw)
     )
+    return llm, calls
+
+
+def test_after_mtp_is_refused_everywhere_a_new_request_starts_paused(loaded, monkeypatch):
+    """Random MTP weights: once the engine's last rounds accepted nothing, a new request runs
+    no MTP forward until its first probe, the longest pause in (and its output stays plain)."""
+    from deepserve.engine.spec_decode.throttle import MAX_PAUSE
+
+    llm, calls = cold_mtp_llm(loaded, monkeypatch)
     params = SamplingParams(temperature=0, max_tokens=MAX_PAUSE // 2, ignore_eos=True)
     got = outputs(llm, [PROMPTS[4]], params)
     assert calls == []
@@ -109,15 +116,7 @@ def test_while_mtp_is_refused_everywhere_a_batch_probes_once_per_cold_window_of_
     (one probe per `COLD_PROBE_STEPS` steps, whichever sequence asks), the rest pause again."""
     from deepserve.engine.spec_decode.throttle import COLD_PROBE_STEPS, MAX_PAUSE
 
-    llm = make_llm(loaded, MTP3, num_kv_blocks=512)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    while not llm.engine.spec.recent.cold:
-        llm.generate([PROMPTS[3]], params)
-    calls = []
-    forward_mtp = loaded.model.forward_mtp
-    monkeypatch.setattr(
-        loaded.model, "forward_mtp", lambda *a, **kw: calls.append(1) or forward_mtp(*a, **kw)
-    )
+    llm, calls = cold_mtp_llm(loaded, monkeypatch, num_kv_blocks=512)
     params = SamplingParams(temperature=0, max_tokens=MAX_PAUSE + 8, ignore_eos=True)
     assert MAX_PAUSE + 8 < COLD_PROBE_STEPS
     prompts = [PROMPTS[i % len(PROMPTS)] + [7 + i] for i in range(8)]
