@@ -199,6 +199,7 @@ NARROW_TILE = DecodeTile(64, 4, 2)
 
 
 def default_tile(head_dim: int, kv_dtype: torch.dtype) -> DecodeTile:
+    """The split kernel's tile for a query head of `head_dim` over a cache of `kv_dtype`."""
     if head_dim <= 256:
         return NARROW_TILE
     return WIDE_FP8_TILE if kv_dtype.itemsize == 1 else WIDE_TILE
