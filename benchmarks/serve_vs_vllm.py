@@ -170,12 +170,14 @@ def cpu_neighbour(busy: bool, bound_s: float) -> Iterator[None]:
 
 def measure(name: str, dtype: str, cmd: list[str], env: dict[str, str], port: int, args) -> dict:
     log = Path(tempfile.gettempdir()) / f"serve_vs_vllm-{name}.log"
+    before = os.getloadavg()[0]  # other agents share the host: the load at both ends of the run
     with server(cmd, env, port, log) as url, cpu_neighbour(args.busy, args.neighbour_bound_s):
         load(url, args, args.concurrency, 8)  # warm-up: the batch shapes the run will use
         result = load(url, args, args.num_prompts, args.output_len)
         host = os.getloadavg()[0]
     print(name, json.dumps(result), file=sys.stderr, flush=True)
-    extra = {"host": "busy" if args.busy else "quiet", "load_average_1m": host}
+    extra = {"host": "busy" if args.busy else "quiet", "load_average_1m_start": before}
+    extra["load_average_1m"] = host
     return {"server": name, "dtype": dtype} | extra | result
 
 
