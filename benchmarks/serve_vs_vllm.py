@@ -24,8 +24,9 @@ deepserve runs. vLLM's context is 2,048 tokens unless the prompts need more (up 
 that this script starts once the server is up (one bounded busy loop per core this process may
 use, each its own process, stopped with the run), the way a shared Kubernetes node or a laptop
 is busy. `--deepserve-threads 0 2` runs deepserve with its default thread policy (0) and with
-`--num-threads 2`; `--deepserve-flags "" "--prefill-group-tokens 0"` runs each deepserve
-configuration once per set of extra serve flags (an A/B of an engine setting). Ratios: deepserve over each vLLM configuration at the same host load, and each
+`--num-threads 2`; `--deepserve-flags "" " --prefill-group-tokens 0"` runs each deepserve
+configuration once per set of extra serve flags (an A/B of an engine setting; a set that is one
+bare flag needs a leading space, `" --batch-invariant"`, or argparse takes it for its own). Ratios: deepserve over each vLLM configuration at the same host load, and each
 server's busy over quiet throughput.
 """
 
