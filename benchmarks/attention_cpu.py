@@ -49,7 +49,7 @@ def case(lengths: list[int], new: list[int], dtype: torch.dtype, seed: int = 0):
         at += m
     k = torch.randn(sum(nblk), BLOCK, HKV, D, generator=g).to(dtype)
     v = torch.randn(sum(nblk), BLOCK, HKV, D, generator=g).to(dtype)
-    q = torch.randn(sum(new), HQ, D, generator=g)
+    q = torch.randn(sum(new), HQ, D, generator=g).to(dtype)  # a bf16 model's q is bf16 too
     loc = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
     lens = torch.tensor(lengths, dtype=torch.int32)
     return q, k, v, loc, lens, tables

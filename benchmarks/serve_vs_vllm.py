@@ -24,8 +24,9 @@ deepserve runs. vLLM's context is 2,048 tokens unless the prompts need more (up 
 that this script starts once the server is up (one bounded busy loop per core this process may
 use, each its own process, stopped with the run), the way a shared Kubernetes node or a laptop
 is busy. `--deepserve-threads 0 2` runs deepserve with its default thread policy (0) and with
-`--num-threads 2`; `--deepserve-flags "" "--prefill-group-tokens 0"` runs each deepserve
-configuration once per set of extra serve flags (an A/B of an engine setting). Ratios: deepserve over each vLLM configuration at the same host load, and each
+`--num-threads 2`; `--deepserve-flags "" " --prefill-group-tokens 0"` runs each deepserve
+configuration once per set of extra serve flags (an A/B of an engine setting; a set that is one
+bare flag needs a leading space, `" --batch-invariant"`, or argparse takes it for its own). Ratios: deepserve over each vLLM configuration at the same host load, and each
 server's busy over quiet throughput.
 """
 
@@ -170,12 +171,14 @@ def cpu_neighbour(busy: bool, bound_s: float) -> Iterator[None]:
 
 def measure(name: str, dtype: str, cmd: list[str], env: dict[str, str], port: int, args) -> dict:
     log = Path(tempfile.gettempdir()) / f"serve_vs_vllm-{name}.log"
+    before = os.getloadavg()[0]  # other agents share the host: the load at both ends of the run
     with server(cmd, env, port, log) as url, cpu_neighbour(args.busy, args.neighbour_bound_s):
         load(url, args, args.concurrency, 8)  # warm-up: the batch shapes the run will use
         result = load(url, args, args.num_prompts, args.output_len)
         host = os.getloadavg()[0]
     print(name, json.dumps(result), file=sys.stderr, flush=True)
-    extra = {"host": "busy" if args.busy else "quiet", "load_average_1m": host}
+    extra = {"host": "busy" if args.busy else "quiet", "load_average_1m_start": before}
+    extra["load_average_1m"] = host
     return {"server": name, "dtype": dtype} | extra | result
 
 

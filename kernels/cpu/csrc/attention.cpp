@@ -10,7 +10,8 @@
 // The walk over key tiles and rows is attention_impl.h's; this file has the op, the AVX2 vector
 // primitives, and the choice of path (AVX-512 in attention_avx512.cpp, kernels/cpu/csrc/isa.h).
 // Scores are the same on both paths (one FMA chain per score over the head); a path's bits are
-// still its own: AVX-512 sums a tile's probabilities over 16 lanes, AVX2 over 8.
+// still its own: AVX-512 sums a tile's probabilities over 16 lanes, AVX2 over 8. On AVX512-BF16,
+// bfloat16 q against a bfloat16 cache is scored by vdpbf16ps in bf16 pairs (bits of its own).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -158,6 +159,7 @@ inline float softmax_block(float* s, int64_t n, float& m, float* alpha) {
 
 // The AVX2 primitives attention_impl.h walks with.
 struct Avx2 {
+  using Q = float;
   static constexpr int kRows = 4;
   template <typename T>
   static void pack_keys(const T* const* k, int64_t n, int64_t dk, float* panel) {
@@ -204,7 +206,11 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
   TORCH_CHECK(k_cache.dtype() == v_cache.dtype(), "K and V caches must share a dtype");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "cache rows must be contiguous");
   TORCH_CHECK(k_cache.size(3) % 8 == 0 && v_cache.size(3) % 8 == 0, "head sizes must be x8");
-  at::Tensor q = q_in.dtype() == at::kFloat ? q_in : q_in.to(at::kFloat);
+  // bfloat16 q against a bfloat16 cache is scored in bf16 pairs where the CPU has AVX512-BF16;
+  // every other case widens q to float32.
+  const bool dot = deepserve_cpu::isa() == deepserve_cpu::Isa::kAvx512Bf16 &&
+                   q_in.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16;
+  at::Tensor q = q_in.dtype() == at::kFloat || dot ? q_in : q_in.to(at::kFloat);
   if (q.stride(2) != 1) q = q.contiguous();
   const at::Tensor loc = query_start_loc.to(at::kInt).contiguous();
   const at::Tensor lens = seq_lens.to(at::kInt).contiguous();
@@ -215,7 +221,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
                  q.stride(0),      q.stride(1),      k_cache.stride(0), k_cache.stride(1),
                  k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                  float(scale)};
-  at::Tensor out = at::empty({q.size(0), hq, L.dv}, q.options());
+  at::Tensor out = at::empty({q.size(0), hq, L.dv}, q.options().dtype(at::kFloat));
   const int32_t* lp = loc.data_ptr<int32_t>();
   const int32_t* sl = lens.data_ptr<int32_t>();
   const int32_t* tp = tables.data_ptr<int32_t>();
@@ -224,7 +230,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
   const bool avx512 = deepserve_cpu::isa() != deepserve_cpu::Isa::kAvx2;
   auto run = [&](auto tag) {
     using T = decltype(tag);
-    const Batch<T> batch{q.data_ptr<float>(), reinterpret_cast<const T*>(k_cache.data_ptr()),
+    const Batch<T> batch{q.data_ptr(), reinterpret_cast<const T*>(k_cache.data_ptr()),
                          reinterpret_cast<const T*>(v_cache.data_ptr()), lp, sl, tp, tstride,
                          out.data_ptr<float>(), out.stride(0), out.stride(1)};
     at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t i0, int64_t i1) {
@@ -236,7 +242,11 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
         const Batch<uint16_t> raw{batch.q, reinterpret_cast<const uint16_t*>(batch.k),
                                   reinterpret_cast<const uint16_t*>(batch.v), lp, sl, tp,
                                   tstride, batch.out, batch.os0, batch.os1};
-        deepserve_cpu::attention_items_avx512_bf16(raw, L, items.data(), i0, i1);
+        if (dot) {
+          deepserve_cpu::attention_items_avx512bf16_dot(raw, L, items.data(), i0, i1);
+        } else {
+          deepserve_cpu::attention_items_avx512_bf16(raw, L, items.data(), i0, i1);
+        }
       }
     });
   };

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -81,6 +82,7 @@ inline __mmask16 first(int64_t k) {
 }
 
 struct Avx512 {
+  using Q = float;
   static constexpr int kRows = 6;  // rows of a score block: 6 x 4 registers of keys
 
   // panel[d][j] = k[j][d] (widened to float32) for the tile's n keys; columns past n are left
@@ -106,8 +108,6 @@ struct Avx512 {
   template <int R, int V>
   static void score_block(const float* const* q, const float* panel, int64_t dk, float scale,
                           const int64_t* vis, float* s, int64_t c0) {
-    const __m512 vs = _mm512_set1_ps(scale);
-    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     __m512 a[R][V];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
@@ -125,6 +125,15 @@ struct Avx512 {
         for (int v = 0; v < V; ++v) a[r][v] = _mm512_fmadd_ps(qv, kv[v], a[r][v]);
       }
     }
+    store_scores<R, V>(a, scale, vis, s, c0);
+  }
+
+  // The score registers, scaled, with -inf for keys j >= vis[r].
+  template <int R, int V>
+  static void store_scores(const __m512 (&a)[R][V], float scale, const int64_t* vis, float* s,
+                           int64_t c0) {
+    const __m512 vs = _mm512_set1_ps(scale);
+    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
@@ -140,14 +149,21 @@ struct Avx512 {
   template <int R>
   static int64_t scores(const float* const* q, const float* panel, int64_t dk, float scale,
                         const int64_t* vis, float* s) {
+    return scores_by<Avx512, R>(q, panel, dk, scale, vis, s);
+  }
+
+  // `scores` over the score blocks of path P (its q rows of type P::Q).
+  template <class P, int R>
+  static int64_t scores_by(const typename P::Q* const* q, const float* panel, int64_t dk,
+                           float scale, const int64_t* vis, float* s) {
     static_assert(kKeys % 64 == 0);
     const int64_t n = (vis[R - 1] + 15) & ~int64_t{15};
     int64_t c0 = 0;
-    for (; c0 + 64 <= n; c0 += 64) score_block<R, 4>(q, panel, dk, scale, vis, s, c0);
+    for (; c0 + 64 <= n; c0 += 64) P::template score_block<R, 4>(q, panel, dk, scale, vis, s, c0);
     switch ((n - c0) / 16) {
-      case 3: score_block<R, 3>(q, panel, dk, scale, vis, s, c0); break;
-      case 2: score_block<R, 2>(q, panel, dk, scale, vis, s, c0); break;
-      case 1: score_block<R, 1>(q, panel, dk, scale, vis, s, c0); break;
+      case 3: P::template score_block<R, 3>(q, panel, dk, scale, vis, s, c0); break;
+      case 2: P::template score_block<R, 2>(q, panel, dk, scale, vis, s, c0); break;
+      case 1: P::template score_block<R, 1>(q, panel, dk, scale, vis, s, c0); break;
     }
     return n;
   }
@@ -240,6 +256,81 @@ struct Avx512 {
 
 }  // namespace
 
+#pragma GCC pop_options
+
+// ---- AVX512-BF16: bfloat16 q rows against a bfloat16 cache, scores by vdpbf16ps ----
+//
+// In a bfloat16 model q is bfloat16 already (the RoPE op writes it so), so the pair products
+// are exact and only the sums round: each score is ONE chain of vdpbf16ps over the head's pairs
+// in order (per pair: odd d, then even d, added into the accumulator), fixed by the row and the
+// key alone as on the other paths, with bits of this path's own. The tile's keys are packed as
+// 32-bit pairs, a transposition with no widening, into half the panel. Softmax and p @ V are
+// the AVX-512 path's, in float32.
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+
+namespace {
+
+struct Avx512Bf16 : Avx512 {
+  using Q = uint16_t;
+
+  // panel[p][j] = (k[j][2p], k[j][2p + 1]) as one 32-bit word, for the tile's n keys.
+  static void pack_keys(const uint16_t* const* k, int64_t n, int64_t dk, float* panel) {
+    const int64_t pairs = dk / 2;
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      const int64_t m = std::min<int64_t>(16, n - j0);
+      for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+        const __mmask16 pm = first(pairs - p0);
+        __m512 r[16];  // bit patterns only: the shuffles of the transposition move, not round
+        for (int i = 0; i < 16; ++i)
+          r[i] = i < m ? _mm512_maskz_loadu_ps(pm, k[j0 + i] + 2 * p0) : _mm512_setzero_ps();
+        transpose16(r);
+        const int64_t rows = std::min<int64_t>(16, pairs - p0);
+        for (int64_t i = 0; i < rows; ++i) _mm512_store_ps(panel + (p0 + i) * kKeys + j0, r[i]);
+      }
+    }
+  }
+
+  template <int R, int V>
+  static void score_block(const uint16_t* const* q, const float* panel, int64_t dk, float scale,
+                          const int64_t* vis, float* s, int64_t c0) {
+    __m512 a[R][V];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) a[r][v] = _mm512_setzero_ps();
+    const float* kd = panel + c0;
+    for (int64_t p = 0; p < dk / 2; ++p, kd += kKeys) {
+      __m512bh kv[V];
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) kv[v] = (__m512bh)_mm512_load_si512(kd + 16 * v);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        uint32_t pair;
+        std::memcpy(&pair, q[r] + 2 * p, sizeof(pair));
+        const __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+#pragma GCC unroll 8
+        for (int v = 0; v < V; ++v) a[r][v] = _mm512_dpbf16_ps(a[r][v], qv, kv[v]);
+      }
+    }
+    store_scores<R, V>(a, scale, vis, s, c0);
+  }
+
+  template <int R>
+  static int64_t scores(const uint16_t* const* q, const float* panel, int64_t dk, float scale,
+                        const int64_t* vis, float* s) {
+    return scores_by<Avx512Bf16, R>(q, panel, dk, scale, vis, s);
+  }
+};
+
+}  // namespace
+
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+
 namespace deepserve_cpu {
 
 void attention_items_avx512_f32(const attention::Batch<float>& b, const attention::Layout& L,
@@ -251,6 +342,13 @@ void attention_items_avx512_bf16(const attention::Batch<uint16_t>& b,
                                  const attention::Layout& L, const attention::Work* items,
                                  int64_t i0, int64_t i1) {
   attention::attend_items<Avx512, uint16_t>(b, L, items, i0, i1);
+}
+
+// (the walk is AVX-512 code, as its declaration under this file's pragma says; it calls the
+// AVX512-BF16 score blocks and packing above, which are not inlined into it)
+void attention_items_avx512bf16_dot(const attention::Batch<uint16_t>& b, const attention::Layout& L,
+                               const attention::Work* items, int64_t i0, int64_t i1) {
+  attention::attend_items<Avx512Bf16, uint16_t>(b, L, items, i0, i1);
 }
 
 }  // namespace deepserve_cpu

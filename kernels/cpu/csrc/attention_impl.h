@@ -1,7 +1,7 @@
 // Paged attention's walk over key tiles and rows (kernels/cpu/csrc/attention.cpp has the
 // contract), written once over an ISA's vector primitives: `Isa::pack_keys` (a tile's keys
 // transposed into a [head][key] panel), `Isa::scores` (a register-blocked score tile),
-// `softmax_block` and `scale_accumulate_rows`. attention.cpp instantiates it
+// `softmax_block` and `scale_accumulate_rows`, with q rows of element type `Isa::Q`. attention.cpp instantiates it
 // for AVX2, attention_avx512.cpp for AVX-512. Everything here is a template on `Isa`, a type
 // local to each translation unit, so no function compiled for one target can stand in for the
 // other's at link time.
@@ -37,10 +37,11 @@ struct Layout {
   float scale;
 };
 
-// One call's tensors as pointers (caches of element type T: float or a 16-bit bfloat16).
+// One call's tensors as pointers (caches of element type T: float or a 16-bit bfloat16; q rows
+// of the path's `Isa::Q`: float32, or bfloat16 where the path scores bfloat16 pairs).
 template <typename T>
 struct Batch {
-  const float* q;
+  const void* q;
   const T* k;
   const T* v;
   const int32_t* loc;     // query_start_loc
@@ -72,7 +73,7 @@ struct Scratch {
 // their scores, the softmax update and p @ V. Each row's operations and their order are the
 // same for any R; the R rows share the panel and value loads and interleave their chains.
 template <class Isa, typename T, int R>
-inline void attend_rows(const float* const* qr, const float* panel, const T* const* vp,
+inline void attend_rows(const typename Isa::Q* const* qr, const float* panel, const T* const* vp,
                         const int64_t* vis, const Layout& L, RowState* st) {
   alignas(64) float s[R][kKeys];
   const int64_t n = Isa::template scores<R>(qr, panel, L.dk, L.scale, vis, &s[0][0]);
@@ -101,7 +102,7 @@ inline void attend_rows(const float* const* qr, const float* panel, const T* con
 
 // attend_rows for n rows, n <= R (Isa::kRows at the top).
 template <class Isa, typename T, int R = Isa::kRows>
-inline void attend_rows_n(int64_t n, const float* const* qr, const float* panel,
+inline void attend_rows_n(int64_t n, const typename Isa::Q* const* qr, const float* panel,
                           const T* const* vp, const int64_t* vis, const Layout& L,
                           RowState* st) {
   if constexpr (R > 1) {
@@ -140,13 +141,13 @@ inline void prefetch_keys(const T* const* kp, const T* const* vp, int64_t n, con
 // The item's rows over its sequence's keys, tile by tile, prefetching the next tile while this
 // one computes.
 template <class Isa, typename T>
-void attend_item(const Work& w, const Layout& L, const float* q, const T* kc, const T* vc,
+void attend_item(const Work& w, const Layout& L, const typename Isa::Q* q, const T* kc, const T* vc,
                  const int32_t* table, int64_t q0, int64_t ctx, Scratch& sc) {
   const int64_t nrows = w.row1 - w.row0, G = L.group, bs = L.block_size, h = w.head;
   sc.acc.assign(nrows * L.dv, 0.0f);
   sc.rows.assign(nrows, RowState{});
   int64_t limit[kTileRows];  // keys of the sequence row r sees
-  const float* qr[kTileRows];
+  const typename Isa::Q* qr[kTileRows];
   for (int64_t r = 0; r < nrows; ++r) {
     const int64_t row = w.row0 + r, t = row / G;
     sc.rows[r].acc = sc.acc.data() + r * L.dv;
@@ -201,7 +202,7 @@ void attend_items(const Batch<T>& b, const Layout& L, const Work* items, int64_t
   for (int64_t i = i0; i < i1; ++i) {
     const Work& w = items[i];
     const int64_t q0 = b.loc[w.seq], ctx = b.lens[w.seq] - (b.loc[w.seq + 1] - b.loc[w.seq]);
-    attend_item<Isa, T>(w, L, b.q, b.k, b.v, b.tables + w.seq * b.tstride, q0, ctx, sc);
+    attend_item<Isa, T>(w, L, static_cast<const typename Isa::Q*>(b.q), b.k, b.v, b.tables + w.seq * b.tstride, q0, ctx, sc);
     store_item<Isa>(w, L, sc.rows, q0, b.out, b.os0, b.os1);
   }
 }
@@ -216,5 +217,9 @@ void attention_items_avx512_f32(const attention::Batch<float>& b, const attentio
 void attention_items_avx512_bf16(const attention::Batch<uint16_t>& b,
                                  const attention::Layout& L, const attention::Work* items,
                                  int64_t i0, int64_t i1);
+// AVX512-BF16: bfloat16 q rows against a bfloat16 cache, scores by vdpbf16ps (q in b.q as bf16).
+void attention_items_avx512bf16_dot(const attention::Batch<uint16_t>& b,
+                                    const attention::Layout& L, const attention::Work* items,
+                                    int64_t i0, int64_t i1);
 
 }  // namespace deepserve_cpu
