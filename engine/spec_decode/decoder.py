@@ -167,13 +167,10 @@ class SpeculativeDecoder:
         """No sequence drafts at its next opportunity (its drafting is paused, or for MTP the
         engine's cold window grants no probe now), so the step after this one needs none of this
         step's ids on the host (async scheduling)."""
-        return self.adaptive and all(self._drafts_nothing_next(s) for s in seqs)
-
-    def _drafts_nothing_next(self, seq: Sequence) -> bool:
-        throttle = seq.draft_throttle
-        if throttle is None:
+        if not self.adaptive:
             return False
-        return throttle.paused or (self._mtp is not None and not self.recent.probe_due())
+        held = self._mtp is not None and not self.recent.probe_due()  # once a step, not a row
+        return all(s.draft_throttle is not None and (held or s.draft_throttle.paused) for s in seqs)
 
     def skip_opportunities(self, seqs: list[Sequence]) -> None:
         """The opportunities of a step run ahead (`may_run_ahead`), which `propose` never sees:
