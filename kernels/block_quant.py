@@ -21,6 +21,9 @@ import torch
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 MX_BLOCK = 32  # MXFP4: values per scale, along K
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # code & 7 -> magnitude; bit 3 the sign
+E8M0_DTYPES = tuple(
+    d for d in (torch.uint8, getattr(torch, "float8_e8m0fnu", None)) if d is not None
+)  # how E8M0 scale bytes arrive: as bytes, or as torch's own e8m0 dtype
 
 
 @dataclass(frozen=True)
@@ -51,16 +54,28 @@ class Fp8Weight:
 class Mxfp4Weight:
     data: torch.Tensor  # uint8 [..., N, K/2], two e2m1 codes a byte, the low nibble first
     scale: torch.Tensor  # uint8 E8M0 or float32 [..., N, K/32]
+    # E8M0 scales all at most 2^1 (bytes <= 128; a group of weights past 12 in size would need
+    # more): the GPU decode may then fold its renormalisation into the scale (kernels/triton/
+    # fused_moe.py `E2M1_BF16_PTX_FOLDED`). Found from `scale` when not given (a device sync).
+    small_scales: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.small_scales is None:
+            small = self.scale.dtype in E8M0_DTYPES and bool(
+                (self.scale.view(torch.uint8) <= 128).all()
+            )
+            object.__setattr__(self, "small_scales", small)
 
     @property
     def shape(self) -> torch.Size:
         return torch.Size((*self.data.shape[:-1], self.data.shape[-1] * 2))
 
     def __getitem__(self, expert: int) -> Mxfp4Weight:
-        return Mxfp4Weight(self.data[expert], self.scale[expert])
+        return Mxfp4Weight(self.data[expert], self.scale[expert], self.small_scales)
 
     def to(self, device: torch.device) -> Mxfp4Weight:
-        return Mxfp4Weight(self.data.to(device).contiguous(), self.scale.to(device).contiguous())
+        data, scale = self.data.to(device).contiguous(), self.scale.to(device).contiguous()
+        return Mxfp4Weight(data, scale, self.small_scales)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         u8 = self.data.view(torch.uint8)
@@ -126,7 +141,8 @@ def cat_rows(parts: list[Matrix], dtype: torch.dtype) -> Matrix:
     scale_dtype = getattr(parts[0], "scale", parts[0]).dtype
     if all(isinstance(p, Mxfp4Weight) and p.scale.dtype == scale_dtype for p in parts):
         data = torch.cat([p.data for p in parts], dim=-2)
-        return Mxfp4Weight(data, torch.cat([p.scale for p in parts], dim=-2))
+        scale = torch.cat([p.scale for p in parts], dim=-2)
+        return Mxfp4Weight(data, scale, all(p.small_scales for p in parts))
     return torch.cat([_plain(p, dtype) for p in parts], dim=-2)
 
 
@@ -135,8 +151,10 @@ def stack(parts: list[Matrix], dtype: torch.dtype) -> Matrix:
     first = parts[0]
     same = all(type(p) is type(first) for p in parts) and not isinstance(first, torch.Tensor)
     if same and all(getattr(p, "block", None) == getattr(first, "block", None) for p in parts):
-        data = torch.stack([p.data for p in parts])
-        return replace(first, data=data, scale=torch.stack([p.scale for p in parts]))
+        data, scale = torch.stack([p.data for p in parts]), torch.stack([p.scale for p in parts])
+        if isinstance(first, Mxfp4Weight):
+            return Mxfp4Weight(data, scale, all(p.small_scales for p in parts))
+        return replace(first, data=data, scale=scale)
     return torch.stack([_plain(p, dtype) for p in parts])
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from deepserve.kernels import block_quant
-from deepserve.kernels.triton.fused_moe import E2M1_BF16_PTX
+from deepserve.kernels.triton.fused_moe import E2M1_BF16_PTX, E2M1_BF16_PTX_FOLDED
 
 M32 = np.uint64(0xFFFFFFFF)
 
@@ -93,15 +93,22 @@ def run_ptx(text: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return regs
 
 
-def _decode(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _decode(
+    codes: np.ndarray, scales: np.ndarray, folded: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
     """(low nibbles, high nibbles) as bf16 bits of code bytes `codes` with scale bytes `scales`
     (equal 1-d uint8 arrays, a multiple of 4 long), 4 a pack as the kernel's asm takes them: the
-    codes a byte each in one register, the scales as bf16 (S << 7) two to a register."""
+    codes a byte each in one register, the scales as bf16 two to a register: S << 7, or for
+    the folded text (S + 126) << 7 and 0 for S = 0, as the kernel makes them."""
     c = codes.astype(np.uint64).reshape(-1, 4)
-    s = scales.astype(np.uint64).reshape(-1, 4) << np.uint64(7)  # the kernel's bf16 2^(S - 127)
+    s = scales.astype(np.uint64).reshape(-1, 4)
+    if folded:  # the kernel's bf16 2^(S - 1)
+        s = np.where(s == 0, s, s + np.uint64(126))
+    s = s << np.uint64(7)  # unfolded: the kernel's bf16 2^(S - 127)
     shift = np.uint64(8) * np.arange(4, dtype=np.uint64)
     pair = [s[:, 2 * j] | (s[:, 2 * j + 1] << np.uint64(16)) for j in (0, 1)]
-    out = run_ptx(E2M1_BF16_PTX, {"$4": (c << shift).sum(1), "$5": pair[0], "$6": pair[1]})
+    text = E2M1_BF16_PTX_FOLDED if folded else E2M1_BF16_PTX
+    out = run_ptx(text, {"$4": (c << shift).sum(1), "$5": pair[0], "$6": pair[1]})
     halves = []
     for first in ("$0", "$2"):  # low nibbles in $0 $1, high ones in $2 $3
         regs = np.stack([out[first], out[f"${int(first[1]) + 1}"]], axis=1)  # [packs, 2]
@@ -114,19 +121,40 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     return t.to(torch.bfloat16).view(torch.int16).numpy().astype(np.uint16)
 
 
-def test_the_ptx_decode_gives_the_reference_bits_for_every_code_and_finite_scale():
-    """Rows of every code byte, row S under scale byte S (1..254); the bytes fed to the asm in a
+def _check_every_code(scales: torch.Tensor, folded: bool) -> None:
+    """Rows of every code byte, row r under scale byte scales[r]; the bytes fed to the asm in a
     shuffled order, so a pack's four bytes differ in code and in scale."""
-    scales = torch.arange(1, 255, dtype=torch.uint8)
-    data = torch.arange(256, dtype=torch.uint8).repeat(len(scales), 1)  # [254, 256]
+    data = torch.arange(256, dtype=torch.uint8).repeat(len(scales), 1)  # [rows, 256]
     scale = scales[:, None].repeat(1, 256 // 16)  # one per 32 codes = 16 bytes
     want = _bits(block_quant.Mxfp4Weight(data, scale).dequantize())  # [254, 512]
     order = np.random.default_rng(0).permutation(data.numel())
     per_byte = scales[:, None].repeat(1, 256).numpy().reshape(-1)
     lo, hi = np.empty(data.numel(), np.uint16), np.empty(data.numel(), np.uint16)
-    lo[order], hi[order] = _decode(data.numpy().reshape(-1)[order], per_byte[order])
+    lo[order], hi[order] = _decode(data.numpy().reshape(-1)[order], per_byte[order], folded)
     assert np.array_equal(lo.reshape(data.shape), want[:, 0::2])
     assert np.array_equal(hi.reshape(data.shape), want[:, 1::2])
+
+
+def test_the_ptx_decode_gives_the_reference_bits_for_every_code_and_finite_scale():
+    _check_every_code(torch.arange(1, 255, dtype=torch.uint8), folded=False)
+
+
+def test_the_folded_ptx_decode_gives_the_reference_bits_for_every_code_and_small_scale():
+    """Scale bytes 1..128, all `Mxfp4Weight.small_scales` admits but 0 (below)."""
+    _check_every_code(torch.arange(1, 129, dtype=torch.uint8), folded=True)
+
+
+def test_the_folded_ptx_decode_reads_scale_byte_0_as_zeros_as_the_other_decodes_do():
+    codes = np.arange(256, dtype=np.uint8).repeat(4)
+    lo, hi = _decode(codes, np.zeros_like(codes), folded=True)
+    magnitude = np.uint16(0x7FFF)  # negative codes give -0
+    assert not (lo & magnitude).any() and not (hi & magnitude).any()
+
+
+def test_the_folded_text_is_the_plain_one_without_its_renormalising_multiplies():
+    plain, folded = E2M1_BF16_PTX.splitlines(), E2M1_BF16_PTX_FOLDED.splitlines()
+    assert [line for line in plain if line != "mul.rn.bf16x2 v, v, k;"] == folded
+    assert len(plain) - len(folded) == 4
 
 
 def test_the_ptx_decode_reads_scale_bytes_0_and_255_as_the_integer_decode_does():

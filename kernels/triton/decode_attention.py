@@ -38,8 +38,11 @@ TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
 # BASE_SPLITS * MIN_SPLIT_KEYS keys a split's fixed cost (its query load, partials, the fold) is
 # not worth more programs; past it, a long context at a small batch would otherwise leave most
 # SMs idle while a few programs walk tens of thousands of keys each.
+# 256: a batch-1 sequence of 16K-64K keys then fills the 132 SMs about once (V2-Lite's MLA at
+# 32K keys: 64 / 85 us against 73 / 88 with 512 in two calls, `--only decode_tiles`,
+# run-gpu17-2 / -4); longer ones spread over MAX_SPLITS either way.
 BASE_SPLITS = 32
-MIN_SPLIT_KEYS = 512
+MIN_SPLIT_KEYS = 256
 MAX_SPLITS = 256
 
 

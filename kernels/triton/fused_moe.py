@@ -61,6 +61,9 @@ class MoeConfig:
     # exact, so the results are the same bits (the GPU job checks and times both:
     # kernel_checks `check_quantized_moe`)
     e2m1_ptx: bool = True
+    # ... with the 2^126 renormalisation folded into the scales where the weight's scales allow
+    # it (`E2M1_BF16_PTX_FOLDED`, `Mxfp4Weight.small_scales`): the same bits, fewer instructions
+    e2m1_fold: bool = True
 
 
 DECODE = MoeConfig()
@@ -114,41 +117,45 @@ def _e2m1(code):
 # copied over the lane's upper byte, so one shift by 2 and one mask place a high nibble; the low
 # ones take the same steps from the codes shifted up by a nibble first. One mul by 2^126 makes
 # it the e2m1 value, one by the scale scales it, both exact (sm_90's bf16 mul keeps
-# subnormals); one mul by 2^(S - 1) would leave bf16's range for S > 128. S = 0 gives zeros and
-# S = 255 inf, as `_e2m1`'s path reads those bytes. tests/test_kernels_e2m1_ptx.py runs this
-# text through a model of its instructions over every code and scale byte.
-E2M1_BF16_PTX = """{
-.reg .b32 k, r, t, v;
-mov.b32 k, 0x7E807E80;
-shl.b32 r, $4, 4;
-prmt.b32 t, r, 0, 0x9180;
-shl.b32 t, t, 2;
-and.b32 v, t, 0x81C081C0;
-mul.rn.bf16x2 v, v, k;
-mul.rn.bf16x2 $0, v, $5;
-prmt.b32 t, $4, 0, 0x9180;
-shl.b32 t, t, 2;
-and.b32 v, t, 0x81C081C0;
-mul.rn.bf16x2 v, v, k;
-mul.rn.bf16x2 $2, v, $5;
-prmt.b32 t, r, 0, 0xB3A2;
-shl.b32 t, t, 2;
-and.b32 v, t, 0x81C081C0;
-mul.rn.bf16x2 v, v, k;
-mul.rn.bf16x2 $1, v, $6;
-prmt.b32 t, $4, 0, 0xB3A2;
-shl.b32 t, t, 2;
-and.b32 v, t, 0x81C081C0;
-mul.rn.bf16x2 v, v, k;
-mul.rn.bf16x2 $3, v, $6;
-}"""
+# subnormals). S = 0 gives zeros and S = 255 inf, as `_e2m1`'s path reads those bytes.
+# Folded (`E2M1_BF16_PTX_FOLDED`): the scales come as 2^(S - 1) = 2^126 * 2^(S - 127) and one
+# mul does both, a quarter of the decode's instructions fewer; the product is the same real
+# number rounded once, so the same bits, but 2^(S - 1) leaves bf16's range past S = 128
+# (`Mxfp4Weight.small_scales` says whether a weight has such a scale: no real checkpoint does).
+# tests/test_kernels_e2m1_ptx.py runs both texts through a model of their instructions over
+# every code and scale byte.
+def e2m1_bf16_ptx(folded: bool) -> str:
+    """`E2M1_BF16_PTX`'s text, with the 2^126 mul (`folded` False) or without it."""
+    lines = [".reg .b32 k, r, t, v;", "mov.b32 k, 0x7E807E80;", "shl.b32 r, $4, 4;"]
+    for out, src, sel, scale in (
+        ("$0", "r", "0x9180", "$5"), ("$2", "$4", "0x9180", "$5"),
+        ("$1", "r", "0xB3A2", "$6"), ("$3", "$4", "0xB3A2", "$6"),
+    ):  # fmt: skip
+        lines += [f"prmt.b32 t, {src}, 0, {sel};", "shl.b32 t, t, 2;", "and.b32 v, t, 0x81C081C0;"]
+        if not folded:
+            lines.append("mul.rn.bf16x2 v, v, k;")
+        lines.append(f"mul.rn.bf16x2 {out}, v, {scale};")
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+E2M1_BF16_PTX = e2m1_bf16_ptx(folded=False)
+E2M1_BF16_PTX_FOLDED = e2m1_bf16_ptx(folded=True)
 _E2M1_BF16_PTX = constexpr(E2M1_BF16_PTX) if HAVE_TRITON else E2M1_BF16_PTX
+_E2M1_BF16_PTX_FOLDED = constexpr(E2M1_BF16_PTX_FOLDED) if HAVE_TRITON else E2M1_BF16_PTX_FOLDED
+# the MXFP4 decode a launch takes (the kernel's PTX constexpr)
+E2M1_INTEGER, E2M1_PTX, E2M1_PTX_FOLDED = 0, 1, 2
 
 
 @jit
-def _e2m1_bf16(byte, scale):
-    """(low nibbles, high nibbles) of code bytes as bf16, times their E8M0 `scale` bytes (same
-    shape), in `E2M1_BF16_PTX`: sm_90 only, never in the interpreter."""
+def _e2m1_bf16(byte, scale, FOLDED: constexpr):
+    """(low nibbles, high nibbles) of code bytes as bf16, times their `scale`s (bf16, same
+    shape: 2^(S - 127), or 2^(S - 1) when FOLDED), in `E2M1_BF16_PTX` / `_FOLDED`: sm_90 only,
+    never in the interpreter."""
+    if FOLDED:
+        return tl.inline_asm_elementwise(
+            _E2M1_BF16_PTX_FOLDED, "=r,=r,=r,=r,r,r,r", [byte, scale], (tl.bfloat16, tl.bfloat16),
+            True, 4,
+        )  # fmt: skip
     return tl.inline_asm_elementwise(
         _E2M1_BF16_PTX, "=r,=r,=r,=r,r,r,r", [byte, scale], (tl.bfloat16, tl.bfloat16), True, 4
     )
@@ -185,7 +192,10 @@ def _mxfp4_step(
         byte_ok = byte_ok & (2 * kj[:, None] < K)
         a_ok = a_ok & (kk[None, :] < K)
     byte = tl.load(w_base + kj[:, None] * s_wk + rn[None, :] * s_wn, mask=byte_ok, other=0)
-    if PTX:  # 2^(byte - 127) in bf16, before the broadcast: once a group
+    if PTX == 2:  # 2^(byte - 1) in bf16 (byte 0: 0, as the other decodes read it): once a group
+        s = s.to(tl.int16)
+        s = (tl.where(s == 0, s, s + 126) << 7).to(tl.bfloat16, bitcast=True)
+    elif PTX == 1:  # 2^(byte - 127) in bf16, before the broadcast: once a group
         s = (s.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)
     elif E8M0:  # 2^(byte - 127): the byte is a float32's exponent field
         s = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
@@ -194,7 +204,7 @@ def _mxfp4_step(
     a = tl.load(a_ptr + rows[:, None] * s_am + kk[None, :], mask=a_ok, other=0.0)
     a_lo, a_hi = tl.split(tl.reshape(a, (BLOCK_M, HALF, 2)))
     if PTX:
-        b_lo, b_hi = _e2m1_bf16(byte, s)
+        b_lo, b_hi = _e2m1_bf16(byte, s, PTX == 2)
     else:  # exact: 2 significant bits times a power of two
         b_lo = (_e2m1(byte & 0xF) * s).to(a.dtype)
         b_hi = (_e2m1(byte >> 4) * s).to(a.dtype)
@@ -214,7 +224,8 @@ def _moe_gemm_kernel(
     columns), w e4m3 with one per (SCALE_N rows, 128 columns); each K step's dot scaled by both.
     MXFP4: w's bytes hold two e2m1 codes along K (low nibble first), one scale per 32 of K
     (E8M0 bytes or float32), dequantized to a's dtype in the loop (Hopper has no FP4 MMA), by
-    `E2M1_BF16_PTX` under PTX (E8M0 scales, bf16 a, compiled for the GPU).
+    `E2M1_BF16_PTX` under PTX 1 (E8M0 scales, bf16 a, compiled for the GPU), its folded text
+    under PTX 2 (every scale byte at most 128), `_e2m1` under 0.
     FP8_W8A16: w as FP8's, widened to a's dtype (exact), each K step's dot scaled by w's scale."""
     block, pn = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + block)
@@ -377,10 +388,12 @@ def _grouped_gemm(
         if w_scale.dtype == getattr(torch, "float8_e8m0fnu", None):
             w_scale = w_scale.view(torch.uint8)
     e8m0 = w_scale.dtype == torch.uint8
-    ptx = (
+    decode = E2M1_INTEGER
+    if (
         fmt == MXFP4 and e8m0 and cfg.e2m1_ptx and a.dtype == torch.bfloat16 and a.is_cuda
         and compiled(_moe_gemm_kernel)
-    )  # fmt: skip
+    ):  # fmt: skip
+        decode = E2M1_PTX_FOLDED if cfg.e2m1_fold and w.small_scales else E2M1_PTX
     grid = (block_expert.numel(), cdiv(n, cfg.block_n))
     _moe_gemm_kernel[grid](
         a, data, out, table, block_expert, scale if scale is not None else out, a_scale, w_scale,
@@ -388,7 +401,7 @@ def _grouped_gemm(
         out.stride(0), a_scale.stride(0), *(w_scale.stride() if fmt else (0, 0, 0)),
         A_DIV=a_div, SCALE=scale is not None,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",  # tf32: unused by 16-bit inputs
-        WFMT=fmt, SCALE_N=w.block[0] if fmt in (FP8, FP8_W8A16) else 1, E8M0=e8m0, PTX=ptx,
+        WFMT=fmt, SCALE_N=w.block[0] if fmt in (FP8, FP8_W8A16) else 1, E8M0=e8m0, PTX=decode,
         EVEN_K=k % cfg.block_k == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
