@@ -144,6 +144,17 @@ def test_decode_attention_matches_reference_when_a_long_context_takes_more_than_
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_decode_attention_folds_whole_rows_when_sequences_and_heads_fill_the_gpu():
+    # 17 sequences x 16 heads = 272 (sequence, head) pairs: one fold program each, all columns
+    cache = _rand(400, 8, 96, seed=12).unsqueeze(2)
+    lens = [5 + 11 * i for i in range(17)]
+    attn = _decode_metadata(lens, 8, 400)
+    q = _rand(len(lens), 16, 96, seed=13)
+    want = attention_ref.paged_attention(q, cache, cache[..., :64], attn, 0.2)
+    got = decode_attention(q, cache, cache[..., :64], attn, 0.2, min_split_keys=64)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_fixed_split_decode_layout_equals_the_host_layout():
     k_cache, v_cache, hq = _caches("gqa")
     attn = _decode_metadata([3, 17, 30], 4, 40)

@@ -252,12 +252,16 @@ def decode_attention(
         BLOCK_H=BLOCK_H, BLOCK_N=tile.block_n, PRECISION=precision,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
-    fold_dv = min(COMBINE_DV, block_dv)
+    # columns spread over programs only while (sequence, head) pairs alone leave the GPU idle:
+    # at batch 64 the spread fold took 479 us a V2-Lite step against 96 for whole rows (run-gpu17-5
+    # / run-gpu16-6 profiles)
+    fold_dv = min(COMBINE_DV, block_dv) if batch * hq < TARGET_PROGRAMS else block_dv
     _decode_combine_kernel[(batch, hq, cdiv(dv, fold_dv))](
         part_m, part_l, part_acc, seq_lens, out,
         part_m.stride(0), part_m.stride(1), *part_acc.stride()[:3], out.stride(0), out.stride(1),
         dv, splits, BASE=BASE_SPLITS, MIN_KEYS=min_split_keys, BLOCK_N=tile.block_n, BLOCK_DV=fold_dv,
-        SPLITS_P2=next_power_of_2(splits), BLOCK_S=COMBINE_SPLITS, num_warps=4,
+        SPLITS_P2=next_power_of_2(splits), BLOCK_S=min(COMBINE_SPLITS, next_power_of_2(splits)),
+        num_warps=4,
     )  # fmt: skip
     return out
 

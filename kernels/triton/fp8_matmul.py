@@ -62,21 +62,29 @@ MEDIUM = Fp8TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=4)
 LARGE = Fp8TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
 
 
-def decode_config(n: int) -> Fp8TileConfig:
-    """DECODE's rows with columns narrowed (to MIN_DECODE_BLOCK_N) until the N tiles fill the GPU:
-    without split-K, a narrow weight's tiles are its only parallelism. A function of the weight
-    alone, so the invariant set uses it at every M."""
+def decode_config(n: int, m: int = 1) -> Fp8TileConfig:
+    """DECODE's rows with columns narrowed (to MIN_DECODE_BLOCK_N) until the tiles of M rows
+    fill the GPU: without split-K, a narrow weight's tiles are its only parallelism. With m left
+    at 1 a function of the weight alone, so the invariant set uses it at every M."""
     block_n = DECODE.block_n
-    while block_n > MIN_DECODE_BLOCK_N and cdiv(n, block_n) < FILL_PROGRAMS:
+    row_blocks = cdiv(m, DECODE.block_m)
+    while block_n > MIN_DECODE_BLOCK_N and row_blocks * cdiv(n, block_n) < FILL_PROGRAMS:
         block_n //= 2
     return replace(DECODE, block_n=block_n)
 
 
 def default_config(m: int, n: int) -> Fp8TileConfig:
-    """The fast set's tile for M rows of an N-column weight."""
+    """The fast set's tile for M rows of an N-column weight. Up to 128 rows MEDIUM's 64 x 128
+    tiles, unless they leave SMs idle: a batch-64 decode step's narrow projections (V4's
+    1,024-column q_a: 8 programs on 132 SMs) take decode_config's 16-row tiles then, each weight
+    tile read by its 4 row blocks next to each other (group_m), from L2 after the first."""
     if m <= 16:
         return decode_config(n)
-    return MEDIUM if m <= 128 else LARGE
+    if m > 128:
+        return LARGE
+    if cdiv(m, MEDIUM.block_m) * cdiv(n, MEDIUM.block_n) >= FILL_PROGRAMS:
+        return MEDIUM
+    return decode_config(n, m)
 
 
 @jit
