@@ -376,14 +376,20 @@ def align_kernel(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[tor
     nblocks = max_blocks(pairs, num_experts, block_m)
     table = torch.empty(nblocks * block_m, dtype=torch.int64, device=ids.device)
     block_expert = torch.empty(nblocks, dtype=torch.int32, device=ids.device)
-    chunk = min(next_power_of_2(max(pairs, 16)), ALIGN_CHUNK)
-    _align_kernel[(1,)](
-        flat, table, block_expert, pairs, num_experts, nblocks,
+    launch = align_launch(pairs, num_experts, block_m)
+    _align_kernel[(1,)](flat, table, block_expert, pairs, num_experts, nblocks, **launch)
+    return table, block_expert
+
+
+def align_launch(num_pairs: int, num_experts: int, block_m: int) -> dict:
+    """`_align_kernel`'s constants and warps for a call (compile_check.py builds from it too)."""
+    chunk = min(next_power_of_2(max(num_pairs, 16)), ALIGN_CHUNK)
+    nblocks = max_blocks(num_pairs, num_experts, block_m)
+    return dict(
         CHUNK=chunk, BLOCK_E=next_power_of_2(num_experts),
         BLOCK_B=min(next_power_of_2(nblocks), ALIGN_CHUNK), BLOCK_M=block_m,
         num_warps=4 if chunk <= 512 else 8,
     )  # fmt: skip
-    return table, block_expert
 
 
 def align_reference(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
