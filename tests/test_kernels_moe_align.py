@@ -72,4 +72,4 @@ def test_align_takes_the_kernel_up_to_its_limit_and_matches_the_reference():
     ids = _router_ids(64, 6, 256, seed=4)
     assert ids.numel() <= fused_moe.ALIGN_KERNEL_MAX_PAIRS
     got, want = fused_moe.align(ids, 256, 16), fused_moe.align_reference(ids, 256, 16)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

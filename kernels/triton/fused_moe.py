@@ -369,7 +369,9 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     return align_reference(ids, num_experts, block_m)
 
 
-def align_kernel(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def align_kernel(
+    ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`align` by `_align_kernel`, one launch of one program, at any size."""
     flat = ids.reshape(-1)
     pairs = flat.numel()
@@ -392,7 +394,9 @@ def align_launch(num_pairs: int, num_experts: int, block_m: int) -> dict:
     )  # fmt: skip
 
 
-def align_reference(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def align_reference(
+    ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`align` in torch ops (a stable argsort by expert): the kernel's oracle and large calls' path."""
     flat = ids.reshape(-1)
     pairs = flat.numel()
