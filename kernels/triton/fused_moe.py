@@ -350,9 +350,11 @@ def _align_kernel(
 
 
 ALIGN_CHUNK = 1024  # pairs sorted at a time: registers stay bounded at prefill sizes
-# Above this many pairs `align` takes the torch path: the one program walks the pairs in
-# ALIGN_CHUNK steps on one SM, while torch's radix sort and scatters spread over the GPU.
-ALIGN_KERNEL_MAX_PAIRS = 16384
+# Above this many pairs (prefill) `align` takes the torch path: the one program walks the pairs
+# in ALIGN_CHUNK steps on one SM, a sort per chunk, while torch's radix sort and scatters spread
+# over the GPU for a fixed ~10 launches, so past some size torch wins (kernel_checks
+# `time_moe_align` times both up to 65,536 pairs to move this limit).
+ALIGN_KERNEL_MAX_PAIRS = 8192
 
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
