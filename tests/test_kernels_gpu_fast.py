@@ -78,12 +78,11 @@ def test_fused_moe_tile_widens_once_the_experts_average_a_full_wide_block():
     assert fused_moe.default_config(12000, 256) is fused_moe.PREFILL
 
 
-@pytest.mark.parametrize("one_program", [True, False])
-def test_align_gives_every_pair_one_row_of_its_experts_block(one_program, monkeypatch):
-    if not one_program:  # the sort-based path of large calls
-        monkeypatch.setattr(fused_moe, "SMALL_ALIGN_CELLS", 0)
+@pytest.mark.parametrize("kernel", [True, False])
+def test_align_gives_every_pair_one_row_of_its_experts_block(kernel):
+    align = fused_moe.align_kernel if kernel else fused_moe.align_reference  # large calls' path
     ids = torch.tensor([[3, 0], [3, 1], [0, 3]], device=DEVICE)
-    table, block_expert = fused_moe.align(ids, 4, block_m=2)
+    table, block_expert = align(ids, 4, block_m=2)
     flat = ids.reshape(-1).tolist()
     seen = []
     for b, expert in enumerate(block_expert.tolist()):

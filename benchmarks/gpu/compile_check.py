@@ -11,6 +11,7 @@ device call: a kernel that does not compile here does not compile there.
     .venv/bin/python benchmarks/gpu/compile_check.py --kv-fp8   # only the fp8 KV cache's kernels
     .venv/bin/python benchmarks/gpu/compile_check.py --moe-mxfp4   # only the MXFP4 MoE's
     .venv/bin/python benchmarks/gpu/compile_check.py --gemv   # only the decode GEMV's
+    .venv/bin/python benchmarks/gpu/compile_check.py --align   # only the MoE's align
 """
 
 from __future__ import annotations
@@ -343,6 +344,35 @@ def gemv_main() -> int:
     return 1 if failed else 0
 
 
+ALIGN_CASES = [  # (tokens, top_k, experts, block_m): V2-Lite and V4-Flash decode, prefill sizes
+    (1, 6, 256, 16), (64, 6, 64, 16), (64, 6, 256, 16), (2000, 6, 64, 64), (1024, 8, 256, 64),
+    (8192, 8, 256, 128),
+]  # fmt: skip
+
+
+def compile_align(tokens: int, top_k: int, experts: int, block_m: int) -> dict:
+    """The fused MoE's `_align_kernel` as `align_kernel` launches it, over int64 router ids."""
+    fn = fused_moe._align_kernel
+    const = fused_moe.align_launch(tokens * top_k, experts, block_m)
+    opts = dict(num_warps=const.pop("num_warps"))
+    sig = {name: "i32" for name in fn.arg_names}
+    sig.update(ids_ptr="*i64", table_ptr="*i64", block_expert_ptr="*i32")
+    sig.update({name: "constexpr" for name in const})
+    kernel = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=opts)  # fmt: skip
+    return _resources(kernel, f"align {tokens}x{top_k} experts={experts} block_m={block_m} {const}")
+
+
+def align_main() -> int:
+    failed = 0
+    for case in ALIGN_CASES:
+        try:
+            print(compile_align(*case), flush=True)
+        except Exception as e:
+            failed += 1
+            print("align", case, "FAILED:", str(e)[-600:], flush=True)
+    return 1 if failed else 0
+
+
 def _resources(kernel, what: str) -> dict:
     tools = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -370,6 +400,8 @@ def main() -> int:
         return moe_mxfp4_main()
     if "--gemv" in sys.argv[1:]:
         return gemv_main()
+    if "--align" in sys.argv[1:]:
+        return align_main()
     failed = 0
     for k, n, heads, dtype in SHAPES:
         try:
@@ -390,7 +422,7 @@ def main() -> int:
             except Exception as e:
                 failed += 1
                 print(name, fn.__name__, "FAILED:", str(e)[-600:], flush=True)
-    return 1 if failed or kv_fp8_main() or moe_mxfp4_main() or gemv_main() else 0
+    return 1 if failed or kv_fp8_main() or moe_mxfp4_main() or gemv_main() or align_main() else 0
 
 
 if __name__ == "__main__":

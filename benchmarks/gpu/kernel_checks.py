@@ -1485,7 +1485,8 @@ def run_fp8(
 ) -> None:
     """`--only fp8`: the FP8 GEMM and the FP8 / MXFP4 fused MoE checks, the V3 slice in FP8 and
     a V4-Flash-shaped model in V4's FP8 + MXFP4 through the loader, the default set's paths by
-    row count (GEMV beside GEMM and bf16), then the GEMM's decode tiles; `checks` names a subset
+    row count (GEMV beside GEMM and bf16), then the GEMM's decode tiles, and the MoE's `align`
+    (sort kernel, old one-hot kernel, torch; `time_moe_align`); `checks` names a subset
     (`--fp8-checks`)."""
     import traceback
 
@@ -1500,6 +1501,7 @@ def run_fp8(
         time_gemv_one_launch,
         time_fp8_decode_tiles,
         time_moe_decode_configs,
+        time_moe_align,
     )
     for fn in every:
         name = getattr(fn, "__name__", None) or fn.func.__name__
@@ -1513,6 +1515,48 @@ def run_fp8(
         except Exception as e:  # recorded; the job goes on
             rows.append(dict(op=name, error=traceback.format_exc()[-1500:]))
             print(e, flush=True)
+
+
+ALIGN_CASES = (  # (tokens, top_k, experts, block_m): V2-Lite / V4-Flash decode, prefill sizes
+    (64, 6, 64, 16), (64, 6, 256, 16), (1, 6, 256, 16), (2000, 6, 64, 64),
+    (1024, 8, 256, 64), (2048, 8, 256, 64), (8192, 8, 256, 128),
+)  # fmt: skip
+ALIGN_GRAPH_CALLS = 100
+
+
+def time_moe_align(rows: list) -> None:
+    """The fused MoE's `align` three ways: the sort-based kernel (`align_kernel`, what `align`
+    takes up to ALIGN_KERNEL_MAX_PAIRS pairs), the old one-hot kernel (where it fit) and the
+    torch path (`align_reference`): us per call by do_bench (median, launch latency included)
+    and inside one CUDA graph of ALIGN_GRAPH_CALLS launches (as decode replays it), and the
+    kernel's outputs bitwise against the torch path's on these router-like ids."""
+    import triton.testing
+    from align_onehot import align_onehot, fits
+
+    from deepserve.kernels.triton import fused_moe
+
+    g = torch.Generator(device="cuda").manual_seed(12)
+    for tokens, k, e, block_m in ALIGN_CASES:
+        ids = torch.rand(tokens, e, device="cuda", generator=g).topk(k, dim=-1)[1]
+        got, want = (
+            fused_moe.align_kernel(ids, e, block_m),
+            fused_moe.align_reference(ids, e, block_m),
+        )
+        row = dict(op="moe_align", tokens=tokens, top_k=k, experts=e, block_m=block_m,
+                   bitwise=all(torch.equal(a, b) for a, b in zip(got, want, strict=True)),
+                   kernel_path=tokens * k <= fused_moe.ALIGN_KERNEL_MAX_PAIRS)  # fmt: skip
+        ways = {"sort": fused_moe.align_kernel, "torch": fused_moe.align_reference}
+        if fits(tokens * k, e):
+            ways["onehot"] = align_onehot
+            row["onehot_bitwise"] = all(
+                torch.equal(a, b) for a, b in zip(align_onehot(ids, e, block_m), want, strict=True)
+            )
+        for name, align in ways.items():
+            fn = functools.partial(align, ids, e, block_m)
+            row[f"us_{name}"] = round(1000 * triton.testing.do_bench(fn, return_mode="median"), 2)
+            row[f"us_graph_{name}"] = round(_graph_us(fn, ALIGN_GRAPH_CALLS), 2)
+        rows.append(row)
+        print(row, flush=True)
 
 
 FP8_MOE_SHAPES = {  # experts, hidden, intermediate, top-k

@@ -297,33 +297,64 @@ def _sum_slots_kernel(
 
 
 @jit
+def _running_max(a, b):
+    return tl.maximum(a, b)
+
+
+@jit
 def _align_kernel(
     ids_ptr, table_ptr, block_expert_ptr, num_pairs, E, NBLOCKS,
-    BLOCK_P: constexpr, BLOCK_E: constexpr, BLOCK_B: constexpr, BLOCK_M: constexpr,
+    CHUNK: constexpr, BLOCK_E: constexpr, BLOCK_B: constexpr, BLOCK_M: constexpr,
 ):  # fmt: skip
-    """`align` in one program for decode-sized calls: a [pairs, experts] one-hot, its column
-    sums (counts) and running sums (each pair's rank among its expert's)."""
-    p = tl.arange(0, BLOCK_P)
+    """`align` in one program, O(pairs log pairs): counts by histogram, each expert's first row
+    from the running sum of its padded count, and, per chunk of pairs, each pair's rank among its
+    expert's from a sort of (expert, pair) keys, after the ranks of earlier chunks (`cursor`);
+    block b's expert is the last one whose first block is <= b (a running max of markers)."""
     e = tl.arange(0, BLOCK_E)
-    ids = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1)
-    onehot = (ids[:, None] == e[None, :]).to(tl.int32)
-    counts = tl.sum(onehot, axis=0)
+    c = tl.arange(0, CHUNK)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for p0 in range(0, num_pairs, CHUNK):
+        valid = p0 + c < num_pairs
+        ids = tl.load(ids_ptr + p0 + c, mask=valid, other=0).to(tl.int32)
+        counts += tl.histogram(ids, BLOCK_E, mask=valid)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    padded_end = tl.cumsum(padded, axis=0)
-    begin = padded_end - padded
-    rank = tl.cumsum(onehot, axis=0) - 1
-    dest = tl.sum(onehot * (begin[None, :] + rank), axis=1)
-    for r0 in range(0, NBLOCKS * BLOCK_M, BLOCK_P):
-        tl.store(table_ptr + r0 + p, num_pairs, mask=r0 + p < NBLOCKS * BLOCK_M)
-    tl.debug_barrier()  # the padding first, then the pairs over it
-    tl.store(table_ptr + dest, p, mask=p < num_pairs)
+    begin = tl.cumsum(padded, axis=0) - padded
+    rows = NBLOCKS * BLOCK_M
+    for r0 in range(0, rows, CHUNK):
+        tl.store(table_ptr + r0 + c, num_pairs, mask=r0 + c < rows)
     b = tl.arange(0, BLOCK_B)
-    ends = tl.where(e[None, :] < E, padded_end[None, :], 1 << 30)
-    expert = tl.sum((ends <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
-    tl.store(block_expert_ptr + b, tl.where(expert < E, expert, -1), mask=b < NBLOCKS)
+    for b0 in range(0, NBLOCKS, BLOCK_B):
+        tl.store(block_expert_ptr + b0 + b, -1, mask=b0 + b < NBLOCKS)
+    tl.debug_barrier()  # the padding first, then the pairs and markers over it
+    tl.store(block_expert_ptr + begin // BLOCK_M, e, mask=(padded > 0) & (e < E))
+    cursor = begin
+    for p0 in range(0, num_pairs, CHUNK):
+        valid = p0 + c < num_pairs
+        ids = tl.load(ids_ptr + p0 + c, mask=valid, other=E).to(tl.int32)
+        key = tl.sort(ids * CHUNK + c)  # by expert, then pair: the pairs past the end last
+        expert = key // CHUNK
+        hist = tl.histogram(ids, BLOCK_E, mask=valid)
+        first = cursor - (tl.cumsum(hist, axis=0) - hist)  # row of sorted position 0, per expert
+        dest = tl.gather(first, tl.minimum(expert, BLOCK_E - 1), 0) + c
+        tl.store(table_ptr + dest, p0 + key % CHUNK, mask=expert < E)
+        cursor += hist
+    tl.debug_barrier()  # the markers, then their running max
+    used = tl.sum(padded, axis=0) // BLOCK_M
+    carry = tl.full([], -1, tl.int32)
+    for b0 in range(0, NBLOCKS, BLOCK_B):
+        mask = b0 + b < NBLOCKS
+        marks = tl.load(block_expert_ptr + b0 + b, mask=mask, other=-1)
+        run = tl.maximum(tl.associative_scan(marks, 0, _running_max), carry)
+        carry = tl.max(run, axis=0)
+        tl.store(block_expert_ptr + b0 + b, tl.where(b0 + b < used, run, -1), mask=mask)
 
 
-SMALL_ALIGN_CELLS = 32768  # one-hot cells up to which the one-program align is used
+ALIGN_CHUNK = 1024  # pairs sorted at a time: registers stay bounded at prefill sizes
+# Above this many pairs (prefill) `align` takes the torch path: the one program walks the pairs
+# in ALIGN_CHUNK steps on one SM, a sort per chunk, while torch's radix sort and scatters spread
+# over the GPU for a fixed ~10 launches, so past some size torch wins (kernel_checks
+# `time_moe_align` times both up to 65,536 pairs to move this limit).
+ALIGN_KERNEL_MAX_PAIRS = 8192
 
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -333,20 +364,45 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert ids `[T, k]` -> (pair index per row `[blocks * block_m]`, padded with T*k;
-    expert per block `[blocks]`, -1 past the used ones). Device ops only, no sync."""
+    expert per block `[blocks]`, -1 past the used ones). Device ops only, no sync. A pair's
+    rows within its expert's follow the pair index (the grouped GEMM's order)."""
+    if ids.numel() <= ALIGN_KERNEL_MAX_PAIRS:
+        return align_kernel(ids, num_experts, block_m)
+    return align_reference(ids, num_experts, block_m)
+
+
+def align_kernel(
+    ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align` by `_align_kernel`, one launch of one program, at any size."""
     flat = ids.reshape(-1)
     pairs = flat.numel()
     nblocks = max_blocks(pairs, num_experts, block_m)
-    block_p, block_e = next_power_of_2(pairs), next_power_of_2(num_experts)
-    if block_p * block_e <= SMALL_ALIGN_CELLS:
-        table = torch.empty(nblocks * block_m, dtype=torch.int64, device=ids.device)
-        block_expert = torch.empty(nblocks, dtype=torch.int32, device=ids.device)
-        _align_kernel[(1,)](
-            flat, table, block_expert, pairs, num_experts, nblocks,
-            BLOCK_P=block_p, BLOCK_E=block_e, BLOCK_B=next_power_of_2(nblocks), BLOCK_M=block_m,
-            num_warps=8,
-        )  # fmt: skip
-        return table, block_expert
+    table = torch.empty(nblocks * block_m, dtype=torch.int64, device=ids.device)
+    block_expert = torch.empty(nblocks, dtype=torch.int32, device=ids.device)
+    launch = align_launch(pairs, num_experts, block_m)
+    _align_kernel[(1,)](flat, table, block_expert, pairs, num_experts, nblocks, **launch)
+    return table, block_expert
+
+
+def align_launch(num_pairs: int, num_experts: int, block_m: int) -> dict:
+    """`_align_kernel`'s constants and warps for a call (compile_check.py builds from it too)."""
+    chunk = min(next_power_of_2(max(num_pairs, 16)), ALIGN_CHUNK)
+    nblocks = max_blocks(num_pairs, num_experts, block_m)
+    return dict(
+        CHUNK=chunk, BLOCK_E=next_power_of_2(num_experts),
+        BLOCK_B=min(next_power_of_2(nblocks), ALIGN_CHUNK), BLOCK_M=block_m,
+        num_warps=4 if chunk <= 512 else 8,
+    )  # fmt: skip
+
+
+def align_reference(
+    ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align` in torch ops (a stable argsort by expert): the kernel's oracle and large calls' path."""
+    flat = ids.reshape(-1)
+    pairs = flat.numel()
+    nblocks = max_blocks(pairs, num_experts, block_m)
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
