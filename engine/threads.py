@@ -100,7 +100,7 @@ class ThreadPolicy:
     """Sets torch's thread count before a step. `fixed`: that count always; else by load."""
 
     fixed: int | None = None
-    adapt: bool = True  # False: the count chosen at start is kept (--batch-invariant)
+    adapt: bool = True  # False: the count chosen at start is kept (--batch-invariant, by default)
     # adapt only until a call is recorded here, then keep the count that call ran at
     until_torch: TorchCalls | None = None
     cores: int = field(default_factory=cores_owned)
