@@ -41,6 +41,7 @@ from deepserve.engine.sampling_params import SamplingParams
 from deepserve.engine.scheduler import Scheduler, SchedulerOutput
 from deepserve.engine.step_isolation import find_failing, is_fatal, only
 from deepserve.engine.threads import ThreadPolicy
+from deepserve.kernels.kernel_set import KernelSet
 from deepserve.kernels.registry import kernels_in_use
 
 log = logging.getLogger(__name__)
@@ -64,10 +65,22 @@ def prefill_group_tokens(config: EngineConfig) -> int | None:
 
 def thread_policy(config: EngineConfig) -> ThreadPolicy | None:
     """The kernels' CPU thread count (engine/threads.py): `num_threads` when given, else chosen by
-    the host's load; None off the CPU."""
+    the host's load; None off the CPU. Under `--batch-invariant` it is kept as chosen at start
+    until `follow_load_while_native` sees the model's kernels."""
     if config.device != "cpu":
         return None
     return ThreadPolicy(fixed=config.num_threads, adapt=not config.batch_invariant)
+
+
+def follow_load_while_native(
+    policy: ThreadPolicy, config: EngineConfig, kernels: KernelSet | None
+) -> None:
+    """Under `--batch-invariant`, let the count follow the load for as long as the model's set
+    hands no call to torch, where the set records those calls, on one process (the ranks of a
+    tensor-parallel model have sets of their own)."""
+    calls = kernels.torch_calls if kernels is not None else None
+    if config.batch_invariant and calls is not None and config.tensor_parallel_size == 1:
+        policy.adapt_until_torch(calls)
 
 
 class LLMEngine:
@@ -79,6 +92,8 @@ class LLMEngine:
             from deepserve.engine.loading.loader import load_model
 
             loaded = load_model(config)
+        if self.threads is not None:
+            follow_load_while_native(self.threads, config, loaded.kernels)
         self.config = config
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer

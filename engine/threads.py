@@ -11,10 +11,14 @@ gives its kernels only the cores they leave idle, at least one; on a host of mor
 it also leaves one core to the HTTP server and the scheduler. OpenMP's spinning waits between
 kernels then only happen on cores nobody else asked for.
 
-With `--batch-invariant` the count is chosen once, at start: the native kernels give the same
-bits on any thread count, but the torch ops that fill in for them (kernels/reference/invariant.py)
-are only checked at the count they were probed with. What does not live here: the kernels'
-own split of work over the threads (kernels/cpu/csrc/, torch).
+With `--batch-invariant` the native kernels give the same bits on any thread count, but the torch
+ops that fill in for them (kernels/reference/invariant.py) are only checked at the count they were
+probed with. So the count follows the load only while the flag's set has handed no call to torch
+(its `TorchCalls`, which the engine passes in at build), and is kept from the first such call on:
+SmolLM2 in float32 or bfloat16 runs all native and adapts; the DeepSeek models' MLA, MoE routing
+and sparse attention run torch ops from the first step. Where the set does not record its torch
+calls the count chosen at start is kept. What does not live here: the kernels' own split of work
+over the threads (kernels/cpu/csrc/, torch).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from deepserve.kernels.kernel_set import TorchCalls
 
 LOADAVG = "/proc/loadavg"
 # Reading the host's load every step would cost more than it tells: a step is milliseconds and a
@@ -94,7 +100,9 @@ class ThreadPolicy:
     """Sets torch's thread count before a step. `fixed`: that count always; else by load."""
 
     fixed: int | None = None
-    adapt: bool = True  # False: the count chosen at start is kept (--batch-invariant)
+    adapt: bool = True  # False: the count chosen at start is kept (--batch-invariant, by default)
+    # adapt only until a call is recorded here, then keep the count that call ran at
+    until_torch: TorchCalls | None = None
     cores: int = field(default_factory=cores_owned)
     read_runnable: Callable[[], int | None] = runnable_tasks
     read_own: Callable[[], int] = own_running_threads
@@ -121,9 +129,22 @@ class ThreadPolicy:
 
     def before_step(self) -> int:
         """Re-check the host's load when due (adaptive only); returns the count in use."""
-        if self.fixed is None and self.adapt and self.clock() - self._checked >= CHECK_EVERY_S:
+        if self.adapting and self.clock() - self._checked >= CHECK_EVERY_S:
             self._set(self._by_load())
         return self._threads
+
+    def adapt_until_torch(self, calls: TorchCalls) -> None:
+        """Follow the load while `calls` is empty (--batch-invariant over native kernels)."""
+        self.adapt, self.until_torch = True, calls
+
+    @property
+    def adapting(self) -> bool:
+        """Whether the count follows the load now."""
+        return (
+            self.fixed is None
+            and self.adapt
+            and not (self.until_torch is not None and self.until_torch.ops)
+        )
 
     def _by_load(self) -> int:
         now, last = self.clock(), self._checked

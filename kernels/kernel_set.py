@@ -10,7 +10,7 @@ This module imports no backend: backends import it to build their sets.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,6 +19,19 @@ Tensor = torch.Tensor
 # A matmul weight as `linear` takes it: a plain `[out, in]` tensor, or what the set's
 # `pack_weight` made of one.
 Weight = Any
+
+
+@dataclass
+class TorchCalls:
+    """The ops a native set handed to torch, by name, in the order of their first call. A native
+    op gives the same bits on any thread count; torch's ops are checked at one count only, so
+    engine/threads.py keeps the count fixed from the first one on."""
+
+    ops: list[str] = field(default_factory=list)
+
+    def record(self, op: str) -> None:
+        if op not in self.ops:
+            self.ops.append(op)
 
 
 @dataclass(frozen=True)
@@ -100,3 +113,6 @@ class KernelSet:
     # DeepSeek-V4's interleaved rope, kernels/rope.py's `apply_rope_interleaved` (x [N, H, D],
     # cos/sin [N, 1, rot / 2]) in one op, or None when it does not cover the call.
     rope_interleaved: Callable[[Tensor, Tensor, Tensor], Tensor | None] | None = None
+    # The set's record of the calls it handed to torch (`--batch-invariant`'s native CPU set);
+    # None: not recorded, any call may run on torch.
+    torch_calls: TorchCalls | None = None

@@ -73,7 +73,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="CPU compute threads (default: the cores the host's other work leaves idle, "
-        "re-checked as it changes; chosen once at start with --batch-invariant)",
+        "re-checked as it changes; with --batch-invariant, kept from the first op the model "
+        "runs on torch rather than natively)",
     )
     g.add_argument(
         "--cpu-isa",

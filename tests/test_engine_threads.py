@@ -1,6 +1,6 @@
 """The engine's CPU thread count (engine/threads.py): fixed when asked, else the cores the host's
-other work leaves idle, re-checked as that work changes, and kept as chosen under
-`--batch-invariant`."""
+other work leaves idle, re-checked as that work changes; under `--batch-invariant` kept as chosen
+from the first op that ran on torch (or from start, where the kernel set does not say)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from deepserve.engine.threads import (
     own_running_threads,
     runnable_tasks,
 )
+from deepserve.kernels.kernel_set import TorchCalls
 
 
 @pytest.fixture(autouse=True)
@@ -147,3 +148,23 @@ def test_one_stray_reading_after_a_long_step_keeps_both_cores_and_a_neighbour_th
         host.later(running=2, steps=3)
         threads = policy.before_step()
     assert threads == 1
+
+
+def test_batch_invariant_mode_follows_the_load_while_no_call_went_to_torch():
+    host = Host(running=1)
+    policy = host.policy(cores=2, adapt=False)
+    policy.adapt_until_torch(TorchCalls())
+    assert policy.start() == 2
+    host.later(running=13)
+    assert policy.before_step() == 1
+
+
+def test_batch_invariant_mode_keeps_the_count_from_the_first_call_that_went_to_torch():
+    host = Host(running=1)
+    calls = TorchCalls()
+    policy = host.policy(cores=2, adapt=False)
+    policy.adapt_until_torch(calls)
+    assert policy.start() == 2
+    calls.record("bmm")
+    host.later(running=13)
+    assert policy.before_step() == 2

@@ -67,6 +67,33 @@ def test_unpacked_weight_takes_the_torch_invariant_linear(ops):
     assert torch.equal(ops.linear(x, w), ORACLE.linear(x, w))
 
 
+def test_native_calls_are_not_recorded_as_torch_calls():
+    ops = invariant_cpu_kernels()
+    x = _rand(9, 96, seed=7)
+    ops.linear(x, pack_linear_weight(_rand(64, 96, seed=8)))
+    ops.rms_norm(x, _rand(96, seed=9), 1e-6)
+    assert ops.torch_calls.ops == []
+
+
+def test_an_unpacked_linear_is_recorded_as_a_torch_call():
+    ops = invariant_cpu_kernels()
+    ops.linear(_rand(9, 96, seed=5), _rand(64, 96, seed=6))
+    assert ops.torch_calls.ops == ["linear"]
+
+
+def test_ops_taken_as_they_are_from_the_torch_set_are_recorded():
+    ops = invariant_cpu_kernels()
+    got = ops.softmax(_rand(3, 40, seed=10), -1)
+    assert torch.equal(got, ORACLE.softmax(_rand(3, 40, seed=10), -1))
+    assert ops.torch_calls.ops == ["softmax"]
+
+
+def test_a_fused_op_that_declines_is_recorded_as_a_torch_call():
+    ops = invariant_cpu_kernels()
+    assert ops.silu_mul(_rand(4, 64, seed=11), limit=7.0) is None
+    assert ops.torch_calls.ops == ["silu_mul"]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_rows_do_not_depend_on_the_batch(ops, dtype):
     w, x = _rand(576, seed=7, dtype=dtype), _rand(40, 576, seed=8, dtype=dtype) * 3

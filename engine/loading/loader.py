@@ -26,6 +26,7 @@ from deepserve.engine.parallel.launch import load_parallel_model
 from deepserve.engine.parallel.plan import ModelShard, shard_config
 from deepserve.engine.parallel.sharded_weights import ShardedWeightStore
 from deepserve.kernels.errors import KernelUnavailableError
+from deepserve.kernels.kernel_set import KernelSet
 from deepserve.kernels.kv_quant import KV_CACHE_DTYPES
 from deepserve.kernels.registry import get_kernels
 
@@ -39,6 +40,7 @@ class LoadedModel:
     model: CausalLM
     tokenizer: Tokenizer
     info: ModelInfo
+    kernels: KernelSet | None = None  # the set the model runs (None: not known, e.g. built apart)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -120,7 +122,7 @@ def load_model(config: EngineConfig, shard: ModelShard | None = None) -> LoadedM
         fingerprint=fingerprint,
         num_mtp_layers=getattr(model, "num_mtp_layers", 0),
     )
-    return LoadedModel(model=model, tokenizer=checkpoint.tokenizer, info=info)
+    return LoadedModel(model=model, tokenizer=checkpoint.tokenizer, info=info, kernels=kernels)
 
 
 def _read_checkpoint(path: Path, dtype: torch.dtype, keep_quantized: bool) -> Checkpoint:

@@ -15,12 +15,17 @@ choice between a native op and its torch fallback depends only on the model (dty
 whether a weight is packed), never on the batch: an op that would take a native kernel only for
 contiguous inputs is given contiguous inputs, because the contiguity of a slice can change with
 the number of rows (a one-row slice is always contiguous), and the fallback rounds differently.
+The invariant set records each call it hands to torch, its own ops' and those it takes as they
+are from the torch set (`KernelSet.torch_calls`): native ops give the same bits on any thread
+count, torch's only at the one count they are checked at, so the engine may change the count
+between steps only while nothing is recorded (engine/threads.py).
 What does not live here: the kernels (kernels/cpu/csrc/) and their Python calls (ops.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import fields, replace
 
 import torch
 
@@ -28,7 +33,7 @@ from deepserve.kernels.attention_metadata import AttentionMetadata
 from deepserve.kernels.cpu import native as cpu_native
 from deepserve.kernels.cpu import ops as cpu_ops
 from deepserve.kernels.cpu import packed
-from deepserve.kernels.kernel_set import KernelSet
+from deepserve.kernels.kernel_set import KernelSet, TorchCalls
 
 Tensor = torch.Tensor
 
@@ -78,37 +83,43 @@ def _native_dtype(*xs: Tensor) -> bool:
 
 
 class NativeInvariantOps:
-    """Each op: the native kernel where the model's tensors allow it, else `torch_set`'s op."""
+    """Each op: the native kernel where the model's tensors allow it, else `torch_set`'s op, the
+    call recorded in `calls` (a None or False return, which sends the caller to torch, too)."""
 
     def __init__(self, torch_set: KernelSet) -> None:
         self.torch_set = torch_set
+        self.calls = TorchCalls()
+
+    def _torch(self, op: str) -> Callable:
+        self.calls.record(op)
+        return getattr(self.torch_set, op)
 
     def linear(self, x: Tensor, w: Tensor | packed.PackedWeight) -> Tensor:
         if isinstance(w, packed.PackedWeight):
             return packed.linear(x, w)
-        return self.torch_set.linear(x, w)
+        return self._torch("linear")(x, w)
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         if not _native_dtype(x, weight):
-            return self.torch_set.rms_norm(x, weight, eps)
+            return self._torch("rms_norm")(x, weight, eps)
         return cpu_native.op("rms_norm")(x.contiguous(), weight.contiguous(), eps)
 
-    @staticmethod
-    def add_rms_norm_(h: Tensor, delta: Tensor, weight: Tensor, eps: float) -> Tensor | None:
+    def add_rms_norm_(self, h: Tensor, delta: Tensor, weight: Tensor, eps: float) -> Tensor | None:
         # None (h not contiguous, so not updatable in place) sends the caller to `h + delta` then
         # `rms_norm`: the same additions and the same native norm, so the same bits.
         if not _native_dtype(h, delta, weight):
+            self.calls.record("add_rms_norm_")
             return None
         return cpu_ops.add_rms_norm_(h, delta, weight.contiguous(), eps)
 
-    @staticmethod
-    def silu_mul(gate_up: Tensor, limit: float | None = None) -> Tensor | None:
+    def silu_mul(self, gate_up: Tensor, limit: float | None = None) -> Tensor | None:
         if limit or not _native_dtype(gate_up):  # the native op has no clamp
+            self.calls.record("silu_mul")
             return None
         return cpu_native.op("silu_mul")(gate_up.contiguous())
 
-    @staticmethod
     def rope_qk_write_kv_(
+        self,
         qkv: Tensor,
         cos: Tensor,
         sin: Tensor,
@@ -117,27 +128,35 @@ class NativeInvariantOps:
         slot_mapping: Tensor,
         num_heads: int,
     ) -> bool:
-        if not qkv.is_contiguous():  # rotated in place: the models hand a fresh linear output
-            return False
-        return cpu_ops.rope_qk_write_kv_(
+        # rotated in place: the models hand a fresh linear output, so a contiguous one
+        done = qkv.is_contiguous() and cpu_ops.rope_qk_write_kv_(
             qkv, cos.contiguous(), sin.contiguous(), k_cache, v_cache, slot_mapping, num_heads
         )
+        if not done:
+            self.calls.record("rope_qk_write_kv_")
+        return done
 
     def paged_attention(
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, attn: AttentionMetadata, scale: float
     ) -> Tensor:
         if cpu_ops.native_attention_covers(q, k_cache, v_cache, attn.block_size):
             return cpu_ops.native_paged_attention(q, k_cache, v_cache, attn, scale)
-        return self.torch_set.paged_attention(q, k_cache, v_cache, attn, scale)
+        return self._torch("paged_attention")(q, k_cache, v_cache, attn, scale)
+
+    def recorded(self, op: str) -> Callable:
+        """`torch_set`'s op, each call recorded."""
+
+        def call(*args, **kwargs):
+            return self._torch(op)(*args, **kwargs)
+
+        return call
 
 
 def native_invariant_kernels(torch_set: KernelSet) -> KernelSet:
-    """The flag's CPU set over the native kernels, `torch_set`'s ops for the calls they do not
-    take; call `cpu_native.load()` first."""
+    """The flag's CPU set over the native kernels, `torch_set`'s ops (recorded) for the calls they
+    do not take; call `cpu_native.load()` first."""
     ops = NativeInvariantOps(torch_set)
-    return replace(
-        torch_set,
-        name="batch_invariant_cpu_native",
+    native = dict(
         linear=ops.linear,
         rms_norm=ops.rms_norm,
         paged_attention=ops.paged_attention,
@@ -147,5 +166,17 @@ def native_invariant_kernels(torch_set: KernelSet) -> KernelSet:
         rope_qk_write_kv_=ops.rope_qk_write_kv_,
         pack_weight=packed.pack_linear_weight,
         pack_llama_layer=cpu_ops.pack_llama_layer,
-        llama_layer_=cpu_ops.llama_layer_,
+        llama_layer_=cpu_ops.llama_layer_,  # None: the layer runs op by op, through the above
+    )
+    torch_ops = {
+        f.name: ops.recorded(f.name)
+        for f in fields(torch_set)
+        if f.name not in native and callable(getattr(torch_set, f.name))
+    }
+    return replace(
+        torch_set,
+        name="batch_invariant_cpu_native",
+        torch_calls=ops.calls,
+        **native,
+        **torch_ops,
     )
