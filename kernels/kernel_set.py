@@ -98,15 +98,21 @@ class KernelSet:
     # `linear` takes kernels/block_quant.py's `Fp8Weight` as it is (block-scaled FP8 GEMM), so
     # the loader keeps FP8 checkpoints' weights in FP8 on the device; False: it dequantizes them.
     fp8_weights: bool = False
+    # (x [..., G * K], w [N, K] in G row groups, G) -> [..., N], group g's rows against x's g-th K
+    # columns (DeepSeek-V4's grouped output projection on its FP8 weight, kernels/triton/
+    # fp8_matmul.py), or None for a weight it does not take; None: the model's bmm over groups.
+    grouped_linear: Callable[[Tensor, Weight, int], Tensor | None] | None = None
     # Causal varlen attention over gathered per-head keys (kernels/triton/flash_prefill.py's
     # `flash_prefill` signature): MLA's prefill chunks in the decompressed form. None: MLA
     # prefills in the absorbed form through `paged_attention`, as decode does. Prefill chunks
     # only, which are never captured in a graph: it may build its tile layout on the host.
     flash_prefill: Callable[..., Tensor] | None = None
     # DeepSeek-V4's hyper-connections (kernels/triton/hyper_connections.py states the contracts):
-    # (mixes, scale, base, h, iters, eps) -> (post, comb, the block's input), the Sinkhorn mix
-    # included; (h, out, post, comb) -> the expanded streams; (mixes, scale, base, h, eps) -> the
-    # hyper head's collapse. None: the model composes them from torch ops.
+    # (h, fn, eps) -> the mixes, the normed streams times fn; (mixes, scale, base, h, iters,
+    # eps) -> (post, comb, the block's input), the Sinkhorn mix included; (h, out, post, comb) ->
+    # the expanded streams; (mixes, scale, base, h, eps) -> the hyper head's collapse. None: the
+    # model composes them from torch ops.
+    hc_mixes: Callable[[Tensor, Tensor, float], Tensor] | None = None
     hc_collapse: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = None
     hc_expand: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
     hc_head: Callable[..., Tensor] | None = None

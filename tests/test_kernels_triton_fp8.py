@@ -381,6 +381,46 @@ def test_the_default_set_takes_the_gemv_for_few_rows_and_the_invariant_set_never
     )
 
 
+# ---- the grouped projection (DeepSeek-V4's wo_a) ---------------------------------------------
+
+
+def _grouped_case(m: int, groups: int = 2, rows: int = 128, k: int = 256):
+    """A weight of `groups` groups of `rows` rows over k columns (each group quantized on its
+    own blocks) and x [m, groups * k]."""
+    parts = [block_quant.quantize_fp8(_rand(rows, k, seed=40 + g) / k**0.5) for g in range(groups)]
+    w = block_quant.cat_rows(parts, torch.float32)
+    assert isinstance(w, block_quant.Fp8Weight)
+    return parts, w, _rand(m, groups * k, seed=39)
+
+
+@pytest.mark.parametrize("m", [1, 3, fp8_matmul.GEMV_ROWS + 4])
+def test_grouped_linear_is_each_groups_product_on_its_own_columns(m):
+    """Few rows through the GEMV (x as it is), more through the GEMM (x's e4m3 codes): group g's
+    rows against x's g-th run of columns, as a separate call on that slice gives it."""
+    parts, w, x = _grouped_case(m)
+    k = w.shape[1]
+    got = fp8_matmul.grouped_linear_or_none()(x, w, len(parts))
+    fast = fp8_matmul.linear_or(torch.nn.functional.linear)
+    want = torch.cat([fast(x[:, g * k : (g + 1) * k], p) for g, p in enumerate(parts)], dim=1)
+    assert got.shape == (m, w.shape[0])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_invariant_grouped_linear_keeps_a_row_alone_equal_to_it_in_its_batch():
+    parts, w, x = _grouped_case(fp8_matmul.GEMV_ROWS + 4)
+    grouped = fp8_matmul.grouped_linear_or_none(batch_invariant=True)
+    full = grouped(x, w, len(parts))
+    assert torch.equal(grouped(x[2:3], w, len(parts)), full[2:3])
+
+
+def test_grouped_linear_declines_groups_that_cut_a_scale_block_or_plain_weights():
+    w = block_quant.quantize_fp8(_rand(256, 256, seed=38))
+    x = _rand(2, 4 * 256, seed=39)
+    grouped = fp8_matmul.grouped_linear_or_none()  # 4 groups of 64 rows: inside 128-row blocks
+    assert grouped(x, w, 4) is None
+    assert grouped(x, w.dequantize(), 4) is None
+
+
 def test_a_v4_model_on_kept_fp8_and_mxfp4_weights_runs_the_default_set_as_its_dequantized_load(
     tmp_path,
 ):
@@ -524,9 +564,11 @@ def build(fn, types, consts, cfg):
 
 names = "a_ptr as_ptr b_ptr bs_ptr c_ptr M N K s_am s_asm s_bn s_bsn s_cm".split()
 gemm = dict(zip(names, ["*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32", "*bf16"] + ["i32"] * 8))
-for cfg in (f.decode_config(2048), f.LARGE):
+for cfg, group_n in ((f.decode_config(2048), 0), (f.LARGE, 0), (f.decode_config(8192), 1024),
+                     (f.MEDIUM, 1024)):
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=128, SCALE_N=128, GROUP_M=8,
-                  EVEN_K=False, QUANT_A=cfg.block_m <= 16, FP8_MAX=448.0, AMAX_FLOOR=1e-10)
+                  EVEN_K=False, QUANT_A=cfg.block_m <= 16, FP8_MAX=448.0, AMAX_FLOOR=1e-10,
+                  GROUP_N=group_n)
     a_type = "*bf16" if consts["QUANT_A"] else "*fp8e4nv"
     ptx = build(f._fp8_gemm_kernel, dict(gemm, a_ptr=a_type), consts, cfg)
     assert cfg.block_m < 64 or "wgmma" in ptx, "large fp8 tiles on Hopper's wgmma"
@@ -547,16 +589,17 @@ for wfmt, a, w, ws, cfg, ptx, even_k in (
     assert ("mul.rn.bf16x2" in ptx_text) == ptx, "the e2m1 decode taken as asked"
 names = ("x_ptr w_ptr ws_ptr out_ptr y_ptr count_ptr M N K steps_per_split n_split s_xm s_wn "
          "s_wsn s_os s_om").split()
-for block_m, x, w, out, one in (
-    (1, "*bf16", "*fp8e4nv", "*fp32", True), (16, "*bf16", "*fp8e4nv", "*bf16", False),
-    (64, "*fp32", "*fp8e4nv", "*fp32", True), (1, "*bf16", "*bf16", "*fp32", True),
-    (8, "*bf16", "*bf16", "*fp32", True), (4, "*fp32", "*fp32", "*fp32", True),
+for block_m, x, w, out, one, group_n in (
+    (1, "*bf16", "*fp8e4nv", "*fp32", True, 0), (16, "*bf16", "*fp8e4nv", "*bf16", False, 0),
+    (64, "*fp32", "*fp8e4nv", "*fp32", True, 0), (1, "*bf16", "*bf16", "*fp32", True, 0),
+    (8, "*bf16", "*bf16", "*fp32", True, 0), (4, "*fp32", "*fp32", "*fp32", True, 0),
+    (1, "*bf16", "*fp8e4nv", "*fp32", True, 1024), (16, "*bf16", "*fp8e4nv", "*fp32", True, 1024),
 ):
     types = dict(zip(names, [x, w, "*fp32" if w == "*fp8e4nv" else w, out, x, "*i32"]
                      + ["i32"] * 10))
     consts = dict(BLOCK_M=block_m if block_m == 1 else max(16, block_m), BLOCK_N=64, BLOCK_K=128,
                   SCALE_N=128, EVEN_K=False, IEEE=x == "*fp32", SCALED=w == "*fp8e4nv",
-                  ONE_LAUNCH=one, X_TILE=block_m == 1 and w == "*bf16")
+                  ONE_LAUNCH=one, X_TILE=block_m == 1 and w == "*bf16", GROUP_N=group_n)
     ptx = build(fv._gemv_kernel, types, consts, fv.GEMV)
     assert not one or "atom.global.gpu.acq_rel.add" in ptx, "the split count is an acq_rel atomic"
 types = dict(p_ptr="*fp32", y_ptr="*bf16", total="i32")
@@ -567,7 +610,7 @@ build(fv._sum_splits_kernel, types, dict(SPLIT=8, BLOCK=1024), fv.GEMV)
 def test_the_fp8_and_mxfp4_kernels_build_for_hopper():
     """The interpreter runs kernels as Python and misses what only the compiler refuses (a
     module global read in a kernel, an fp8 dot shape): the GEMM's decode and wide tiles, the
-    GEMV's one-row and dot variants and its partials' sum, and the MoE's FP8 (w8a8, w8a16) and
+    GEMV's one-row and dot variants and its partials' sum (both also grouped), and the MoE's FP8 (w8a8, w8a16) and
     MXFP4 variants (integer and PTX e2m1 decode) compiled for sm90, in a process without the interpreter."""
     import subprocess
     import sys

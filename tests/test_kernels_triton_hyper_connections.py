@@ -33,7 +33,7 @@ from deepserve.kernels.triton import rope, routing, rows  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = dict(rtol=1e-6, atol=1e-6)
-FUSED = ("hc_collapse", "hc_expand", "hc_head", "moe_route", "rope_interleaved")
+FUSED = ("hc_mixes", "hc_collapse", "hc_expand", "hc_head", "moe_route", "rope_interleaved")
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +60,27 @@ def _collapse(model, w, h):
 
 
 # ---- hyper-connections ---------------------------------------------------------------------
+
+
+def test_mixes_match_the_models_norm_and_gemm(model):
+    h = _streams(model, 5)
+    for w in (model.layers[0].attn_hc, model.layers[3].ffn_hc, model.hc_head):
+        got = hc.hc_mixes(h, w.fn, model.args.rms_norm_eps)
+        torch.testing.assert_close(got, model._hc_mixes(w, h), rtol=1e-5, atol=1e-6)
+
+
+def test_a_tokens_mixes_do_not_depend_on_the_batch(model):
+    h, w, eps = _streams(model, 2 * hc.MIX_BLOCK_M + 3), model.layers[1].ffn_hc, 1e-6
+    full = hc.hc_mixes(h, w.fn, eps)
+    for t in (0, hc.MIX_BLOCK_M + 1, h.shape[0] - 1):
+        assert torch.equal(hc.hc_mixes(h[t : t + 1], w.fn, eps), full[t : t + 1])
+
+
+def test_mixes_over_more_inputs_than_the_splits_cover_in_one_step():
+    k = hc.MIX_SPLITS * hc.MIX_BLOCK_K * 3 + 50  # three 128-steps a run and a ragged end
+    h, fn = _randn(3, 1, k, seed=13), _randn(24, k, seed=14)
+    want = torch.nn.functional.rms_norm(h.flatten(1), (k,), eps=1e-6) @ fn.T
+    torch.testing.assert_close(hc.hc_mixes(h, fn, 1e-6), want, rtol=1e-5, atol=1e-5)
 
 
 def test_collapse_matches_the_models_composition(model):
@@ -179,11 +200,12 @@ def test_interleaved_rope_declines_other_layouts():
 
 
 def test_tiny_v4_logits_with_the_fused_ops_match_the_composed_ones(model):
-    """Exact-order float32 sums in the interpreter; CUDA's fused multiply-adds round apart."""
-    tol = 1e-5 if DEVICE == "cpu" else 1e-4
+    """The mixes sum their products in split order and scale after (the composition: scale,
+    then cuBLAS's or torch's order); CUDA's fused multiply-adds round apart too."""
+    tol = 1e-4
     fused = copy.copy(model)
     fused.k = dataclasses.replace(
-        model.k, hc_collapse=hc.hc_collapse, hc_expand=hc.hc_expand, hc_head=hc.hc_head,
+        model.k, hc_mixes=hc.hc_mixes, hc_collapse=hc.hc_collapse, hc_expand=hc.hc_expand, hc_head=hc.hc_head,
         moe_route=routing.route, rope_interleaved=rope.rope_interleaved,
         silu_mul=rows.silu_mul,  # the shared expert's clamped SwiGLU in one launch
     )  # fmt: skip
@@ -204,8 +226,8 @@ def test_both_cuda_sets_take_the_hyper_connection_and_routing_kernels():
     from deepserve.kernels.triton import kernelset
 
     for cuda_set in (kernelset.fast_kernels(reference.KERNELS), kernelset.triton_kernels(reference.KERNELS)):  # fmt: skip
-        assert (cuda_set.hc_collapse, cuda_set.hc_expand, cuda_set.hc_head) == (
-            hc.hc_collapse, hc.hc_expand, hc.hc_head,
+        assert (cuda_set.hc_mixes, cuda_set.hc_collapse, cuda_set.hc_expand, cuda_set.hc_head) == (
+            hc.hc_mixes, hc.hc_collapse, hc.hc_expand, hc.hc_head,
         )  # fmt: skip
         assert cuda_set.moe_route is routing.route
         assert cuda_set.rope_interleaved is rope.rope_interleaved
@@ -229,6 +251,10 @@ collapse = "mix_ptr scale_ptr base_ptr h_ptr post_ptr comb_ptr x_ptr HIDDEN s_m 
 for mix in (True, False):
     types = ["*fp32"] * 3 + ["*bf16", "*fp32", "*fp32", "*bf16"] + ["i32"] * 6 + ["fp32"]
     build(hc._collapse_kernel, collapse, types, dict(N=4, N_P2=4, MIX=mix, BLOCK=1024))
+mixes = "h_ptr fn_ptr part_ptr sq_ptr y_ptr count_ptr T M K steps s_ht s_fm eps"
+for h_type in ("*bf16", "*fp32"):
+    types = [h_type, "*fp32", "*fp32", "*fp32", "*fp32", "*i32"] + ["i32"] * 6 + ["fp32"]
+    build(hc._mixes_kernel, mixes, types, dict(SPLITS=32, BLOCK_M=16, BLOCK_K=128, M_P2=32))
 expand = "h_ptr out_ptr post_ptr comb_ptr y_ptr HIDDEN s_ht s_hn s_ot s_yt s_yn"
 types = ["*bf16", "*bf16", "*fp32", "*fp32", "*bf16"] + ["i32"] * 6
 build(hc._expand_kernel, expand, types, dict(N=4, N_P2=4, BLOCK=256))
@@ -247,7 +273,8 @@ build(rope._rope_interleaved_kernel, names, types, consts)
 
 def test_the_kernels_build_for_hopper():
     """The interpreter runs kernels as Python and misses what only the compiler refuses: the
-    hyper-connection kernels (with and without the Sinkhorn branch), the routing kernel's
+    hyper-connection kernels (the mixes from bf16 and float32 streams, the collapse with and
+    without the Sinkhorn branch), the routing kernel's
     sqrtsoftplus and given-experts variants and the interleaved rope compiled for sm90, without
     the interpreter."""
     import subprocess

@@ -321,6 +321,7 @@ def compile_gemv(w: str, x: str, block_m: int, one_launch: bool, x_tile: bool = 
     const = dict(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=fp8_gemv.GROUP, SCALE_N=128, EVEN_K=True,
         IEEE=x == "fp32", SCALED=w == "fp8e4nv", ONE_LAUNCH=one_launch, X_TILE=x_tile,
+        GROUP_N=0,
     )  # fmt: skip
     sig.update({name: "constexpr" for name in const})
     div = [n for n in names if n.endswith("_ptr") or n in ("K", "s_xm", "s_wn")]

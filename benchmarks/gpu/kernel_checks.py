@@ -1220,6 +1220,36 @@ def check_fp8_linear(rows: list) -> None:
         torch.cuda.empty_cache()
 
 
+def check_grouped_fp8(rows: list) -> None:
+    """V4-Flash's grouped output projection (wo_a: 8 groups of 1,024 rows over 4,096 columns
+    each) on its FP8 weight through the default and invariant sets' `grouped_linear`: error
+    against the per-group float32 product (gate 2e-2), a row alone equal to it in a batch under
+    the invariant set, us a call in a CUDA graph of 20 calls beside the bf16 bmm it replaces."""
+    from deepserve.kernels import block_quant
+    from deepserve.kernels.triton import fp8_matmul
+
+    groups, n, k = 8, 8192, 4096
+    g = torch.Generator(device="cuda").manual_seed(11)
+    w = block_quant.quantize_fp8(torch.randn(n, k, device="cuda", generator=g) / k**0.5)
+    w_deq = w.dequantize(torch.bfloat16)
+    per_group = w_deq.view(groups, n // groups, k).transpose(1, 2)
+    fast, invariant = (fp8_matmul.grouped_linear_or_none(flag) for flag in (False, True))
+    x_all = torch.randn(256, groups * k, device="cuda", generator=g).to(torch.bfloat16)
+    for m in (1, 16, 64, 256):
+        x = x_all[:m]
+        want = torch.einsum("tgk,gkn->tgn", x.float().view(m, groups, k), per_group.float())
+        got, inv = fast(x, w, groups), invariant(x, w, groups)
+        row = dict(op="grouped_fp8_linear", m=m, rel_err=rel(got, want.reshape(m, n)),
+                   rel_err_invariant=rel(inv, want.reshape(m, n)))  # fmt: skip
+        row["ok"] = max(row["rel_err"], row["rel_err_invariant"]) < 2e-2
+        row["row_invariant"] = bool(torch.equal(invariant(x[m - 1 :], w, groups), inv[m - 1 :]))
+        bmm = lambda x=x: torch.matmul(x.view(-1, groups, k).transpose(0, 1), per_group)  # noqa: E731
+        row["us_fp8"] = round(_graph_us(lambda x=x: fast(x, w, groups), 20), 2)
+        row["us_bf16_bmm"] = round(_graph_us(bmm, 20), 2)
+        rows.append(row)
+        print(row, flush=True)
+
+
 def time_fp8_decode_tiles(rows: list) -> None:
     """BLOCK_M 16 tiles of other widths, warps and stages at M = 1 on the V2-Lite and V3 shapes:
     the data to pick fp8_matmul.decode_config's tiles from (the error of each is checked too;
@@ -1493,6 +1523,7 @@ def run_fp8(
     rows = out.setdefault("fp8", [])
     every = (
         check_fp8_linear,
+        check_grouped_fp8,
         functools.partial(check_quantized_moe, shapes=moe_shapes or FP8_MOE_DEFAULT),
         functools.partial(check_mxfp4_moe, shapes=moe_shapes or ("v4-flash",), deadline=deadline),
         check_fp8_model,

@@ -31,7 +31,8 @@ no loop over sequences and no host sync, so decode steps may replay from CUDA gr
 the published layout (engine/testmodels/deepseek_v4_layout.py names it). Matmul weights are read
 as the KernelSet runs them (`WeightStore.get_linear`): a published V4 checkpoint (FP8 dense
 projections, MXFP4 routed experts) stays quantized on a set that runs those formats, and is
-dequantized at load on the others; `wo_a` is always dequantized (see `_load_attention`).
+dequantized at load on the others; `wo_a` stays FP8 only where the set has a grouped FP8
+linear (see `_load_attention`).
 """
 
 from __future__ import annotations
@@ -230,7 +231,7 @@ class _Attention:
     wq_b: Matrix
     wkv: Matrix
     kv_norm: torch.Tensor
-    wo_a: torch.Tensor  # [groups, o_lora, heads * head_dim / groups], plain (a bmm's operand)
+    wo_a: Matrix  # [groups * o_lora, heads * head_dim / groups]
     wo_b: Matrix
     sinks: torch.Tensor  # [heads] float32
     compressor: _Compressor | None
@@ -380,12 +381,11 @@ class DeepseekV4ForCausalLM:
                     w, p + "indexer.compressor.", ratio, row.idx_kv, row.idx_gate, row.idx_key
                 ),
             )
-        # wo_a is viewed as [groups, o_lora, heads * head_dim / groups] and run as the set's
-        # batched matmul over the head groups (each group's heads against its own slice): the
-        # set's bmm takes plain tensors only and the FP8 kernels 2-D weights, so it is
-        # dequantized once at load (its decode read is bf16's bytes; a grouped FP8 kernel could
-        # halve that)
-        wo_a = w.get(p + "wo_a.weight")
+        # wo_a runs per head group (each group's heads against its own rows): as the set's
+        # grouped FP8 linear where it has one (half bf16's bytes a decode step), else as a bmm
+        # over the weight viewed [groups, o_lora, heads * head_dim / groups], dequantized at load
+        name = p + "wo_a.weight"
+        wo_a = w.get(name) if self.k.grouped_linear is None else w.get_linear(name)
         return _Attention(
             kind=kind,
             row=row,
@@ -394,7 +394,7 @@ class DeepseekV4ForCausalLM:
             wq_b=w.get_linear(p + "wq_b.weight"),
             wkv=w.get_linear(p + "wkv.weight"),
             kv_norm=w.get(p + "kv_norm.weight", F32),
-            wo_a=wo_a.view(a.o_groups, a.o_lora_rank, -1),
+            wo_a=wo_a,
             wo_b=w.get_linear(p + "wo_b.weight"),
             sinks=w.get(p + "attn_sink", F32),
             compressor=compressor,
@@ -520,6 +520,8 @@ class DeepseekV4ForCausalLM:
     # ---- hyper-connections ---------------------------------------------------------------------
 
     def _hc_mixes(self, w: _HyperConnection, h: torch.Tensor) -> torch.Tensor:
+        if self.k.hc_mixes is not None:  # one launch for the cast, the norm and the GEMM
+            return self.k.hc_mixes(h, w.fn, self.args.rms_norm_eps)
         flat = self._norm(h.flatten(1).float())
         return self.k.linear(flat, w.fn)
 
@@ -644,10 +646,16 @@ class DeepseekV4ForCausalLM:
 
     def _output(self, w: _Attention, out: torch.Tensor) -> torch.Tensor:
         """Grouped low-rank output projection: each group of heads -> o_lora, then all -> hidden."""
-        groups = w.wo_a.shape[0]
-        grouped = out.reshape(out.shape[0], groups, -1).transpose(0, 1)  # [G, T, heads*D/G]
-        mid = self.k.bmm(grouped, w.wo_a.transpose(1, 2))  # [G, T, o_lora]
-        return self.k.linear(mid.transpose(0, 1).reshape(out.shape[0], -1), w.wo_b)
+        tokens, groups = out.shape[0], self.args.o_groups
+        mid = None
+        if self.k.grouped_linear is not None:
+            mid = self.k.grouped_linear(out.reshape(tokens, -1), w.wo_a, groups)
+        if mid is None:
+            wo_a = w.wo_a if isinstance(w.wo_a, torch.Tensor) else w.wo_a.dequantize(out.dtype)
+            grouped = out.reshape(tokens, groups, -1).transpose(0, 1)  # [G, T, heads*D/G]
+            per_group = wo_a.view(groups, -1, wo_a.shape[-1]).transpose(1, 2)
+            mid = self.k.bmm(grouped, per_group).transpose(0, 1).reshape(tokens, -1)
+        return self.k.linear(mid, w.wo_b)
 
     # ---- MoE -----------------------------------------------------------------------------------
 

@@ -150,13 +150,16 @@ def _gemv_kernel(
     s_xm, s_wn, s_wsn, s_os, s_om,
     BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_K: constexpr, SCALE_N: constexpr,
     EVEN_K: constexpr, IEEE: constexpr, SCALED: constexpr, ONE_LAUNCH: constexpr,
-    X_TILE: constexpr,
+    X_TILE: constexpr, GROUP_N: constexpr,
 ):  # fmt: skip
     """out[split, m, n]: the partial sums of split `program_id(1)`'s K steps (with one split,
     `out` is y itself, in its dtype). With ONE_LAUNCH the last of a row block's programs to
-    finish adds its `n_split` partials into y, in split order, and zeroes its counter."""
+    finish adds its `n_split` partials into y, in split order, and zeroes its counter. With
+    GROUP_N, w's rows come in groups of GROUP_N and group g reads x's g-th run of K columns."""
     pn = tl.program_id(0)
     split = tl.program_id(1)
+    if GROUP_N:
+        x_ptr += (pn * BLOCK_N // GROUP_N) * K
     rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     rb = tl.minimum(rn, N - 1)  # rows past N repeat a real one (never stored): no row mask
     w_base = w_ptr + rb[:, None].to(tl.int64) * s_wn  # [BLOCK_N, BLOCK_K] tiles, K contiguous
@@ -234,9 +237,13 @@ def supports_plain(x: torch.Tensor, w: torch.Tensor) -> bool:
     )
 
 
-def fp8_gemv(x: torch.Tensor, w: Fp8Weight, cfg: GemvConfig = GEMV) -> torch.Tensor:
-    """x[..., K] (at most MAX_ROWS rows) @ dequant(w)[N, K].T in x's dtype, x as it is."""
-    return _launch(x, w.data, w.scale, w.block[0], cfg)
+def fp8_gemv(
+    x: torch.Tensor, w: Fp8Weight, cfg: GemvConfig = GEMV, groups: int = 1
+) -> torch.Tensor:
+    """x[..., K] (at most MAX_ROWS rows) @ dequant(w)[N, K].T in x's dtype, x as it is. With
+    `groups` G: x[..., G * K] and w's rows in G equal groups, group g against x's g-th K columns
+    (a grouped projection without splitting x): `[..., N]`."""
+    return _launch(x, w.data, w.scale, w.block[0], cfg, groups)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig = GEMV) -> torch.Tensor:
@@ -244,10 +251,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig = GEMV) -> torch.Tens
     return _launch(x, w, w, 0, cfg)
 
 
-def _launch(x, w_data, w_scale, scale_n: int, cfg: GemvConfig) -> torch.Tensor:
-    lead, k = x.shape[:-1], x.shape[-1]
-    n = w_data.shape[0]
-    flat = x.reshape(-1, k)
+def _launch(x, w_data, w_scale, scale_n: int, cfg: GemvConfig, groups: int = 1) -> torch.Tensor:
+    lead, n, k = x.shape[:-1], w_data.shape[0], w_data.shape[1]
+    assert x.shape[-1] == groups * k and (groups == 1 or n % (groups * cfg.block_n) == 0)
+    flat = x.reshape(-1, groups * k)
     if flat.stride(-1) != 1:  # the kernel reads rows of unit stride
         flat = flat.contiguous()
     m = flat.shape[0]
@@ -265,7 +272,7 @@ def _launch(x, w_data, w_scale, scale_n: int, cfg: GemvConfig) -> torch.Tensor:
         BLOCK_M=1 if m == 1 else max(16, next_power_of_2(m)), BLOCK_N=cfg.block_n,
         BLOCK_K=GROUP, SCALE_N=max(scale_n, 1), EVEN_K=k % GROUP == 0,
         IEEE=x.dtype == torch.float32, SCALED=scale_n > 0, ONE_LAUNCH=one_launch,
-        X_TILE=cfg.x_tile and m == 1,
+        X_TILE=cfg.x_tile and m == 1, GROUP_N=n // groups if groups > 1 else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split > 1 and not one_launch:

@@ -138,9 +138,11 @@ def _fp8_gemm_kernel(
     s_am, s_asm, s_bn, s_bsn, s_cm,
     BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_K: constexpr, SCALE_N: constexpr,
     GROUP_M: constexpr, EVEN_K: constexpr,
-    QUANT_A: constexpr, FP8_MAX: constexpr, AMAX_FLOOR: constexpr,
+    QUANT_A: constexpr, FP8_MAX: constexpr, AMAX_FLOOR: constexpr, GROUP_N: constexpr,
 ):  # fmt: skip
-    """a: e4m3 codes with scales at as_ptr, or with QUANT_A x itself, quantized per 128-step."""
+    """a: e4m3 codes with scales at as_ptr, or with QUANT_A x itself, quantized per 128-step.
+    With GROUP_N, b's rows come in groups of GROUP_N and group g reads a's g-th run of K
+    columns (and of K / 128 scales)."""
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -159,6 +161,10 @@ def _fp8_gemm_kernel(
         b_ptr + rb[None, :].to(tl.int64) * s_bn
     )  # w [N, K]: the tile is K-major, as wgmma wants
     a_scale = as_ptr + ra * s_asm
+    if GROUP_N:
+        group = pn * BLOCK_N // GROUP_N
+        a_base += group * K
+        a_scale += group * tl.cdiv(K, BLOCK_K)
     b_scale = bs_ptr + (rb // SCALE_N) * s_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
@@ -192,12 +198,15 @@ def fp8_linear(
     w: Fp8Weight,
     cfg: Fp8TileConfig | None = None,
     inline_quant: bool | None = None,
+    groups: int = 1,
 ) -> torch.Tensor:
     """x[..., K] @ dequant(w)[N, K].T in x's dtype, x quantized per row and 128 columns (in the
-    GEMM with `inline_quant`; None: up to INLINE_QUANT_ROWS rows; the bits are the same)."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    n = w.data.shape[0]
-    flat = x.reshape(-1, k)
+    GEMM with `inline_quant`; None: up to INLINE_QUANT_ROWS rows; the bits are the same). With
+    `groups` G: x[..., G * K] and w's rows in G equal groups, group g against x's g-th K columns
+    (DeepSeek-V4's grouped output projection, without splitting x): `[..., N]`."""
+    lead, n, k = x.shape[:-1], w.data.shape[0], w.data.shape[1]
+    assert x.shape[-1] == groups * k and (groups == 1 or k % GROUP == 0)
+    flat = x.reshape(-1, groups * k)
     if flat.stride(-1) != 1:  # the kernels read rows of unit stride
         flat = flat.contiguous()
     m = flat.shape[0]
@@ -205,6 +214,7 @@ def fp8_linear(
     if m == 0 or n == 0:
         return out.reshape(*lead, n)
     cfg = cfg or default_config(m, n)
+    assert n % (groups * cfg.block_n) == 0 or groups == 1, "a tile's columns span two groups"
     inline = m <= INLINE_QUANT_ROWS if inline_quant is None else inline_quant
     q, qs = (flat, flat) if inline else quantize_groups(flat)
     grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n),)
@@ -215,7 +225,7 @@ def fp8_linear(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP, SCALE_N=w.block[0],
         GROUP_M=cfg.group_m, EVEN_K=k % GROUP == 0,
         QUANT_A=inline, FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        GROUP_N=n // groups if groups > 1 else 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out.reshape(*lead, n)
 
@@ -251,3 +261,24 @@ def linear_or(
         return base(x, w)
 
     return linear
+
+
+def grouped_linear_or_none(batch_invariant: bool = False) -> Callable[..., torch.Tensor | None]:
+    """A set's `grouped_linear`: (x [..., G * K], w [N, K] with rows in G groups, G) ->
+    `[..., N]`, group g's rows against x's g-th K columns, for an `Fp8Weight` by `path` as
+    `linear_or` sends it; None for a weight it does not take (the model's bmm runs it then):
+    groups of whole 128-row blocks over whole 128-column steps, so no tile spans two groups."""
+
+    def grouped_linear(x: torch.Tensor, w, groups: int) -> torch.Tensor | None:
+        if not isinstance(w, Fp8Weight) or not supports(w):
+            return None
+        n, k = w.shape
+        if n % groups or (n // groups) % GROUP or k % GROUP:
+            return None
+        rows = x.numel() // max(x.shape[-1], 1)
+        if path(rows, w, batch_invariant) == "gemv":
+            return fp8_gemv.fp8_gemv(x, w, groups=groups)
+        cfg = decode_config(w.shape[0]) if batch_invariant else None
+        return fp8_linear(x, w, cfg, groups=groups)
+
+    return grouped_linear

@@ -1,11 +1,17 @@
-"""DeepSeek-V4's hyper-connections in one launch each: the collapse of the residual streams into
-a block's input (with the Sinkhorn-normalised stream mix), the expansion of the block's output
-back into the streams, and the hyper head's collapse.
+"""DeepSeek-V4's hyper-connections in one launch each: the mixes (the RMS-normed streams times
+`fn`), the collapse of the residual streams into a block's input (with the Sinkhorn-normalised
+stream mix), the expansion of the block's output back into the streams, and the hyper head's
+collapse.
 
-They mirror `DeepseekV4ForCausalLM._hc_collapse`, `_hc_expand` and `_hyper_head`
+They mirror `DeepseekV4ForCausalLM._hc_mixes`, `_hc_collapse`, `_hc_expand` and `_hyper_head`
 (engine/models/deepseek_v4.py), which compose the same maths from ~90 small torch ops per
-hyper-connection (the Sinkhorn passes are most of them). The mixes themselves (the normed streams
-times `fn`, a GEMM) stay outside: one program per token could not read `fn` at HBM speed.
+hyper-connection (the Sinkhorn passes are most of them). The mixes are a skinny GEMM (`fn` has
+(2 + n) * n = 24 rows over n * hidden = 16,384 inputs): the composition ran a float32 cast, a norm
+and cuBLAS's sgemm + split-K reduce (4 launches, ~24 us a call at batch 64 on the H200); here one
+launch cuts K into MIX_SPLITS fixed runs, each program also sums its rows' squares, and the last
+program of a row block adds the partials in split order and applies the norm's scale (the
+counters of fp8_gemv.py). The norm's scale is applied after the product, not to each input: the
+same sum up to rounding.
 
 Every program owns one token (and one block of hidden columns): the 4 x 4 Sinkhorn tile lives in
 registers, stream sums run in stream order, so a token's result never depends on the batch.
@@ -17,9 +23,15 @@ from __future__ import annotations
 
 import torch
 
+from deepserve.kernels.triton.fp8_gemv import counters
 from deepserve.kernels.triton.lang import cdiv, constexpr, jit, next_power_of_2, tl
 
 BLOCK = 1024  # hidden columns per program: V4-Flash's 4096 spreads a decode token over 4 SMs
+# The mixes: K runs a row block's sum is cut into, fixed whatever the rows (so a row's bits never
+# depend on its batch): 32 x 4 steps of 128 at V4-Flash's 16,384 inputs, 128 programs at batch 64
+MIX_SPLITS = 32
+MIX_BLOCK_M = 16  # rows per program: tl.dot's least M
+MIX_BLOCK_K = 128
 
 
 @jit
@@ -81,6 +93,51 @@ def _collapse_kernel(
             _sinkhorn(mix_ptr, scale_ptr, base_ptr, comb_ptr + t * N * N, iters, eps, N, N_P2)
 
 
+@jit(do_not_specialize=["T"])
+def _mixes_kernel(
+    h_ptr, fn_ptr, part_ptr, sq_ptr, y_ptr, count_ptr, T, M, K, steps, s_ht, s_fm, eps,
+    SPLITS: constexpr, BLOCK_M: constexpr, BLOCK_K: constexpr, M_P2: constexpr,
+):  # fmt: skip
+    """Partial products and squares of rows `program_id(0)`'s block over K run `program_id(1)`;
+    the last program of a row block to finish adds the SPLITS partials in split order and
+    writes `y = (sum x * fn) * rsqrt(sum x^2 / K + eps)`, then zeroes its counter."""
+    pm, split = tl.program_id(0), tl.program_id(1)
+    rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rm < T
+    rows = tl.minimum(rm, T - 1).to(tl.int64)  # rows past T repeat a real one (never stored)
+    cols = tl.arange(0, M_P2)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, M_P2), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    first = split * steps
+    for kb in range(first, tl.minimum(first + steps, tl.cdiv(K, BLOCK_K))):
+        kk = kb * BLOCK_K + rk
+        x = tl.load(h_ptr + rows[:, None] * s_ht + kk[None, :], mask=kk[None, :] < K, other=0.0)
+        x = x.to(tl.float32)
+        w_ok = (kk[:, None] < K) & (cols[None, :] < M)
+        w = tl.load(fn_ptr + cols[None, :] * s_fm + kk[:, None], mask=w_ok, other=0.0)
+        acc += tl.dot(x, w, input_precision="ieee", out_dtype=tl.float32)
+        sq += tl.sum(x * x, axis=1)
+    part = split * T + rm  # partials [SPLITS, T, M_P2] and squares [SPLITS, T]
+    tl.store(part_ptr + part[:, None] * M_P2 + cols[None, :], acc, mask=row_ok[:, None])
+    tl.store(sq_ptr + part, sq, mask=row_ok)
+    tl.debug_barrier()  # every thread's partial stored before the count releases them
+    done = tl.atomic_add(count_ptr + pm, 1, sem="acq_rel", scope="gpu")
+    if done == SPLITS - 1:
+        at = rm[:, None] * M_P2 + cols[None, :]
+        total = tl.load(part_ptr + at, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+        squares = tl.load(sq_ptr + rm, mask=row_ok, other=0.0, cache_modifier=".cg")
+        for s in range(1, SPLITS):
+            total += tl.load(
+                part_ptr + s * T * M_P2 + at, mask=row_ok[:, None], other=0.0, cache_modifier=".cg"
+            )
+            squares += tl.load(sq_ptr + s * T + rm, mask=row_ok, other=0.0, cache_modifier=".cg")
+        scale = 1.0 / tl.sqrt_rn(squares / K + eps)
+        keep = row_ok[:, None] & (cols[None, :] < M)
+        tl.store(y_ptr + rm[:, None] * M + cols[None, :], total * scale[:, None], mask=keep)
+        tl.atomic_xchg(count_ptr + pm, 0, sem="relaxed", scope="gpu")
+
+
 @jit
 def _expand_kernel(
     h_ptr, out_ptr, post_ptr, comb_ptr, y_ptr, HIDDEN, s_ht, s_hn, s_ot, s_yt, s_yn,
@@ -122,6 +179,28 @@ def _collapse(mixes, scale, base, h, iters, eps, mix: bool):
             BLOCK=block,
         )  # fmt: skip
     return post, comb, x
+
+
+def hc_mixes(h: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    """Streams h `[T, n, hidden]` (any float dtype), fn `[M, n * hidden]` float32 ->
+    `rms_norm(h.flatten(1).float()) @ fn.T`, `[T, M]` float32, the norm unweighted."""
+    tokens = h.shape[0]
+    flat = _inner_contiguous(h.reshape(tokens, -1))
+    m, k = fn.shape
+    y = torch.empty(tokens, m, device=h.device, dtype=torch.float32)
+    if tokens == 0:
+        return y
+    m_p2 = max(16, next_power_of_2(m))
+    part = torch.empty(MIX_SPLITS, tokens, m_p2, device=h.device, dtype=torch.float32)
+    sq = torch.empty(MIX_SPLITS, tokens, device=h.device, dtype=torch.float32)
+    blocks = cdiv(tokens, MIX_BLOCK_M)
+    fn = _inner_contiguous(fn.float())
+    _mixes_kernel[(blocks, MIX_SPLITS)](
+        flat, fn, part, sq, y, counters(h.device, blocks), tokens, m, k,
+        cdiv(cdiv(k, MIX_BLOCK_K), MIX_SPLITS), flat.stride(0), fn.stride(0), eps,
+        SPLITS=MIX_SPLITS, BLOCK_M=MIX_BLOCK_M, BLOCK_K=MIX_BLOCK_K, M_P2=m_p2,
+    )  # fmt: skip
+    return y
 
 
 def hc_collapse(

@@ -56,6 +56,7 @@ def _with_v4_ops(kernels: KernelSet) -> KernelSet:
         "indexer_topk": sparse_attention.indexer_topk,
         "compress_pool": sparse_attention.compress_pool,
         # a program per token (and block of columns), streams summed in order: invariant too
+        "hc_mixes": hyper_connections.hc_mixes,  # K runs fixed by the weight, summed in order
         "hc_collapse": hyper_connections.hc_collapse,
         "hc_expand": hyper_connections.hc_expand,
         "hc_head": hyper_connections.hc_head,
@@ -88,6 +89,7 @@ def fast_kernels(base: KernelSet) -> KernelSet | None:
         moe_route=routing.route,
         graph_safe=True,
         fp8_weights=True,
+        grouped_linear=fp8_matmul.grouped_linear_or_none(),
         flash_prefill=flash_prefill,
     )
     return _with_v4_ops(fast)
@@ -118,5 +120,6 @@ def triton_kernels(base: KernelSet) -> KernelSet:
         moe_route=routing.route,
         graph_safe=True,
         fp8_weights=True,
+        grouped_linear=fp8_matmul.grouped_linear_or_none(batch_invariant=True),
     )
     return _with_v4_ops(invariant)  # fixed splits and tiles: invariant by construction
