@@ -42,7 +42,7 @@ FREE = {
 }  # fmt: skip
 # KernelSet fields the CUDA sets run as one Triton kernel or cuBLAS call each
 OPAQUE = ("linear", "rms_norm", "bmm", "sparse_attention", "indexer_topk", "compress_pool", "moe")
-FUSED = ("hc_collapse", "hc_expand", "hc_head", "moe_route", "rope_interleaved")
+FUSED = ("hc_mixes", "hc_collapse", "hc_expand", "hc_head", "moe_route", "rope_interleaved")
 
 
 class LaunchCount(TorchDispatchMode):
@@ -90,7 +90,8 @@ def _kernels(counter: LaunchCount, fused: tuple[str, ...]):
         from deepserve.kernels.triton import hyper_connections as hc
         from deepserve.kernels.triton import rope, routing
 
-        kernels = dict(hc_collapse=hc.hc_collapse, hc_expand=hc.hc_expand, hc_head=hc.hc_head)
+        kernels = dict(hc_mixes=hc.hc_mixes, hc_collapse=hc.hc_collapse, hc_expand=hc.hc_expand)
+        kernels["hc_head"] = hc.hc_head
         kernels.update(moe_route=routing.route, rope_interleaved=rope.rope_interleaved)
         ops.update({name: kernels[name] for name in fused})
     wrapped = {name: counter.opaque(name, fn) for name, fn in ops.items()}

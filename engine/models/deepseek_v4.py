@@ -170,6 +170,8 @@ class _Rope:
     def __init__(self, inv_freq: torch.Tensor, factor: float) -> None:
         self.inv_freq, self.factor = inv_freq, factor  # [rope_dim // 2] float32
         self.cos = self.sin = inv_freq.new_empty(0, inv_freq.shape[0])
+        # the tables cast to each dtype asked for, so a step gathers without a cast launch
+        self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def at(
         self, positions: torch.Tensor, upto: int, dtype: torch.dtype
@@ -178,7 +180,10 @@ class _Rope:
         below `upto` (a host value, so growing the table costs no sync)."""
         if self.cos.shape[0] < upto:
             self._grow(upto)
-        return self.cos[positions].to(dtype)[:, None], self.sin[positions].to(dtype)[:, None]
+        if dtype not in self._cast:
+            self._cast[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
+        cos, sin = self._cast[dtype]
+        return cos[positions][:, None], sin[positions][:, None]
 
     def _grow(self, upto: int) -> None:
         cos, sin = [self.cos], [self.sin]
@@ -188,6 +193,7 @@ class _Rope:
             cos.append(freqs.cos() * self.factor)
             sin.append(freqs.sin() * self.factor)
         self.cos, self.sin = torch.cat(cos), torch.cat(sin)
+        self._cast.clear()
 
 
 @dataclass
@@ -207,7 +213,7 @@ class _Compressor:
     wkv: Matrix  # [series * dim, hidden]
     wgate: Matrix
     ape: torch.Tensor  # [ratio, series * dim] float32, added to the gate by position in group
-    norm: torch.Tensor  # [dim] float32
+    norm: torch.Tensor  # [dim]
     ratio: int
     series: int
     kv: slice
@@ -317,7 +323,7 @@ class DeepseekV4ForCausalLM:
         self.embed = weights.get("embed.weight")
         self.layers = [self._load_layer(weights, i) for i in range(a.num_layers)]
         self.hc_head = self._load_hc(weights, "hc_head_", a.hc_mult)
-        self.norm = weights.get("norm.weight", F32)
+        self.norm = weights.get("norm.weight")
         self.lm_head = weights.get("head.weight")
         self.mtp = [self._load_mtp(weights, j) for j in range(self.num_mtp_layers)]
 
@@ -334,10 +340,10 @@ class DeepseekV4ForCausalLM:
     def _load_block(self, w: WeightStore, p: str, kind: str, hashed: bool) -> _Layer:
         return _Layer(
             attn_hc=self._load_hc(w, p + "hc_attn_", self.args.hc_mult),
-            attn_norm=w.get(p + "attn_norm.weight", F32),
+            attn_norm=w.get(p + "attn_norm.weight"),
             attn=self._load_attention(w, p + "attn.", kind),
             ffn_hc=self._load_hc(w, p + "hc_ffn_", self.args.hc_mult),
-            ffn_norm=w.get(p + "ffn_norm.weight", F32),
+            ffn_norm=w.get(p + "ffn_norm.weight"),
             moe=self._load_moe(w, p + "ffn.", hashed),
         )
 
@@ -347,13 +353,13 @@ class DeepseekV4ForCausalLM:
         own_embed, own_head = p + "emb.tok_emb.weight", p + "head.weight"
         return _MTP(
             embed=w.get(own_embed) if w.has(own_embed) else self.embed,
-            enorm=w.get(p + "enorm.weight", F32),
-            hnorm=w.get(p + "hnorm.weight", F32),
+            enorm=w.get(p + "enorm.weight"),
+            hnorm=w.get(p + "hnorm.weight"),
             e_proj=w.get_linear(p + "e_proj.weight"),
             h_proj=w.get_linear(p + "h_proj.weight"),
             layer=self._load_block(w, p, self.args.mtp_layer_types[j], hashed=False),
             hc_head=self._load_hc(w, p + "hc_head_", self.args.hc_mult),
-            norm=w.get(p + "norm.weight", F32),
+            norm=w.get(p + "norm.weight"),
             head=w.get(own_head) if w.has(own_head) else self.lm_head,
         )
 
@@ -390,10 +396,10 @@ class DeepseekV4ForCausalLM:
             kind=kind,
             row=row,
             wq_a=w.get_linear(p + "wq_a.weight"),
-            q_norm=w.get(p + "q_norm.weight", F32),
+            q_norm=w.get(p + "q_norm.weight"),
             wq_b=w.get_linear(p + "wq_b.weight"),
             wkv=w.get_linear(p + "wkv.weight"),
-            kv_norm=w.get(p + "kv_norm.weight", F32),
+            kv_norm=w.get(p + "kv_norm.weight"),
             wo_a=wo_a,
             wo_b=w.get_linear(p + "wo_b.weight"),
             sinks=w.get(p + "attn_sink", F32),
@@ -406,7 +412,7 @@ class DeepseekV4ForCausalLM:
         w: WeightStore, p: str, ratio: int, kv: slice, gate: slice, out: slice
     ) -> _Compressor:
         wkv = w.get_linear(p + "wkv.weight")
-        norm = w.get(p + "norm.weight", F32)
+        norm = w.get(p + "norm.weight")
         return _Compressor(
             wkv=wkv, wgate=w.get_linear(p + "wgate.weight"), ape=w.get(p + "ape", F32), norm=norm,
             ratio=ratio, series=wkv.shape[0] // norm.shape[0], kv=kv, gate=gate, out=out,
@@ -504,7 +510,9 @@ class DeepseekV4ForCausalLM:
         return self._hc_expand(h, out, post, comb)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        """RMSNorm in float32, back in x's dtype; without a weight, the unweighted norm."""
+        """RMSNorm in float32, back in x's dtype; without a weight, the unweighted norm. Norm
+        weights are held in the model's dtype (as transformers holds them): a bf16 norm is then
+        one launch writing bf16, not a float32 product and a cast."""
         if weight is None:
             key = (x.shape[-1], x.dtype)
             if key not in self._ones:
