@@ -254,7 +254,8 @@ for mix in (True, False):
 mixes = "h_ptr fn_ptr part_ptr sq_ptr y_ptr count_ptr T M K steps s_ht s_fm eps"
 for h_type in ("*bf16", "*fp32"):
     types = [h_type, "*fp32", "*fp32", "*fp32", "*fp32", "*i32"] + ["i32"] * 6 + ["fp32"]
-    build(hc._mixes_kernel, mixes, types, dict(SPLITS=32, BLOCK_M=16, BLOCK_K=128, M_P2=32))
+    consts = dict(SPLITS=32, BLOCK_M=16, BLOCK_K=128, M_P2=32, PRECISION=hc.MIX_PRECISION)
+    build(hc._mixes_kernel, mixes, types, consts)
 expand = "h_ptr out_ptr post_ptr comb_ptr y_ptr HIDDEN s_ht s_hn s_ot s_yt s_yn"
 types = ["*bf16", "*bf16", "*fp32", "*fp32", "*bf16"] + ["i32"] * 6
 build(hc._expand_kernel, expand, types, dict(N=4, N_P2=4, BLOCK=256))

@@ -1223,10 +1223,11 @@ def check_fp8_linear(rows: list) -> None:
 def check_grouped_fp8(rows: list) -> None:
     """V4-Flash's grouped output projection (wo_a: 8 groups of 1,024 rows over 4,096 columns
     each) on its FP8 weight through the default and invariant sets' `grouped_linear`: error
-    against the per-group float32 product (gate 2e-2), a row alone equal to it in a batch under
+    against the per-group float32 product of the operands as the path takes them (x's e4m3
+    codes on the GEMM, x as it is on the GEMV; gate 2e-2), a row alone equal to it in a batch under
     the invariant set, us a call in a CUDA graph of 20 calls beside the bf16 bmm it replaces."""
     from deepserve.kernels import block_quant
-    from deepserve.kernels.triton import fp8_matmul
+    from deepserve.kernels.triton import fp8_gemv, fp8_matmul
 
     groups, n, k = 8, 8192, 4096
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -1235,17 +1236,28 @@ def check_grouped_fp8(rows: list) -> None:
     per_group = w_deq.view(groups, n // groups, k).transpose(1, 2)
     fast, invariant = (fp8_matmul.grouped_linear_or_none(flag) for flag in (False, True))
     x_all = torch.randn(256, groups * k, device="cuda", generator=g).to(torch.bfloat16)
+
+    def product(x: torch.Tensor, quantized: bool) -> torch.Tensor:
+        if quantized:  # x's own per-group e4m3 codes times their scales
+            q, s = fp8_matmul.quantize_groups_reference(x.float())
+            x = q.float() * s.repeat_interleave(fp8_matmul.GROUP, dim=1)
+        out = torch.einsum("tgk,gkn->tgn", x.float().view(-1, groups, k), per_group.float())
+        return out.reshape(-1, n)
+
     for m in (1, 16, 64, 256):
         x = x_all[:m]
-        want = torch.einsum("tgk,gkn->tgn", x.float().view(m, groups, k), per_group.float())
         got, inv = fast(x, w, groups), invariant(x, w, groups)
-        row = dict(op="grouped_fp8_linear", m=m, rel_err=rel(got, want.reshape(m, n)),
-                   rel_err_invariant=rel(inv, want.reshape(m, n)))  # fmt: skip
+        gemv = fp8_matmul.path(m, w) == "gemv"  # x unquantized there
+        row = dict(op="grouped_fp8_linear", m=m, rel_err=rel(got, product(x, not gemv)),
+                   rel_err_invariant=rel(inv, product(x, True)))  # fmt: skip
         row["ok"] = max(row["rel_err"], row["rel_err_invariant"]) < 2e-2
         row["row_invariant"] = bool(torch.equal(invariant(x[m - 1 :], w, groups), inv[m - 1 :]))
         bmm = lambda x=x: torch.matmul(x.view(-1, groups, k).transpose(0, 1), per_group)  # noqa: E731
         row["us_fp8"] = round(_graph_us(lambda x=x: fast(x, w, groups), 20), 2)
         row["us_bf16_bmm"] = round(_graph_us(bmm, 20), 2)
+        if m <= fp8_gemv.MAX_ROWS:  # the GEMV (x unquantized) at every row count it takes
+            gemv_call = lambda x=x: fp8_gemv.fp8_gemv(x, w, groups=groups)  # noqa: E731
+            row["us_gemv"] = round(_graph_us(gemv_call, 20), 2)
         rows.append(row)
         print(row, flush=True)
 

@@ -127,7 +127,8 @@ def quantize_groups_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     padded = torch.zeros(m, groups * GROUP, device=x.device)
     padded[:, :k] = x.float()
     g = padded.view(m, groups, GROUP)
-    scale = g.abs().amax(-1).clamp(min=AMAX_FLOOR) / FP8_MAX
+    # a tensor divisor: CUDA divides by a scalar as a multiply by its reciprocal, not IEEE
+    scale = g.abs().amax(-1).clamp(min=AMAX_FLOOR) / torch.full((), FP8_MAX, device=x.device)
     q = (g / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).flatten(1)[:, :k]
     return q.to(torch.float8_e4m3fn), scale
 
