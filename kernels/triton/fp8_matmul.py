@@ -249,14 +249,8 @@ def linear_or(
     through `base`."""
 
     def linear(x: torch.Tensor, w) -> torch.Tensor:
-        if isinstance(w, Fp8Weight):
-            rows = x.numel() // max(x.shape[-1], 1)
-            kind = path(rows, w, batch_invariant)
-            if kind == "gemv":
-                return fp8_gemv.fp8_gemv(x, w)
-            if kind == "gemm":
-                cfg = decode_config(w.shape[0]) if batch_invariant else None
-                return fp8_linear(x, w, cfg)
+        if isinstance(w, Fp8Weight) and supports(w):
+            return _by_path(x, w, batch_invariant)
         if isinstance(w, Fp8Weight | block_quant.Mxfp4Weight):
             return block_quant.linear(x, w)
         return base(x, w)
@@ -276,10 +270,16 @@ def grouped_linear_or_none(batch_invariant: bool = False) -> Callable[..., torch
         n, k = w.shape
         if n % groups or (n // groups) % GROUP or k % GROUP:
             return None
-        rows = x.numel() // max(x.shape[-1], 1)
-        if path(rows, w, batch_invariant) == "gemv":
-            return fp8_gemv.fp8_gemv(x, w, groups=groups)
-        cfg = decode_config(w.shape[0]) if batch_invariant else None
-        return fp8_linear(x, w, cfg, groups=groups)
+        return _by_path(x, w, batch_invariant, groups)
 
     return grouped_linear
+
+
+def _by_path(x: torch.Tensor, w: Fp8Weight, batch_invariant: bool, groups: int = 1) -> torch.Tensor:
+    """x against a weight this module's kernels read, through the kernel `path` picks (the
+    GEMM's tile by M, or with `batch_invariant` by the weight alone)."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if path(rows, w, batch_invariant) == "gemv":
+        return fp8_gemv.fp8_gemv(x, w, groups=groups)
+    cfg = decode_config(w.shape[0]) if batch_invariant else None
+    return fp8_linear(x, w, cfg, groups=groups)
