@@ -12,7 +12,8 @@ docs/batch_invariance.md):
 - GEMM: MKL takes a different code path for a few rows (GEMV for 1, edge kernels for 2-3, and more
   shapes with 2 threads), so `x[:m] @ W` differs from `(x @ W)[:m]`. `linear`/`bmm` pad the row count
   to a multiple of a fixed row tile, found by probing the library once per dtype; rows whose count is
-  a multiple of the tile were bitwise equal for every m and row position tried.
+  a multiple of the tile were bitwise equal for every m and row position tried. Where no tile keeps
+  a dtype's rows (bf16 on AMX hosts), its GEMMs run in float32 and round once.
 - Row reductions: torch splits a single long row across threads (two-pass), but never a row among
   many. `_row_sum` reduces fixed-size chunks and folds them in order with a sequential scan.
 - Elementwise ops: torch's CPU loops run whole vectors and send the tail (numel mod the vector
@@ -69,50 +70,78 @@ def _pad_rows(x: Tensor, rows: int) -> Tensor:
     return torch.cat([x, x.new_zeros(*x.shape[:-2], extra, x.shape[-1])], dim=-2)
 
 
-def _probe_invariant(tile: int, dtype: torch.dtype) -> bool:
-    """True when, with the threads torch uses now, each row of a GEMM whose row count is padded to a
-    multiple of `tile` gets the bits it gets alone, for several row counts and positions."""
+PROBE_ROWS = 140  # rows in the probe's batch: past the row counts where oneDNN changes kernels
+
+
+def _probe_invariant(tile: int, dtype: torch.dtype, compute: torch.dtype) -> bool:
+    """True when, with the threads torch uses now, each row of a `dtype` GEMM run in `compute`
+    with its row count padded to a multiple of `tile` gets the bits it gets alone, for small and
+    large row counts and several positions."""
     gen = torch.Generator().manual_seed(1234)
-    w = torch.randn(768, 576, generator=gen).to(dtype)
-    x = torch.randn(4 * tile + 3, 576, generator=gen).to(dtype)
+    w = torch.randn(768, 576, generator=gen).to(dtype).to(compute)
+    x = torch.randn(PROBE_ROWS, 576, generator=gen).to(dtype).to(compute)
     alone = torch.stack([F.linear(_pad_rows(x[i : i + 1], tile), w)[0] for i in range(len(x))])
-    for rows in (2, 3, tile + 1, 2 * tile, 4 * tile + 3):
+    for rows in (2, 3, tile + 1, 2 * tile, 4 * tile + 3, 67, PROBE_ROWS - 3):
         for off in (0, 1, 3):
             m = min(rows, len(x) - off)
             got = F.linear(_pad_rows(x[off : off + m], _round_up(m, tile)), w)[:m]
-            if not torch.equal(got, alone[off : off + m]):
+            if not torch.equal(got.to(dtype), alone[off : off + m].to(dtype)):
                 return False
     return True
 
 
+@dataclass(frozen=True)
+class MatmulPlan:
+    """How one input dtype's GEMMs run: rows padded to `tile`, multiplied in `compute`."""
+
+    tile: int
+    compute: torch.dtype
+
+
+def _probe_plan(dtype: torch.dtype) -> MatmulPlan:
+    # A bf16 GEMM on AMX takes kernels whose float32 accumulation order changes with the row
+    # count, whatever the padding (measured: no tile kept 140-row batches bitwise). bf16 products
+    # are exact in float32, so the same GEMM in float32 then rounded once is the same function
+    # with float32 GEMM's row invariance.
+    for compute in dict.fromkeys((dtype, torch.float32)):
+        good = [t for t in ROW_TILES[:-1] if _probe_invariant(t, dtype, compute)]
+        if good:
+            return MatmulPlan(good[0], compute)
+    return MatmulPlan(ROW_TILES[-1], torch.float32)
+
+
 @dataclass
 class RowTiledMatmul:
-    """GEMMs whose row count is always a multiple of one probed tile, per dtype.
+    """GEMMs whose row count is always a multiple of one probed tile, per dtype, in the dtype
+    whose library kernels keep rows invariant.
 
-    The probe runs once per dtype on first use (a few small GEMMs); its result is kept here, in this
-    object, not in module state."""
+    The probe runs once per dtype on first use (a few hundred small GEMMs); its result is kept
+    here, in this object, not in module state."""
 
-    tiles: dict[torch.dtype, int] = field(default_factory=dict)
+    plans: dict[torch.dtype, MatmulPlan] = field(default_factory=dict)
 
-    def tile(self, dtype: torch.dtype) -> int:
-        if dtype not in self.tiles:
-            good = [t for t in ROW_TILES[:-1] if _probe_invariant(t, dtype)]
-            self.tiles[dtype] = good[0] if good else ROW_TILES[-1]
-        return self.tiles[dtype]
+    def plan(self, dtype: torch.dtype) -> MatmulPlan:
+        if dtype not in self.plans:
+            self.plans[dtype] = _probe_plan(dtype)
+        return self.plans[dtype]
 
     def linear(self, x: Tensor, w: Tensor) -> Tensor:
         """x[..., in] @ w[out, in].T with rows padded to the tile."""
         lead, k = x.shape[:-1], x.shape[-1]
         flat = x.reshape(-1, k)
         rows = flat.shape[0]
-        y = F.linear(_pad_rows(flat, _round_up(max(rows, 1), self.tile(x.dtype))), w)
+        plan = self.plan(x.dtype)
+        padded = _pad_rows(flat, _round_up(max(rows, 1), plan.tile))
+        y = F.linear(padded.to(plan.compute), w.to(plan.compute)).to(x.dtype)
         return y[:rows].reshape(*lead, w.shape[0])
 
     def bmm(self, a: Tensor, b: Tensor) -> Tensor:
         """torch.matmul(a, b) for a [..., M, K], b [..., K, N], with M padded to the tile."""
         rows = a.shape[-2]
-        padded = _pad_rows(a, _round_up(max(rows, 1), self.tile(a.dtype)))
-        return torch.matmul(padded, b.contiguous())[..., :rows, :]
+        plan = self.plan(a.dtype)
+        padded = _pad_rows(a, _round_up(max(rows, 1), plan.tile)).to(plan.compute)
+        y = torch.matmul(padded, b.contiguous().to(plan.compute)).to(a.dtype)
+        return y[..., :rows, :]
 
 
 def _row_sum(x: Tensor) -> Tensor:
