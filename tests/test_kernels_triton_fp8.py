@@ -519,36 +519,6 @@ def test_fused_moe_with_mxfp4_experts_masks_a_k_not_a_multiple_of_the_tiles_step
     assert _rel(fused_moe.fused_moe(x, gu4, d4, w, ids, fused_moe.DECODE), want) < 1e-4
 
 
-def _swapped(cfg):
-    import dataclasses
-
-    return dataclasses.replace(cfg, swap_ab=True)
-
-
-@pytest.mark.parametrize("fmt", ["fp8", "fp8_w8a16", "mxfp4"])
-def test_fused_moe_with_the_expert_columns_as_the_mma_rows_gives_the_same_function(fmt):
-    """`swap_ab` computes out.T = w @ x.T: the same sums per output, so the loop's result, and
-    a row alone keeps its bits in a batch, as under the unswapped tile."""
-    fused_moe, gate_up, down, x, ids, w = _moe_case(5)
-    quantize = block_quant.quantize_mxfp4 if fmt == "mxfp4" else block_quant.quantize_fp8
-    gu, d = quantize(gate_up), quantize(down)
-    base = fused_moe.DECODE_W8A16 if fmt == "fp8_w8a16" else fused_moe.DECODE
-    cfg = _swapped(base)
-    got = fused_moe.fused_moe(x, gu, d, w, ids, cfg)
-    want = fused_moe.fused_moe_reference(x, gu, d, w, ids, fp8_inputs=base.fp8_inputs)
-    assert _rel(got, want) < (2e-2 if fmt == "fp8" else 1e-4)
-    torch.testing.assert_close(got, fused_moe.fused_moe(x, gu, d, w, ids, base))
-    alone = fused_moe.fused_moe(x[-1:], gu, d, w[-1:], ids[-1:], cfg)
-    assert torch.equal(alone, got[-1:])
-
-
-def test_fused_moe_swapped_masks_a_k_not_a_multiple_of_the_tiles_step():
-    fused_moe, gate_up, down, x, ids, w = _moe_case(3, i=96)
-    gu4, d4 = block_quant.quantize_mxfp4(gate_up), block_quant.quantize_mxfp4(down)
-    want = fused_moe.fused_moe_reference(x, gu4, d4, w, ids)
-    assert _rel(fused_moe.fused_moe(x, gu4, d4, w, ids, _swapped(fused_moe.DECODE)), want) < 1e-4
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX: compiled on a GPU only")
 def test_fused_moe_with_mxfp4_experts_decodes_in_ptx_to_the_integer_paths_bits():
     """bf16 activations on E8M0 experts take fused_moe.py's `E2M1_BF16_PTX`: an exact decode, as

@@ -209,7 +209,7 @@ def compile_moe_mxfp4(cfg, ptx: bool) -> dict:
     sig.update(MOE_POINTERS)
     const = dict(
         A_DIV=1, SCALE=True, PRECISION="tf32", WFMT=fused_moe.MXFP4, SCALE_N=1, E8M0=True,
-        PTX=ptx, EVEN_K=True, SWAP=cfg.swap_ab, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        PTX=ptx, EVEN_K=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         s_wk=1, s_wsk=1,
     )  # fmt: skip
     sig.update({name: "constexpr" for name in const})
@@ -217,7 +217,7 @@ def compile_moe_mxfp4(cfg, ptx: bool) -> dict:
     attrs = {(names.index(d),): [["tt.divisibility", 16]] for d in div}
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     kernel = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32), options=opts)  # fmt: skip
-    name = f"moe mxfp4 {'ptx' if ptx else 'integer'} {'swapped ' * cfg.swap_ab}{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"  # fmt: skip
+    name = f"moe mxfp4 {'ptx' if ptx else 'integer'} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"  # fmt: skip
     return _resources(kernel, name)
 
 
@@ -225,10 +225,10 @@ def moe_mxfp4_main() -> int:
     """The MXFP4 MoE's default tiles with both decodes, and the GPU job's swept tiles
     (kernel_checks `MXFP4_TILES`) with the PTX one."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from kernel_checks import MXFP4_TILES, moe_tile
+    from kernel_checks import MXFP4_TILES
 
     cases = [(c, ptx) for c in (fused_moe.DECODE, fused_moe.PREFILL) for ptx in (False, True)]
-    cases += [(moe_tile(t), True) for tiles in MXFP4_TILES.values() for t in tiles.values()]
+    cases += [(fused_moe.MoeConfig(*t), True) for tiles in MXFP4_TILES.values() for t in tiles.values()]  # fmt: skip
     failed = 0
     for cfg, ptx in cases:
         try:

@@ -33,7 +33,6 @@ import torch
 from deepserve.kernels.attention_metadata import AttentionMetadata
 from deepserve.kernels.reference.sparse_attention import compress_pool as reference_compress_pool
 from deepserve.kernels.triton.flash_prefill import FlashConfig, flash_prefill
-from deepserve.kernels.triton.fused_moe import MoeConfig
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -1539,7 +1538,6 @@ def run_fp8(
         check_grouped_fp8,
         functools.partial(check_quantized_moe, shapes=moe_shapes or FP8_MOE_DEFAULT),
         functools.partial(check_mxfp4_moe, shapes=moe_shapes or ("v4-flash",), deadline=deadline),
-        check_mxfp4_moe_swap,
         check_fp8_model,
         check_v4_quantized_model,
         time_fp8_paths,
@@ -1699,11 +1697,8 @@ def time_moe_decode_configs(rows: list, shape: str = "v2-lite") -> None:
         for m in (gate_up, down)
     )
     sweep = [
-        fused_moe.MoeConfig(16, bn, bk, warps, stages, fp8_inputs=False, swap_ab=swap)
-        for bn, bk, warps, stages, swap in itertools.product(
-            (32, 64, 128), (128, 256), (4, 8), (3, 5), (False, True)
-        )
-        if not (swap and bn == 32)  # the warpgroup MMA's M is 64
+        fused_moe.MoeConfig(16, bn, bk, warps, stages, fp8_inputs=False)
+        for bn, bk, warps, stages in itertools.product((32, 64, 128), (128, 256), (4, 8), (3, 5))
     ]
     for tokens in (1, 64):
         x = torch.randn(tokens, h, device="cuda", generator=g).bfloat16()
@@ -1726,8 +1721,7 @@ def time_moe_decode_configs(rows: list, shape: str = "v2-lite") -> None:
                 gb = touched * 3 * h * i * width / 1e9
                 rows.append(dict(op="moe_decode_config", shape=shape, fmt=fmt, tokens=tokens,
                                  default=cfg is default, block_n=cfg.block_n, block_k=cfg.block_k,
-                                 warps=cfg.num_warps, stages=cfg.num_stages,
-                                 swap_ab=cfg.swap_ab, ms=ms,
+                                 warps=cfg.num_warps, stages=cfg.num_stages, ms=ms,
                                  gb_s=round(gb / (ms / 1e3))))  # fmt: skip
             best = min((r for r in rows[-len(configs) :]), key=lambda r: r["ms"])
             print(fmt, tokens, "default", rows[-len(configs)]["ms"], "best", best, flush=True)
@@ -1750,13 +1744,6 @@ MXFP4_TILES = {  # (tokens they are swept at) -> name -> MoeConfig, the PTX e2m1
         "16x64x128w4s3": (16, 64, 128, 4, 3),
         "16x64x64w4s6": (16, 64, 64, 4, 6),
         "16x64x64w4s8": (16, 64, 64, 4, 8),
-        # the expert's columns as the MMA's M (`swap_ab`): 64 of them take the warpgroup MMA
-        "swap16x64x128w4s4": (16, 64, 128, 4, 4, True),
-        "swap16x128x128w4s4": (16, 128, 128, 4, 4, True),
-        "swap16x128x128w8s3": (16, 128, 128, 8, 3, True),
-        "swap16x64x256w4s3": (16, 64, 256, 4, 3, True),
-        "swap16x128x64w4s4": (16, 128, 64, 4, 4, True),
-        "swap16x64x128w4s6": (16, 64, 128, 4, 6, True),
     },
     "prefill": {
         "64x128x64w8s3": (64, 128, 64, 8, 3),
@@ -1767,13 +1754,6 @@ MXFP4_TILES = {  # (tokens they are swept at) -> name -> MoeConfig, the PTX e2m1
         "128x128x64w8s3": (128, 128, 64, 8, 3),
     },
 }
-
-
-def moe_tile(tile: tuple) -> MoeConfig:
-    """`MXFP4_TILES`' (block_m, block_n, block_k, warps, stages[, swap_ab]) as a config."""
-    from deepserve.kernels.triton import fused_moe
-
-    return fused_moe.MoeConfig(*tile[:5], swap_ab=len(tile) > 5 and tile[5])
 
 
 def check_mxfp4_moe(
@@ -1853,56 +1833,11 @@ def _mxfp4_moe_at(rows: list, shape: str, x, ids, w, bf16, mx, deadline: float) 
             rows.append(dict(op="mxfp4_moe_tile", error="skipped: out of time"))
             return False
         trow = dict(op="mxfp4_moe_tile", shape=shape, tokens=t, cfg=name)
-        _timed(trow, functools.partial(run, moe_tile(tile)), want, lambda y: y[:checked])
+        _timed(trow, functools.partial(run, fused_moe.MoeConfig(*tile)), want, lambda y: y[:checked])  # fmt: skip
         trow["speedup_vs_bf16"] = row["ms_bf16"] / trow["ms"] if "ms" in trow else None
         rows.append(trow)
         print(trow, flush=True)
     return True
-
-
-def check_mxfp4_moe_swap(rows: list, shape: str = "v4-flash") -> None:
-    """The MXFP4 decode tile with the expert's columns as the MMA's M (`DECODE_MXFP4`, swapped)
-    beside the same tile unswapped, at 1 and 64 tokens on `shape`'s experts: both against the
-    float32 loop, the swapped one bit for bit against its integer decode, a row alone equal to
-    it in a batch, median ms of both."""
-    import dataclasses
-
-    import triton.testing
-
-    from deepserve.kernels import block_quant
-    from deepserve.kernels.triton import fused_moe
-
-    g = torch.Generator(device="cuda").manual_seed(11)
-    e, h, i, k = FP8_MOE_SHAPES[shape]
-    mx = tuple(
-        block_quant.stack(
-            [block_quant.quantize_mxfp4((torch.randn(n, kk, device="cuda", generator=g) / kk**0.5).bfloat16()) for _ in range(e)],
-            torch.bfloat16,
-        )
-        for n, kk in ((2 * i, h), (h, i))
-    )  # fmt: skip
-    swapped = fused_moe.DECODE_MXFP4
-    plain = dataclasses.replace(swapped, swap_ab=False)
-    for t in (1, 64):
-        x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
-        ids = torch.rand(t, e, device="cuda", generator=g).topk(k, dim=-1)[1]
-        w = torch.rand(t, k, device="cuda", generator=g)
-        run = functools.partial(fused_moe.fused_moe, x, *mx, w, ids)
-        checked = min(t, 8)
-        want = fused_moe.fused_moe_reference(x[:checked], *mx, w[:checked], ids[:checked])
-        got, unswapped = run(swapped), run(plain)
-        one = fused_moe.fused_moe(x[:1], *mx, w[:1], ids[:1], swapped)
-        integer = run(dataclasses.replace(swapped, e2m1_ptx=False))
-        row = dict(op="mxfp4_moe_swap", shape=shape, tokens=t,
-                   rel_err=rel(got[:checked], want), rel_err_unswapped=rel(unswapped[:checked], want),
-                   rel_swapped_unswapped=rel(got, unswapped), bitwise_integer=bool(torch.equal(got, integer)),
-                   row_invariant=bool(torch.equal(got[:1], one)),
-                   ms_swapped=triton.testing.do_bench(functools.partial(run, swapped), return_mode="median"),
-                   ms_unswapped=triton.testing.do_bench(functools.partial(run, plain), return_mode="median"))  # fmt: skip
-        row["speedup"] = row["ms_unswapped"] / row["ms_swapped"]
-        row["ok"] = row["rel_err"] < 2e-2 and row["bitwise_integer"] and row["row_invariant"]
-        rows.append(row)
-        print(row, flush=True)
 
 
 def check_fp8_model(rows: list) -> None:

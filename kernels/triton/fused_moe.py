@@ -64,11 +64,6 @@ class MoeConfig:
     # ... with the 2^126 renormalisation folded into the scales where the weight's scales allow
     # it (`E2M1_BF16_PTX_FOLDED`, `Mxfp4Weight.small_scales`): the same bits, fewer instructions
     e2m1_fold: bool = True
-    # The expert's columns as the MMA's M and the block's rows as its N (out.T = w @ a.T): a
-    # decode block holds a few real rows padded to 16, and with them as M Hopper runs the
-    # 16-row mma.sync whose every warp re-reads the whole activation tile from shared memory
-    # (ncu at 64 tokens: L1 82%, DRAM 45%); 64 weight columns as M take the warpgroup MMA.
-    swap_ab: bool = False
 
 
 DECODE = MoeConfig()
@@ -87,17 +82,14 @@ LARGE = MoeConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=
 # threshold on LARGE still wins (the V4 slice's 8,192-token prefill: 48,120 tok/s with LARGE,
 # 40,947 with this tile; run-gpu15-3).
 MXFP4_PREFILL = MoeConfig(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=4)
-# MXFP4 experts at decode sizes: the decoded weights in registers as the warpgroup MMA's A, the
-# block's rows its N (sm_90 SASS: HGMMA.64x16x16 with A in registers, no mma.sync)
-DECODE_MXFP4 = MoeConfig(swap_ab=True)
 
 
 def default_config(pairs: int, num_experts: int, mxfp4: bool = False) -> MoeConfig:
     """The tile for a call of `pairs` (token, slot) pairs when the caller fixes none."""
     if pairs >= LARGE.block_m * num_experts:
         return LARGE
-    if mxfp4:
-        return MXFP4_PREFILL if pairs >= PREFILL_MIN_PAIRS else DECODE_MXFP4
+    if mxfp4 and pairs >= PREFILL_MIN_PAIRS:
+        return MXFP4_PREFILL
     return PREFILL if pairs >= PREFILL_MIN_PAIRS else DECODE_W8A16
 
 
@@ -170,28 +162,6 @@ def _e2m1_bf16(byte, scale, FOLDED: constexpr):
 
 
 @jit
-def _dot(a, b, acc, SWAP: constexpr, PRECISION: constexpr):
-    """acc + a @ b; under SWAP acc is the transposed tile and gets b.T @ a.T added."""
-    if SWAP:  # (one return after the branch: a return inside it does not end the function)
-        out = tl.dot(tl.trans(b), tl.trans(a), acc, input_precision=PRECISION)
-    else:
-        out = tl.dot(a, b, acc, input_precision=PRECISION)
-    return out
-
-
-@jit
-def _by_rows(t, v, SWAP: constexpr):
-    """The tile `t` times `v`, one value per block row (the transposed tile's column)."""
-    return t * v[None, :] if SWAP else t * v[:, None]
-
-
-@jit
-def _by_cols(t, v, SWAP: constexpr):
-    """The tile `t` times `v`, one value per weight column."""
-    return t * v[:, None] if SWAP else t * v[None, :]
-
-
-@jit
 def _mxfp4_scales(ws_base, rn, k0, N, K, s_wsn, s_wsk, BLOCK_K: constexpr):
     """The scale bytes (or float32 scales) of the BLOCK_K step at k0, `[BLOCK_K // 32, BLOCK_N]`,
     zeros past K: loaded a step ahead of their use (`_moe_gemm_kernel`), since the compiler's
@@ -205,7 +175,7 @@ def _mxfp4_scales(ws_base, rn, k0, N, K, s_wsn, s_wsk, BLOCK_K: constexpr):
 def _mxfp4_step(
     a_ptr, w_base, s, rows, ok, rn, k0, N, K, s_am, s_wn, s_wk,
     acc, E8M0: constexpr, PTX: constexpr, EVEN_K: constexpr, PRECISION: constexpr,
-    SWAP: constexpr, BLOCK_M: constexpr, BLOCK_K: constexpr, BLOCK_N: constexpr,
+    BLOCK_M: constexpr, BLOCK_K: constexpr, BLOCK_N: constexpr,
 ):  # fmt: skip
     """One BLOCK_K step on MXFP4 weights: the tile's bytes loaded once, as a contiguous run of K/2
     (an index of kk // 2 hides that contiguity from the compiler, which then loaded every code on
@@ -238,8 +208,8 @@ def _mxfp4_step(
     else:  # exact: 2 significant bits times a power of two
         b_lo = (_e2m1(byte & 0xF) * s).to(a.dtype)
         b_hi = (_e2m1(byte >> 4) * s).to(a.dtype)
-    acc = _dot(a_lo, b_lo, acc, SWAP, PRECISION)
-    return _dot(a_hi, b_hi, acc, SWAP, PRECISION)
+    acc = tl.dot(a_lo, b_lo, acc, input_precision=PRECISION)
+    return tl.dot(a_hi, b_hi, acc, input_precision=PRECISION)
 
 
 @jit(do_not_specialize=["num_pairs"])
@@ -248,7 +218,7 @@ def _moe_gemm_kernel(
     num_pairs, N, K, s_am, s_we, s_wn, s_wk, s_cm, s_asm, s_wse, s_wsn, s_wsk,
     A_DIV: constexpr, SCALE: constexpr, PRECISION: constexpr,
     WFMT: constexpr, SCALE_N: constexpr, E8M0: constexpr, PTX: constexpr, EVEN_K: constexpr,
-    SWAP: constexpr, BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_K: constexpr,
+    BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_K: constexpr,
 ):  # fmt: skip
     """WFMT PLAIN: a and w of one dtype. FP8: a e4m3 with one scale per (row, BLOCK_K = 128
     columns), w e4m3 with one per (SCALE_N rows, 128 columns); each K step's dot scaled by both.
@@ -256,8 +226,7 @@ def _moe_gemm_kernel(
     (E8M0 bytes or float32), dequantized to a's dtype in the loop (Hopper has no FP4 MMA), by
     `E2M1_BF16_PTX` under PTX 1 (E8M0 scales, bf16 a, compiled for the GPU), its folded text
     under PTX 2 (every scale byte at most 128), `_e2m1` under 0.
-    FP8_W8A16: w as FP8's, widened to a's dtype (exact), each K step's dot scaled by w's scale.
-    SWAP: the accumulator is the tile's transpose ([BLOCK_N, BLOCK_M], `MoeConfig.swap_ab`)."""
+    FP8_W8A16: w as FP8's, widened to a's dtype (exact), each K step's dot scaled by w's scale."""
     block, pn = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
@@ -268,10 +237,7 @@ def _moe_gemm_kernel(
     rows = pairs // A_DIV  # gate/up reads the token's row; down reads the pair's own
     rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    if SWAP:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w_base = w_ptr + expert.to(tl.int64) * s_we
     ws_base = ws_ptr + expert.to(tl.int64) * s_wse
     if WFMT == 2:
@@ -282,7 +248,7 @@ def _moe_gemm_kernel(
             s_next = _mxfp4_scales(ws_base, rn, k0 + BLOCK_K, N, K, s_wsn, s_wsk, BLOCK_K)
             acc = _mxfp4_step(
                 a_ptr, w_base, s, rows, ok, rn, k0, N, K, s_am, s_wn, s_wk,
-                acc, E8M0, PTX, EVEN_K, PRECISION, SWAP, BLOCK_M, BLOCK_K, BLOCK_N,
+                acc, E8M0, PTX, EVEN_K, PRECISION, BLOCK_M, BLOCK_K, BLOCK_N,
             )  # fmt: skip
         else:
             kk = k0 + rk
@@ -297,26 +263,18 @@ def _moe_gemm_kernel(
                 kb = k0 // BLOCK_K
                 sa = tl.load(as_ptr + rows * s_asm + kb, mask=ok, other=0.0)
                 sb = tl.load(ws_base + (rn // SCALE_N) * s_wsn + kb * s_wsk, mask=rn < N, other=0.0)
-                if SWAP:
-                    d = tl.dot(tl.trans(b), tl.trans(a), out_dtype=tl.float32)
-                else:
-                    d = tl.dot(a, b, out_dtype=tl.float32)
-                acc += _by_cols(_by_rows(d, sa, SWAP), sb, SWAP)
+                acc += tl.dot(a, b, out_dtype=tl.float32) * sa[:, None] * sb[None, :]
             elif WFMT == 3:  # FP8 weights, a as it is
                 kb = k0 // BLOCK_K
                 sb = tl.load(ws_base + (rn // SCALE_N) * s_wsn + kb * s_wsk, mask=rn < N, other=0.0)
-                d = _dot(a, b.to(a.dtype), None, SWAP, PRECISION)
-                acc += _by_cols(d, sb, SWAP)
+                d = tl.dot(a, b.to(a.dtype), out_dtype=tl.float32, input_precision=PRECISION)
+                acc += d * sb[None, :]
             else:
-                acc = _dot(a, b, acc, SWAP, PRECISION)
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
     if SCALE:
-        acc = _by_rows(acc, tl.load(scale_ptr + pairs, mask=ok, other=0.0), SWAP)
-    if SWAP:
-        c = c_ptr + pairs[None, :] * s_cm + rn[:, None]
-        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=ok[None, :] & (rn[:, None] < N))
-    else:
-        c = c_ptr + pairs[:, None] * s_cm + rn[None, :]
-        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=ok[:, None] & (rn[None, :] < N))
+        acc = acc * tl.load(scale_ptr + pairs, mask=ok, other=0.0)[:, None]
+    c = c_ptr + pairs[:, None] * s_cm + rn[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=ok[:, None] & (rn[None, :] < N))
 
 
 @jit
@@ -500,7 +458,7 @@ def _grouped_gemm(
         A_DIV=a_div, SCALE=scale is not None,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",  # tf32: unused by 16-bit inputs
         WFMT=fmt, SCALE_N=w.block[0] if fmt in (FP8, FP8_W8A16) else 1, E8M0=e8m0, PTX=decode,
-        EVEN_K=k % cfg.block_k == 0, SWAP=cfg.swap_ab,
+        EVEN_K=k % cfg.block_k == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
