@@ -4,12 +4,16 @@ float32 and bfloat16 rows, and the linear's bfloat16 output (kernels/cpu/csrc/li
 
 from __future__ import annotations
 
+from dataclasses import replace
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from deepserve.kernels.cpu import native as cpu_native
 from deepserve.kernels.cpu import ops as cpu_ops
+from deepserve.kernels.cpu.packed import ONEDNN_MIN_ROWS, pack_linear_weight
 from deepserve.kernels.reference.attention import write_kv
 from deepserve.kernels.reference.ops import rms_norm as reference_rms_norm
 from deepserve.kernels.registry import cpu_kernels
@@ -175,7 +179,7 @@ def test_bfloat16_output_linear_has_the_bits_of_the_float32_output_cast(isa, row
     assert torch.equal(got, want)
 
 
-def _tiny_llama(seed: int, dtype: torch.dtype = torch.float32):
+def _tiny_llama(seed: int, dtype: torch.dtype = torch.float32, onednn: bool = False):
     """A 2-layer llama with random weights; the matmuls also carry Q4_1 blocks, as a GGUF's do
     (which only a float32 model keeps)."""
     from gguf import GGMLQuantizationType, quants
@@ -211,7 +215,8 @@ def _tiny_llama(seed: int, dtype: torch.dtype = torch.float32):
             w = dequantize(raw.reshape(-1), GGMLQuantizationType.Q4_1, shape)
         weights[name] = w
     store = WeightStore(weights, torch.device("cpu"), dtype, blocks)
-    return LlamaForCausalLM(config, store, cpu_kernels(), "test")
+    kernels = replace(cpu_kernels(), pack_weight=partial(pack_linear_weight, onednn=onednn))
+    return LlamaForCausalLM(config, store, kernels, "test")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -239,6 +244,28 @@ def test_fused_llama_layer_gives_the_bits_of_the_op_by_op_layer(monkeypatch, dty
         assert torch.equal(got, want), chunk
     assert torch.equal(runs[0].cache, runs[1].cache)
     assert native_runs == [True] * 8  # 2 layers x 4 calls, all native
+
+
+def test_the_fused_layer_leaves_steps_past_its_rows_to_the_ops_where_weights_keep_onednn_copies():
+    """bf16 weights with oneDNN's copies (the default set on AMX CPUs): a decode-sized step runs
+    the fused layer, a prefill-sized one runs op by op so its linears take oneDNN's GEMM."""
+    from model_loop import SequenceLoop
+
+    model = _tiny_llama(0, torch.bfloat16, onednn=True)
+    assert all(layer.native.max_rows == ONEDNN_MIN_ROWS - 1 for layer in model.layers)
+    calls = []
+    original = model.k.llama_layer_
+
+    def counted(*args, **kwargs):
+        out = original(*args, **kwargs)
+        calls.append(out)
+        return out
+
+    model.k = replace(model.k, llama_layer_=counted)
+    run = SequenceLoop(model, 64)
+    run.hidden(list(range(ONEDNN_MIN_ROWS)))  # a prefill chunk
+    run.hidden(list(range(ONEDNN_MIN_ROWS - 1)))  # a step of fewer rows
+    assert [c is not None for c in calls] == [False, False, True, True]
 
 
 def test_native_argmax_matches_torch_on_logit_rows():

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from paged_kv import PagedCase
 
 from deepserve.kernels.cpu import native as cpu_native
-from deepserve.kernels.cpu.packed import PackedWeight, pack_linear_weight
+from deepserve.kernels.cpu.packed import PackedWeight, pack_linear_weight, vendor_gemm_faster
 from deepserve.kernels.reference.invariant import invariant_kernels
 from deepserve.kernels.registry import get_kernels, invariant_cpu_kernels
 
@@ -173,3 +173,11 @@ def test_attention_matches_the_oracle(ops, layout):
     for seqs in [[(0, 0, case.lengths[0])], [(0, 60, 90), (1, 4, 1), (2, 39, 1)]]:
         got = torch.cat(case.run(ops, seqs))
         torch.testing.assert_close(got, torch.cat(case.run(ORACLE, seqs)), rtol=1e-5, atol=1e-5)
+
+
+def test_the_flags_set_packs_no_onednn_copy_where_the_default_set_would():
+    """oneDNN's GEMM picks kernels by row count; under the flag every bf16 linear stays native."""
+    w = _rand(64, 32, seed=3, dtype=torch.bfloat16)
+    assert invariant_cpu_kernels().pack_weight(w).onednn is None
+    default = get_kernels("cpu", False).pack_weight(w)
+    assert (default.onednn is not None) == vendor_gemm_faster()

@@ -10,7 +10,13 @@ from gguf import GGMLQuantizationType, quants
 
 from deepserve.engine.loading.gguf_format import dequantize
 from deepserve.kernels.cpu import native as cpu_native
-from deepserve.kernels.cpu.packed import QUANT_MAX_ROWS, PackedWeight, linear, pack_linear_weight
+from deepserve.kernels.cpu.packed import (
+    ONEDNN_MIN_ROWS,
+    QUANT_MAX_ROWS,
+    PackedWeight,
+    linear,
+    pack_linear_weight,
+)
 from deepserve.kernels.quant_panels import QuantizedMatrix
 
 pytestmark = pytest.mark.skipif(not cpu_native.supported(), reason="needs an AVX2 CPU")
@@ -85,6 +91,31 @@ def test_bfloat16_row_is_bitwise_equal_alone_and_inside_a_batch():
     batch = linear(x, w)
     for i in range(16):
         assert torch.equal(linear(x[i : i + 1], w)[0], batch[i]), i
+
+
+@pytest.mark.parametrize("rows", [ONEDNN_MIN_ROWS, 64])
+def test_a_bfloat16_weight_with_onednns_copy_takes_it_from_its_row_threshold(rows: int):
+    w = _rand(333, 576, seed=9).bfloat16()
+    vendor = pack_linear_weight(w, onednn=True)
+    assert vendor.onednn is not None
+    x = _rand(rows, 576, seed=10).bfloat16()
+    got = linear(x, vendor)
+    torch.testing.assert_close(got.double(), F.linear(x.double(), w.double()), rtol=8e-3, atol=1e-2)
+    onednn = torch.ops.mkldnn._linear_pointwise(x, vendor.onednn, None, "none", [], "")
+    assert torch.equal(got, onednn)
+
+
+def test_a_bfloat16_weight_with_onednns_copy_stays_native_below_the_threshold():
+    w = _rand(333, 576, seed=9).bfloat16()
+    vendor, own = pack_linear_weight(w, onednn=True), _packed(w)
+    x = _rand(ONEDNN_MIN_ROWS - 1, 576, seed=10).bfloat16()
+    assert torch.equal(linear(x, vendor), linear(x, own))
+
+
+def test_only_bfloat16_weights_keep_a_onednn_copy():
+    assert _packed(_rand(20, 8, seed=14)).onednn is None
+    assert pack_linear_weight(_rand(20, 8, seed=14), onednn=True).onednn is None
+    assert _packed(_rand(20, 8, seed=14).bfloat16()).onednn is None
 
 
 def test_packing_keeps_one_copy_the_size_of_the_weight():

@@ -69,7 +69,7 @@ class _Layer:
     gate_up: Weight  # [2 * I, hidden]
     down: Weight
     # The four matmuls as the KernelSet's `llama_layer_` takes them, when all are packed.
-    native: tuple | None = None
+    native: object | None = None
     qkv_bias: torch.Tensor | None = None  # Qwen2: [(Hq + 2 Hkv) * D]
     kv_scales: KVScales = KVScales()  # a quantized cache's (1.0 unquantized)
 

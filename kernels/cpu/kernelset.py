@@ -2,7 +2,8 @@
 run the calls a native op does not take (kernels/registry.py passes the fallbacks in, so this
 backend imports no other):
 
-- `native_kernels(fallback)`: the default CPU set, over the reference set.
+- `native_kernels(fallback)`: the default CPU set, over the reference set; on CPUs with AMX its
+  bfloat16 linears take oneDNN's GEMM from a few rows up (kernels/cpu/packed.py).
 - `native_invariant_kernels(torch_set)`: the `--batch-invariant` CPU set, over the torch
   invariant set (kernels/reference/invariant.py, the oracle these ops are tested against, and
   the whole flag's set where the native kernels are unavailable).
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import fields, replace
+from functools import partial
 
 import torch
 
@@ -70,7 +72,8 @@ def native_kernels(fallback: KernelSet) -> KernelSet:
         add_rms_norm_=cpu_ops.add_rms_norm_,
         silu_mul=cpu_ops.silu_mul,
         rope_qk_write_kv_=cpu_ops.rope_qk_write_kv_,
-        pack_weight=packed.pack_linear_weight,
+        # bf16 weights keep oneDNN's copy too where its GEMM is faster (AMX) for prefill rows
+        pack_weight=partial(packed.pack_linear_weight, onednn=packed.vendor_gemm_faster()),
         pack_llama_layer=cpu_ops.pack_llama_layer,
         llama_layer_=cpu_ops.llama_layer_,
     )

@@ -14,11 +14,14 @@ rest of the batch. What does not live here: the kernels themselves
 
 from __future__ import annotations
 
+import sys
+from dataclasses import dataclass
+
 import torch
 
 from deepserve.kernels.attention_metadata import AttentionMetadata
 from deepserve.kernels.cpu import native as cpu_native
-from deepserve.kernels.cpu.packed import QUANT_MAX_ROWS, PackedWeight
+from deepserve.kernels.cpu.packed import ONEDNN_MIN_ROWS, QUANT_MAX_ROWS, PackedWeight
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -129,7 +132,17 @@ def rope_qk_write_kv_(
     return ok
 
 
-def pack_llama_layer(matmuls: list) -> tuple[list[torch.Tensor], list[int], list[int]] | None:
+@dataclass(frozen=True)
+class FusedLayer:
+    """A llama layer's four matmuls as `llama_layer_` takes them."""
+
+    weights: list[torch.Tensor]  # panels and quantized blocks (or empty), matmul by matmul
+    formats: list[int]
+    out_features: list[int]
+    max_rows: int  # steps of more rows run op by op (their linears take oneDNN's copies)
+
+
+def pack_llama_layer(matmuls: list) -> FusedLayer | None:
     """A llama layer's qkv, o, gate_up and down `PackedWeight`s as `llama_layer_`'s flat
     arguments, or None when one of them is not packed, or their panels are not all float32 or
     all bfloat16 (the layer then runs op by op)."""
@@ -140,11 +153,17 @@ def pack_llama_layer(matmuls: list) -> tuple[list[torch.Tensor], list[int], list
         return None
     none = torch.empty(0, dtype=torch.uint8)
     weights = [t for w in matmuls for t in (w.panels, none if w.quant is None else w.quant)]
-    return weights, [w.quant_format for w in matmuls], [w.out_features for w in matmuls]
+    vendor = any(w.onednn is not None for w in matmuls)
+    return FusedLayer(
+        weights,
+        [w.quant_format for w in matmuls],
+        [w.out_features for w in matmuls],
+        ONEDNN_MIN_ROWS - 1 if vendor else sys.maxsize,
+    )
 
 
 def llama_layer_(
-    packed: tuple[list[torch.Tensor], list[int], list[int]],
+    packed: FusedLayer,
     h: torch.Tensor,
     x: torch.Tensor,
     norms: tuple[torch.Tensor, torch.Tensor],
@@ -158,11 +177,13 @@ def llama_layer_(
     """A whole llama decoder layer in one native call (kernels/cpu/csrc/llama_layer.cpp): the same
     ops in the same order as engine/models/llama.py runs them one by one, so the same bits. `h`
     is updated in place; returns the next layer's normed input, or None (nothing done) when
-    one of the ops would not run natively."""
+    one of the ops would not run natively, or the step has more rows than the layer's
+    `max_rows`."""
     k_cache, v_cache = caches
     usable = (
-        _rows(h, x, norms[0], norms[1], rope[0], rope[1])
-        and packed[0][0].dtype == k_cache.dtype == v_cache.dtype == h.dtype
+        x.shape[0] <= packed.max_rows
+        and _rows(h, x, norms[0], norms[1], rope[0], rope[1])
+        and packed.weights[0].dtype == k_cache.dtype == v_cache.dtype == h.dtype
         and k_cache.shape[-1] % 8 == 0
         and k_cache.stride(-1) == v_cache.stride(-1) == 1
         and attn.block_size <= 64
@@ -171,9 +192,9 @@ def llama_layer_(
         return None
     tokens = x.shape[0]
     cos, sin = rope[0].view(tokens, -1), rope[1].view(tokens, -1)
-    weights, formats, outs = packed
     return cpu_native.op("llama_layer_")(
-        h, x, weights, formats, outs, norms[0], norms[1], cos, sin, k_cache, v_cache,
+        h, x, packed.weights, packed.formats, packed.out_features, norms[0], norms[1], cos, sin,
+        k_cache, v_cache,
         attn.slot_mapping, attn.query_start_loc, attn.seq_lens, attn.block_tables,
         num_heads, k_cache.shape[2], eps, scale, QUANT_MAX_ROWS,
     )  # fmt: skip

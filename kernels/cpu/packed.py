@@ -21,6 +21,12 @@ PANEL = 16  # output columns per panel of the native CPU linear (kernels/cpu/csr
 # Rows up to which a quantized weight's own blocks beat its float32 panels (benchmarks/linear_cpu.py
 # --quant: faster at 1-4 rows, even around 5-8, slower beyond)
 QUANT_MAX_ROWS = 4
+# Rows from which a bfloat16 call takes oneDNN's GEMM where the weight keeps oneDNN's copy
+# (`PackedWeight.onednn`). On a 2-core Xeon with AMX (benchmarks/prefill_linear_cpu.py, 1 thread,
+# CPU time, SmolLM2's 576->1536) oneDNN's packed bf16 GEMM ran 191 GFLOP/s at 8 rows against the
+# native kernel's best path's 134, 713 vs 126 at 64, 1,108 vs 134 at 256; level at 4 rows, 31
+# vs 48 at one: decode stays native.
+ONEDNN_MIN_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -41,12 +47,19 @@ class PackedWeight:
     kernels/quant_panels.py) for calls of at most `QUANT_MAX_ROWS` rows: the same values
     dequantized in registers, 6-8x fewer bytes to stream, which is what a decode step of a few
     rows waits on. More rows are bound by multiply-adds, where dequantizing again for every
-    call costs more than it saves, so they read the float32 panels."""
+    call costs more than it saves, so they read the float32 panels.
+
+    A bfloat16 weight on a CPU with AMX tiles may also keep oneDNN's packed copy (`onednn`,
+    the default set's choice: `vendor_gemm_faster`) for calls of `ONEDNN_MIN_ROWS` rows and up,
+    where AMX runs several times the native kernel's rate; twice the weight's memory, and those
+    rows' bits then depend on the row count (oneDNN picks kernels by shape), so the
+    `--batch-invariant` set never packs one."""
 
     panels: torch.Tensor
     out_features: int
     quant: torch.Tensor | None = None  # uint8 [panels, in / 32, block bytes]
     quant_format: int = -1  # kernels/quant_panels.py's FORMATS value, with `quant`
+    onednn: torch.Tensor | None = None  # oneDNN's packed bf16 copy (mkldnn reorder)
 
     @property
     def in_features(self) -> int:
@@ -64,6 +77,9 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight) -> torch.Tensor:
     # that accumulates in float32: in the kernel too (`linear_bf16`), which on AVX512-BF16 then
     # writes no float32 output at all.
     rows = x.reshape(-1, x.shape[-1])
+    if w.onednn is not None and rows.dtype == torch.bfloat16 and rows.shape[0] >= ONEDNN_MIN_ROWS:
+        y = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), w.onednn, None, "none", [], "")
+        return y.view(*x.shape[:-1], w.out_features)
     if rows.dtype == torch.bfloat16 and w.quant is None:
         y = native.op("linear_bf16")(rows, w.panels, w.out_features)
         return y.view(*x.shape[:-1], w.out_features)
@@ -90,18 +106,28 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
     return padded.view(panels, PANEL, inp).transpose(1, 2).contiguous()
 
 
+def vendor_gemm_faster() -> bool:
+    """True where oneDNN's bfloat16 GEMM beats the native kernel from `ONEDNN_MIN_ROWS` rows:
+    CPUs with AMX tiles (on AVX512-BF16 without AMX, a Zen 5 EPYC, they ran level: RESULTS.md,
+    issue 32)."""
+    capabilities = getattr(torch.cpu, "get_capabilities", dict)()
+    return torch.backends.mkldnn.is_available() and bool(capabilities.get("amx_bf16"))
+
+
 def pack_linear_weight(
-    w: torch.Tensor, quantized: QuantizedMatrix | None = None
+    w: torch.Tensor, quantized: QuantizedMatrix | None = None, onednn: bool = False
 ) -> torch.Tensor | PackedWeight:
     """`w` as a `PackedWeight` where the native kernel applies (a CPU float32 or bfloat16 matrix
     and the kernels built, see kernels/cpu/native.py), else `w` itself (F.linear then).
     `quantized` is the checkpoint's own blocks for `w` (its exact dequantization): a float32 `w`
     keeps them too, for few-row calls. Lower precisions round the dequantized values, so they
-    use `w` alone."""
+    use `w` alone. `onednn`: a bfloat16 `w` also keeps oneDNN's packed copy (`PackedWeight`)."""
     usable = w.device.type == "cpu" and w.dim() == 2 and w.dtype in (torch.float32, torch.bfloat16)
     if not usable or not native.load():
         return w
     packed = PackedWeight(panels=pack_panels(w), out_features=w.shape[0])
+    if onednn and w.dtype == torch.bfloat16:
+        packed = replace(packed, onednn=torch.ops.mkldnn._reorder_linear_weight(w, None))
     if quantized is None or w.dtype != torch.float32:
         return packed
     if (quantized.out_features, quantized.in_features) != tuple(w.shape):
