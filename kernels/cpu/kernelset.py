@@ -3,7 +3,8 @@ run the calls a native op does not take (kernels/registry.py passes the fallback
 backend imports no other):
 
 - `native_kernels(fallback)`: the default CPU set, over the reference set; on CPUs with AMX its
-  bfloat16 linears take oneDNN's GEMM from a few rows up (kernels/cpu/packed.py).
+  bfloat16 linears take oneDNN's GEMM from a few rows up (kernels/cpu/packed.py) and long bf16
+  query runs torch's SDPA (kernels/cpu/sdpa_prefill.py).
 - `native_invariant_kernels(torch_set)`: the `--batch-invariant` CPU set, over the torch
   invariant set (kernels/reference/invariant.py, the oracle these ops are tested against, and
   the whole flag's set where the native kernels are unavailable).
@@ -34,17 +35,19 @@ import torch
 from deepserve.kernels.attention_metadata import AttentionMetadata
 from deepserve.kernels.cpu import native as cpu_native
 from deepserve.kernels.cpu import ops as cpu_ops
-from deepserve.kernels.cpu import packed
+from deepserve.kernels.cpu import packed, sdpa_prefill
 from deepserve.kernels.kernel_set import KernelSet, TorchCalls
 
 Tensor = torch.Tensor
 
 
 class NativeOps:
-    """The default set's ops: the native op where it covers the call, else `fallback`'s op."""
+    """The default set's ops: the native op where it covers the call, else `fallback`'s op;
+    with `vendor` (a CPU with AMX), bf16 prefill runs through torch's SDPA (sdpa_prefill.py)."""
 
-    def __init__(self, fallback: KernelSet) -> None:
+    def __init__(self, fallback: KernelSet, vendor: bool) -> None:
         self.fallback = fallback
+        self.vendor = vendor
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         out = cpu_ops.rms_norm(x, weight, eps)
@@ -53,15 +56,20 @@ class NativeOps:
     def paged_attention(
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, attn: AttentionMetadata, scale: float
     ) -> Tensor:
-        if cpu_ops.native_attention_covers(q, k_cache, v_cache, attn.block_size):
-            return cpu_ops.native_paged_attention(q, k_cache, v_cache, attn, scale)
-        return self.fallback.paged_attention(q, k_cache, v_cache, attn, scale)
+        if not cpu_ops.native_attention_covers(q, k_cache, v_cache, attn.block_size):
+            return self.fallback.paged_attention(q, k_cache, v_cache, attn, scale)
+        if self.vendor and sdpa_prefill.covers(q, k_cache, v_cache):
+            native = cpu_ops.native_paged_attention
+            return sdpa_prefill.paged_attention(q, k_cache, v_cache, attn, scale, native)
+        return cpu_ops.native_paged_attention(q, k_cache, v_cache, attn, scale)
 
 
 def native_kernels(fallback: KernelSet) -> KernelSet:
     """The default CPU set: native ops where they cover a call (each op checks, per call, that
     the tensors are on the CPU and the library loaded), `fallback`'s elsewhere."""
-    ops = NativeOps(fallback)
+    # where oneDNN's bf16 GEMM and torch's SDPA are faster (AMX), bf16 prefill takes them
+    vendor = packed.vendor_gemm_faster()
+    ops = NativeOps(fallback, vendor)
     return replace(
         fallback,
         name="cpu_native",
@@ -72,8 +80,7 @@ def native_kernels(fallback: KernelSet) -> KernelSet:
         add_rms_norm_=cpu_ops.add_rms_norm_,
         silu_mul=cpu_ops.silu_mul,
         rope_qk_write_kv_=cpu_ops.rope_qk_write_kv_,
-        # bf16 weights keep oneDNN's copy too where its GEMM is faster (AMX) for prefill rows
-        pack_weight=partial(packed.pack_linear_weight, onednn=packed.vendor_gemm_faster()),
+        pack_weight=partial(packed.pack_linear_weight, onednn=vendor),
         pack_llama_layer=cpu_ops.pack_llama_layer,
         llama_layer_=cpu_ops.llama_layer_,
     )
