@@ -60,7 +60,7 @@ def loaded_off(model):
     from deepserve.kernels.cpu import packed
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(packed, "pack_linear_weight", lambda w, quantized=None: w)
+        patch.setattr(packed, "pack_linear_weight", lambda w, quantized=None, onednn=False: w)
         return _loaded(model, False)
 
 

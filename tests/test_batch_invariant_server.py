@@ -112,7 +112,7 @@ def test_listing_audit_without_the_flag_finds_differences(record_property, monke
     # The default CPU linear (kernels/cpu/csrc/linear.cpp) and attention are batch invariant by
     # themselves, so SmolLM2 without the flag can pass the audit; torch's F.linear (MKL) is not,
     # which keeps this the proof that the audit can fail.
-    monkeypatch.setattr(packed, "pack_linear_weight", lambda w, quantized=None: w)
+    monkeypatch.setattr(packed, "pack_linear_weight", lambda w, quantized=None, onednn=False: w)
     counts = _run_audit(batch_invariant=False)
     record_property("differing_of_400", counts)
     print(f"flag off: outputs differing from their first run, of 400 each: {counts}")

@@ -261,7 +261,7 @@ def test_without_the_flag_the_same_comparison_finds_differences(monkeypatch):
     from deepserve.engine.loading.loader import load_model
     from deepserve.kernels.cpu import packed
 
-    monkeypatch.setattr(packed, "pack_linear_weight", lambda w, quantized=None: w)
+    monkeypatch.setattr(packed, "pack_linear_weight", lambda w, quantized=None, onednn=False: w)
     loaded = load_model(EngineConfig())
     prompts = encode(loaded, SMOLLM2_PROMPTS)
     params = params_for(0.0, len(prompts))
