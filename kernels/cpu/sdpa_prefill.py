@@ -51,19 +51,38 @@ def paged_attention(
 ) -> torch.Tensor:
     """`native`'s function: sequences with `SDPA_MIN_QUERIES` queries or more through SDPA, the
     rest through `native` in one call over their own metadata."""
-    long = [i for i, n in enumerate(attn.query_lens_cpu) if n >= SDPA_MIN_QUERIES]
+    plan = attn.scratch.get("sdpa_prefill")
+    if plan is None:  # once per step, shared by every layer
+        plan = attn.scratch["sdpa_prefill"] = _plan(attn)
+    long, starts, masks, short = plan
     if not long:
         return native(q, k_cache, v_cache, attn, scale)
-    starts = list(itertools.accumulate(attn.query_lens_cpu, initial=0))
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
-    for i in long:
+    for i, mask in zip(long, masks, strict=True):
         rows = slice(starts[i], starts[i + 1])
-        out[rows] = _sdpa(q[rows], k_cache, v_cache, attn, i, scale)
-    short = sorted(set(range(attn.num_seqs)) - set(long))
-    if short:
-        sub, rows = _subset(attn, short, starts)
+        out[rows] = _sdpa(q[rows], k_cache, v_cache, attn, i, mask, scale)
+    if short is not None:
+        sub, rows = short
         out[rows] = native(q[rows], k_cache, v_cache, sub, scale)
     return out
+
+
+def _plan(attn: AttentionMetadata) -> tuple:
+    """The step's long runs, each sequence's first row, the long runs' masks (None: causal from
+    position 0) and the other sequences' metadata and rows (None when there are none)."""
+    long = [i for i, n in enumerate(attn.query_lens_cpu) if n >= SDPA_MIN_QUERIES]
+    starts = list(itertools.accumulate(attn.query_lens_cpu, initial=0))
+    # with context, the lower-right mask: query r sees keys up to ctx + r
+    masks = [
+        None
+        if attn.context_lens_cpu[i] == 0
+        else torch.ones(attn.query_lens_cpu[i], attn.seq_lens_cpu[i], dtype=torch.bool).tril(
+            diagonal=attn.context_lens_cpu[i]
+        )
+        for i in long
+    ]
+    short = sorted(set(range(attn.num_seqs)) - set(long))
+    return long, starts, masks, _subset(attn, short, starts) if short and long else None
 
 
 def _sdpa(
@@ -72,18 +91,17 @@ def _sdpa(
     v_cache: torch.Tensor,
     attn: AttentionMetadata,
     seq: int,
+    mask: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
-    """Sequence `seq`'s queries `q [n, Hq, D]` over its cached keys, causal from its context."""
-    n, total, ctx = q.shape[0], attn.seq_lens_cpu[seq], attn.context_lens_cpu[seq]
+    """Sequence `seq`'s queries `q [n, Hq, D]` over its cached keys: causal (the flag, whose
+    kernel skips masked blocks) without context, under `mask` with it."""
+    total = attn.seq_lens_cpu[seq]
     blocks = attn.block_tables[seq, : -(-total // attn.block_size)].long()
     k = k_cache[blocks].flatten(0, 1)[:total].transpose(0, 1)  # [Hkv, total, D]
     v = v_cache[blocks].flatten(0, 1)[:total].transpose(0, 1)
-    # without context the causal flag (its kernel skips masked blocks); with it the lower-right
-    # mask, query r seeing keys up to ctx + r
-    mask = None if ctx == 0 else torch.ones(n, total, dtype=torch.bool).tril(diagonal=ctx)
     o = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask, is_causal=ctx == 0,
+        q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask, is_causal=mask is None,
         scale=scale, enable_gqa=True,
     )  # fmt: skip
     return o[0].transpose(0, 1)
