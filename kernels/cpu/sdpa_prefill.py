@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -54,22 +55,29 @@ def paged_attention(
     plan = attn.scratch.get("sdpa_prefill")
     if plan is None:  # once per step, shared by every layer
         plan = attn.scratch["sdpa_prefill"] = _plan(attn)
-    long, starts, masks, short = plan
-    if not long:
+    if not plan.long:
         return native(q, k_cache, v_cache, attn, scale)
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
-    for i, mask in zip(long, masks, strict=True):
-        rows = slice(starts[i], starts[i + 1])
+    for i, mask in zip(plan.long, plan.masks, strict=True):
+        rows = slice(plan.starts[i], plan.starts[i + 1])
         out[rows] = _sdpa(q[rows], k_cache, v_cache, attn, i, mask, scale)
-    if short is not None:
-        sub, rows = short
-        out[rows] = native(q[rows], k_cache, v_cache, sub, scale)
+    if plan.short is not None:
+        out[plan.short_rows] = native(q[plan.short_rows], k_cache, v_cache, plan.short, scale)
     return out
 
 
-def _plan(attn: AttentionMetadata) -> tuple:
-    """The step's long runs, each sequence's first row, the long runs' masks (None: causal from
-    position 0) and the other sequences' metadata and rows (None when there are none)."""
+@dataclass(frozen=True)
+class _Plan:
+    """One step's split between SDPA and the native kernel."""
+
+    long: list[int]  # sequences of `SDPA_MIN_QUERIES` queries or more
+    starts: list[int]  # each sequence's first row of the step (and the end)
+    masks: list[torch.Tensor | None]  # per long run: None, causal from position 0
+    short: AttentionMetadata | None  # the other sequences' own metadata, if any beside long runs
+    short_rows: torch.Tensor | None  # ... and their rows of the step
+
+
+def _plan(attn: AttentionMetadata) -> _Plan:
     long = [i for i, n in enumerate(attn.query_lens_cpu) if n >= SDPA_MIN_QUERIES]
     starts = list(itertools.accumulate(attn.query_lens_cpu, initial=0))
     # with context, the lower-right mask: query r sees keys up to ctx + r
@@ -81,8 +89,9 @@ def _plan(attn: AttentionMetadata) -> tuple:
         )
         for i in long
     ]
-    short = sorted(set(range(attn.num_seqs)) - set(long))
-    return long, starts, masks, _subset(attn, short, starts) if short and long else None
+    others = sorted(set(range(attn.num_seqs)) - set(long))
+    short, rows = _subset(attn, others, starts) if others and long else (None, None)
+    return _Plan(long, starts, masks, short, rows)
 
 
 def _sdpa(
