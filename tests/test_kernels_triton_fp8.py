@@ -170,6 +170,40 @@ def test_the_gemm_quantizing_x_itself_gives_the_bits_of_the_separate_quantize_ke
     assert torch.equal(inline, separate)
 
 
+@pytest.mark.parametrize("k", [1024, 1000])
+def test_split_k_runs_added_in_order_are_the_dequantized_product(k):
+    """SPLIT's K runs (8 here, the last one cut at K = 1,000) summed by the tile's last program:
+    the float32 product of the dequantized operands up to summation order."""
+    w = block_quant.quantize_fp8(_rand(200, k, seed=60))
+    x = _rand(40, k, seed=61)
+    assert fp8_gemv.split_runs(4, 8, fp8_matmul.SPLIT.waves) == 8
+    got = fp8_matmul.fp8_linear(x, w, fp8_matmul.SPLIT)
+    torch.testing.assert_close(got, _dequantized_product(x, w), rtol=1e-5, atol=1e-4)
+    assert _counters_at_rest()
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's program order is what is shuffled")
+@pytest.mark.parametrize("seed", [0, 1])
+def test_whichever_split_k_program_counts_last_the_gemm_gives_the_same_bits(seed):
+    w = block_quant.quantize_fp8(_rand(200, 1000, seed=62) / 32)
+    x = _rand(24, 1000, seed=63, dtype=torch.bfloat16)
+    want = fp8_matmul.fp8_linear(x, w, fp8_matmul.SPLIT)
+    with _programs_shuffled(seed):
+        got = fp8_matmul.fp8_linear(x, w, fp8_matmul.SPLIT)
+    assert torch.equal(got, want)
+    assert _counters_at_rest()
+
+
+def test_batch_sized_calls_split_k_where_whole_k_tiles_leave_sms_idle():
+    """At 64 rows: V4's q_a (1,024 columns) and wo_b (4,096) take SPLIT's runs; its 32,768-column
+    wq_b fills the GPU with MEDIUM's tiles; one row stays on the decode tile, never split."""
+    assert fp8_matmul.default_config(64, 1024) is fp8_matmul.SPLIT
+    assert fp8_matmul.default_config(64, 4096) is fp8_matmul.SPLIT
+    assert fp8_matmul.default_config(64, 32768) is fp8_matmul.MEDIUM
+    assert fp8_matmul.default_config(1, 1024).waves == 0
+    assert fp8_matmul.decode_config(1024).waves == 0  # --batch-invariant's tile
+
+
 def test_the_decode_tile_narrows_until_a_weights_n_tiles_fill_the_gpu():
     """No split-K: at M = 1 the N tiles are the launch's only parallelism."""
     narrowest = fp8_matmul.MIN_DECODE_BLOCK_N
@@ -562,16 +596,19 @@ def build(fn, types, consts, cfg):
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
 
-names = "a_ptr as_ptr b_ptr bs_ptr c_ptr M N K s_am s_asm s_bn s_bsn s_cm".split()
-gemm = dict(zip(names, ["*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32", "*bf16"] + ["i32"] * 8))
+names = ("a_ptr as_ptr b_ptr bs_ptr c_ptr part_ptr count_ptr M N K steps_per_split n_split s_am "
+         "s_asm s_bn s_bsn s_cm").split()
+gemm = dict(zip(names, ["*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32", "*bf16", "*fp32", "*i32"]
+                + ["i32"] * 10))
 for cfg, group_n in ((f.decode_config(2048), 0), (f.LARGE, 0), (f.decode_config(8192), 1024),
-                     (f.MEDIUM, 1024)):
+                     (f.MEDIUM, 1024), (f.SPLIT, 0), (f.SPLIT, 1024)):
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=128, SCALE_N=128, GROUP_M=8,
                   EVEN_K=False, QUANT_A=cfg.block_m <= 16, FP8_MAX=448.0, AMAX_FLOOR=1e-10,
-                  GROUP_N=group_n)
+                  GROUP_N=group_n, SPLIT_K=cfg.waves > 0)
     a_type = "*bf16" if consts["QUANT_A"] else "*fp8e4nv"
     ptx = build(f._fp8_gemm_kernel, dict(gemm, a_ptr=a_type), consts, cfg)
     assert cfg.block_m < 64 or "wgmma" in ptx, "large fp8 tiles on Hopper's wgmma"
+    assert not cfg.waves or "atom.global.gpu.acq_rel.add" in ptx, "split runs counted acq_rel"
 names = ("a_ptr w_ptr c_ptr pair_ptr block_expert_ptr scale_ptr as_ptr ws_ptr num_pairs N K s_am "
          "s_we s_wn s_wk s_cm s_asm s_wse s_wsn s_wsk").split()
 for wfmt, a, w, ws, cfg, ptx, even_k in (

@@ -1288,6 +1288,83 @@ def time_fp8_decode_tiles(rows: list) -> None:
             rows.append(row)
 
 
+FP8_BATCH_SHAPES = {  # [N, K] of the projections a batch-64 step runs through the GEMM -> layer
+    (1024, 4096): "v4 wq_a",
+    (512, 4096): "v4 wkv",
+    (4096, 8192): "v4 wo_b",
+    (4096, 4096): "v4 shared gate_up",
+    (4096, 2048): "v4 shared down",
+    (32768, 1024): "v4 wq_b",
+    (8192, 1024): "v4 indexer wq_b",
+    (1536, 7168): "v3 q_a",
+    (7168, 16384): "v3 o_proj",
+    (7168, 2048): "v3 shared down",
+    (3648, 2048): "v2-lite x_proj",
+    (2048, 2048): "v2-lite o_proj",
+    (2816, 2048): "v2-lite shared gate_up",
+    (2048, 1408): "v2-lite shared down",
+}
+FP8_BATCH_ROWS = (32, 64, 128)
+FP8_BATCH_CANDIDATES = {  # block_m, block_n, num_warps, num_stages, waves (Fp8TileConfig)
+    "split m64n64w4x1": (64, 64, 4, 4, 1),
+    "split m64n64w4x2": (64, 64, 4, 4, 2),  # fp8_matmul.SPLIT
+    "split m64n64w4x4": (64, 64, 4, 4, 4),
+    "split m64n128w4x2": (64, 128, 4, 4, 2),
+    "split m32n64w4x2": (32, 64, 4, 4, 2),
+    "split m16n64w4x2": (16, 64, 4, 4, 2),
+    "split m64n64w4s3x2": (64, 64, 4, 3, 2),
+}
+FP8_BATCH_GRAPH_CALLS = 20
+
+
+def time_fp8_batch_tiles(rows: list) -> None:
+    """17-128 rows (a batch's decode step) through the w8a8 GEMM, device us per call from CUDA
+    graphs of FP8_BATCH_GRAPH_CALLS calls (the activation quantize included, as the engine runs
+    it): the tile before split-K (MEDIUM, or 16-row decode tiles where MEDIUM's leave SMs idle),
+    the split-K candidates, the policy (`default_config`) and, up to 64 rows, the w8a16 GEMV;
+    errors against the float32 product of the dequantized operands."""
+    from deepserve.kernels import block_quant
+
+    g = torch.Generator(device="cuda").manual_seed(12)
+    for (n, k), layer in FP8_BATCH_SHAPES.items():
+        w = block_quant.quantize_fp8(torch.randn(n, k, device="cuda", generator=g) / k**0.5)
+        w_deq = w.dequantize()
+        for m in FP8_BATCH_ROWS if layer.startswith("v4") else (64,):
+            x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+            key = dict(op="fp8_batch_tile", layer=layer, n=n, k=k, m=m)
+            timed = _fp8_batch_rows(key, x, w, _fp8_reference(x.float(), w_deq))
+            rows.extend(timed)
+            print(min((r for r in timed if "us" in r), key=lambda r: r["us"]), flush=True)
+        del w, w_deq
+        torch.cuda.empty_cache()
+
+
+def _fp8_batch_rows(key: dict, x: torch.Tensor, w, want: torch.Tensor) -> list[dict]:
+    """`time_fp8_batch_tiles`' rows for one shape and row count."""
+    from deepserve.kernels.triton import fp8_gemv, fp8_matmul
+
+    (m, n), out = (key["m"], key["n"]), []
+    tiles = (m + 63) // 64 * ((n + 127) // 128)
+    before = fp8_matmul.MEDIUM if tiles >= 132 else fp8_matmul.decode_config(n, m)
+    cands = {"before": before, "policy": fp8_matmul.default_config(m, n)} | {
+        name: fp8_matmul.Fp8TileConfig(bm, bn, 8, warps, stages, waves)
+        for name, (bm, bn, warps, stages, waves) in FP8_BATCH_CANDIDATES.items()
+    }
+    fns = {name: (lambda c=cfg: fp8_matmul.fp8_linear(x, w, c)) for name, cfg in cands.items()}
+    if m <= fp8_gemv.MAX_ROWS:
+        fns["gemv w8a16"] = lambda: fp8_gemv.fp8_gemv(x, w)
+    for name, fn in fns.items():
+        row = dict(key, cfg=name, tile=str(cands[name]) if name in cands else "")
+        try:
+            row["rel_err"] = rel(fn(), want)
+            row["us"] = _graph_us(fn, FP8_BATCH_GRAPH_CALLS)
+            row["tb_s"] = _weight_bytes(w) / row["us"] / 1e6
+        except Exception as exc:  # a tile that does not build: recorded, the rest go on
+            row["error"] = str(exc)[-200:]
+        out.append(row)
+    return out
+
+
 FP8_PATH_ROWS = (1, 4, 16, 64)
 FP8_GEMV_CANDIDATES = {  # block_n, num_warps, num_stages, waves (fp8_gemv.GemvConfig)
     "gemv n64w4s4x4": (64, 4, 4, 4),  # fp8_gemv.GEMV
@@ -1543,6 +1620,7 @@ def run_fp8(
         time_fp8_paths,
         time_gemv_one_launch,
         time_fp8_decode_tiles,
+        time_fp8_batch_tiles,
         time_moe_decode_configs,
         time_moe_align,
     )

@@ -79,8 +79,13 @@ def split_k(n: int, k: int, cfg: GemvConfig = GEMV) -> int:
     """K runs per row block: runs of a whole number of 128-steps, short enough that the launch
     reaches `waves` full waves of programs (never more runs than steps). A function of the shape
     alone: fixed per weight."""
-    tiles, steps = cdiv(n, cfg.block_n), cdiv(k, GROUP)
-    wanted = min(steps, max(1, cdiv(cfg.waves * FILL_PROGRAMS, tiles)))
+    return split_runs(cdiv(n, cfg.block_n), cdiv(k, GROUP), cfg.waves)
+
+
+def split_runs(tiles: int, steps: int, waves: int) -> int:
+    """Runs of whole K steps per output tile so that `tiles` tiles reach `waves` waves of
+    FILL_PROGRAMS programs (never more runs than steps; every run but the last equally long)."""
+    wanted = min(steps, max(1, cdiv(waves * FILL_PROGRAMS, tiles)))
     return cdiv(steps, steps // wanted)
 
 

@@ -8,10 +8,14 @@ DeepGEMM / vLLM `w8a8_block_fp8_matmul` scheme.
   float32 (wgmma on Hopper), times a_scale[m, kb] * b_scale[nb, kb], added in K order; output in
   x's dtype. Up to INLINE_QUANT_ROWS rows (decode) the GEMM quantizes its own x tiles, by the
   same formula as `quantize_groups` (so the same bits): one launch, not two, where every
-  program's redundant quantization of a few rows costs less than a launch. UE8M0 weight scales (DeepSeek-V4) are float32 powers of two after load: the same
-  kernel. No split-K: a row's sum is the same chain of K steps for any M, so with a tile fixed
-  by the weight alone (`--batch-invariant` takes `decode_config(N)` at every M) rows are batch
-  invariant.
+  program's redundant quantization of a few rows costs less than a launch. UE8M0 weight scales
+  (DeepSeek-V4) are float32 powers of two after load: the same kernel. With a tile fixed by the
+  weight alone (`--batch-invariant` takes `decode_config(N)` at every M, never split) a row's sum
+  is the same chain of K steps for any M, so rows are batch invariant.
+- Split-K (the default set's `SPLIT` tile, 17-128 rows where whole-K tiles leave SMs idle): K is
+  cut into runs fixed by the shape, each program sums one run in float32 and the last of a
+  tile's programs adds the runs in order (fp8_gemv.py's one-launch scheme): deterministic, and
+  capturable in a CUDA graph.
 
 Which path a set's `linear` takes (`linear_or`, `path`): the default set sends up to GEMV_ROWS
 rows to fp8_gemv.py's weight-streaming kernel (x unquantized, split-K where N is narrow) and more
@@ -54,12 +58,17 @@ class Fp8TileConfig:
     group_m: int = 8  # tiles of group_m row-blocks share their weight columns in L2
     num_warps: int = 4
     num_stages: int = 4
+    # split K until the launch reaches this many waves of FILL_PROGRAMS (0: one run per tile)
+    waves: int = 0
 
 
 # decode: few rows, the weight streamed once; N tiles alone fill the GPU on the wide projections
 DECODE = Fp8TileConfig()
 MEDIUM = Fp8TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=4)
 LARGE = Fp8TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+# 17-128 rows of a weight MEDIUM's tiles leave SMs idle on (a batch-64 step's projections):
+# whole 64-row tiles on the tensor cores, K split until the launch fills the GPU twice
+SPLIT = Fp8TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=4, waves=2)
 
 
 def decode_config(n: int, m: int = 1) -> Fp8TileConfig:
@@ -75,16 +84,16 @@ def decode_config(n: int, m: int = 1) -> Fp8TileConfig:
 
 def default_config(m: int, n: int) -> Fp8TileConfig:
     """The fast set's tile for M rows of an N-column weight. Up to 128 rows MEDIUM's 64 x 128
-    tiles, unless they leave SMs idle: a batch-64 decode step's narrow projections (V4's
-    1,024-column q_a: 8 programs on 132 SMs) take decode_config's 16-row tiles then, each weight
-    tile read by its 4 row blocks next to each other (group_m), from L2 after the first."""
+    tiles, unless they leave SMs idle: a batch-64 decode step's projections (V4's 1,024-column
+    q_a: 8 programs on 132 SMs; its 4,096-column wo_b: 32 programs walking K = 8,192) take
+    SPLIT's tiles with K cut into runs then."""
     if m <= 16:
         return decode_config(n)
     if m > 128:
         return LARGE
     if cdiv(m, MEDIUM.block_m) * cdiv(n, MEDIUM.block_n) >= FILL_PROGRAMS:
         return MEDIUM
-    return decode_config(n, m)
+    return SPLIT
 
 
 @jit
@@ -135,15 +144,18 @@ def quantize_groups_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 @jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(
-    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
+    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, part_ptr, count_ptr, M, N, K, steps_per_split, n_split,
     s_am, s_asm, s_bn, s_bsn, s_cm,
     BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_K: constexpr, SCALE_N: constexpr,
     GROUP_M: constexpr, EVEN_K: constexpr,
     QUANT_A: constexpr, FP8_MAX: constexpr, AMAX_FLOOR: constexpr, GROUP_N: constexpr,
+    SPLIT_K: constexpr,
 ):  # fmt: skip
     """a: e4m3 codes with scales at as_ptr, or with QUANT_A x itself, quantized per 128-step.
     With GROUP_N, b's rows come in groups of GROUP_N and group g reads a's g-th run of K
-    columns (and of K / 128 scales)."""
+    columns (and of K / 128 scales). With SPLIT_K, program (tile, s) sums K run s into
+    part_ptr[s] (float32 [n_split, M, N]) and the tile's last program to finish adds the runs in
+    order into c (fp8_gemv.py's one-launch scheme, on the same counters)."""
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -168,7 +180,12 @@ def _fp8_gemm_kernel(
         a_scale += group * tl.cdiv(K, BLOCK_K)
     b_scale = bs_ptr + (rb // SCALE_N) * s_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+    if SPLIT_K:
+        first = tl.program_id(1) * steps_per_split
+        last = tl.minimum(first + steps_per_split, tl.cdiv(K, BLOCK_K))
+    else:
+        first, last = 0, tl.cdiv(K, BLOCK_K)
+    for kb in range(first, last):
         kk = kb * BLOCK_K + rk
         if EVEN_K:
             a = tl.load(a_base + kk[None, :])
@@ -186,7 +203,30 @@ def _fp8_gemm_kernel(
         sb = tl.load(b_scale + kb)
         acc += tl.dot(a, b, out_dtype=tl.float32) * sa[:, None] * sb[None, :]
     keep = (rm[:, None] < M) & (rn[None, :] < N)
-    tl.store(c_ptr + rm[:, None] * s_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=keep)
+    if SPLIT_K:
+        _sum_runs(acc, part_ptr, count_ptr, pid, c_ptr + rm[:, None] * s_cm + rn[None, :],
+                  rm[:, None].to(tl.int64) * N + rn[None, :], M * N, n_split, keep)  # fmt: skip
+    else:
+        out = c_ptr + rm[:, None] * s_cm + rn[None, :]
+        tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=keep)
+
+
+@jit
+def _sum_runs(acc, part_ptr, count_ptr, tile, out, offs, run_size, n_split, keep):
+    """Store this program's K run, count it done on its tile's counter; the last program of the
+    tile adds the runs in run order into `out` and sets the counter back to 0."""
+    run = tl.program_id(1).to(tl.int64)
+    tl.store(part_ptr + run * run_size + offs, acc, mask=keep)
+    tl.debug_barrier()  # every thread's partial stored before the count releases them
+    done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if done == n_split - 1:
+        total = tl.load(part_ptr + offs, mask=keep, other=0.0, cache_modifier=".cg")
+        for s in range(1, n_split):
+            total += tl.load(
+                part_ptr + s * run_size + offs, mask=keep, other=0.0, cache_modifier=".cg"
+            )
+        tl.store(out, total.to(out.dtype.element_ty), mask=keep)
+        tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 def supports(w: Fp8Weight) -> bool:
@@ -218,15 +258,19 @@ def fp8_linear(
     assert n % (groups * cfg.block_n) == 0 or groups == 1, "a tile's columns span two groups"
     inline = m <= INLINE_QUANT_ROWS if inline_quant is None else inline_quant
     q, qs = (flat, flat) if inline else quantize_groups(flat)
-    grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n),)
-    _fp8_gemm_kernel[grid](
-        q, qs, w.data, w.scale, out, m, n, k,
+    tiles, steps = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n), cdiv(k, GROUP)
+    split = fp8_gemv.split_runs(tiles, steps, cfg.waves) if cfg.waves else 1
+    part = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else out
+    count = fp8_gemv.counters(x.device, tiles) if split > 1 else out
+    _fp8_gemm_kernel[(tiles, split)](
+        q, qs, w.data, w.scale, out, part, count, m, n, k, cdiv(steps, split), split,
         q.stride(0), 0 if inline else qs.stride(0), w.data.stride(0), w.scale.stride(0),
         out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP, SCALE_N=w.block[0],
         GROUP_M=cfg.group_m, EVEN_K=k % GROUP == 0,
         QUANT_A=inline, FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR,
-        GROUP_N=n // groups if groups > 1 else 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        GROUP_N=n // groups if groups > 1 else 0, SPLIT_K=split > 1,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out.reshape(*lead, n)
 
