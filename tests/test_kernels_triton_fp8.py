@@ -170,14 +170,17 @@ def test_the_gemm_quantizing_x_itself_gives_the_bits_of_the_separate_quantize_ke
     assert torch.equal(inline, separate)
 
 
+@pytest.mark.parametrize("cfg", ["SPLIT", "SPLIT_NARROW"])
 @pytest.mark.parametrize("k", [1024, 1000])
-def test_split_k_runs_added_in_order_are_the_dequantized_product(k):
-    """SPLIT's K runs (8 here, the last one cut at K = 1,000) summed by the tile's last program:
-    the float32 product of the dequantized operands up to summation order."""
+def test_split_k_runs_added_in_order_are_the_dequantized_product(k, cfg):
+    """The split tiles' K runs (8 here, the last one cut at K = 1,000) summed by the tile's last
+    program: the float32 product of the dequantized operands up to summation order."""
+    cfg = getattr(fp8_matmul, cfg)
     w = block_quant.quantize_fp8(_rand(200, k, seed=60))
     x = _rand(40, k, seed=61)
-    assert fp8_gemv.split_runs(4, 8, fp8_matmul.SPLIT.waves) == 8
-    got = fp8_matmul.fp8_linear(x, w, fp8_matmul.SPLIT)
+    tiles = -(-40 // cfg.block_m) * -(-200 // cfg.block_n)
+    assert fp8_gemv.split_runs(tiles, 8, cfg.waves) == 8
+    got = fp8_matmul.fp8_linear(x, w, cfg)
     torch.testing.assert_close(got, _dequantized_product(x, w), rtol=1e-5, atol=1e-4)
     assert _counters_at_rest()
 
@@ -195,13 +198,17 @@ def test_whichever_split_k_program_counts_last_the_gemm_gives_the_same_bits(seed
 
 
 def test_batch_sized_calls_split_k_where_whole_k_tiles_leave_sms_idle():
-    """At 64 rows: V4's q_a (1,024 columns) and wo_b (4,096) take SPLIT's runs; its 32,768-column
-    wq_b fills the GPU with MEDIUM's tiles; one row stays on the decode tile, never split."""
-    assert fp8_matmul.default_config(64, 1024) is fp8_matmul.SPLIT
-    assert fp8_matmul.default_config(64, 4096) is fp8_matmul.SPLIT
-    assert fp8_matmul.default_config(64, 32768) is fp8_matmul.MEDIUM
-    assert fp8_matmul.default_config(1, 1024).waves == 0
-    assert fp8_matmul.decode_config(1024).waves == 0  # --batch-invariant's tile
+    """At 64 rows: V4's q_a [1,024 x 4,096] takes the narrow split tile, its wo_b [4,096 x 8,192]
+    the wide one; its wq_b [32,768 x 1,024] fills the GPU with MEDIUM's tiles; a short K (V2-Lite's
+    o_proj) runs whole on 16-row tiles; one row stays on the decode tile, never split."""
+    f = fp8_matmul
+    assert f.default_config(64, 1024, 4096) is f.SPLIT_NARROW
+    assert f.default_config(64, 4096, 8192) is f.SPLIT
+    assert f.default_config(128, 4096, 2048) is f.SPLIT
+    assert f.default_config(64, 32768, 1024) is f.MEDIUM
+    assert f.default_config(64, 2048, 2048) == f.decode_config(2048, 64)
+    assert f.default_config(1, 1024, 4096).waves == 0
+    assert f.decode_config(1024).waves == 0  # --batch-invariant's tile
 
 
 def test_the_decode_tile_narrows_until_a_weights_n_tiles_fill_the_gpu():
@@ -601,7 +608,7 @@ names = ("a_ptr as_ptr b_ptr bs_ptr c_ptr part_ptr count_ptr M N K steps_per_spl
 gemm = dict(zip(names, ["*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32", "*bf16", "*fp32", "*i32"]
                 + ["i32"] * 10))
 for cfg, group_n in ((f.decode_config(2048), 0), (f.LARGE, 0), (f.decode_config(8192), 1024),
-                     (f.MEDIUM, 1024), (f.SPLIT, 0), (f.SPLIT, 1024)):
+                     (f.MEDIUM, 1024), (f.SPLIT, 0), (f.SPLIT, 1024), (f.SPLIT_NARROW, 0)):
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=128, SCALE_N=128, GROUP_M=8,
                   EVEN_K=False, QUANT_A=cfg.block_m <= 16, FP8_MAX=448.0, AMAX_FLOOR=1e-10,
                   GROUP_N=group_n, SPLIT_K=cfg.waves > 0)

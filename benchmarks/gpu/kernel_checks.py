@@ -1346,7 +1346,7 @@ def _fp8_batch_rows(key: dict, x: torch.Tensor, w, want: torch.Tensor) -> list[d
     (m, n), out = (key["m"], key["n"]), []
     tiles = (m + 63) // 64 * ((n + 127) // 128)
     before = fp8_matmul.MEDIUM if tiles >= 132 else fp8_matmul.decode_config(n, m)
-    cands = {"before": before, "policy": fp8_matmul.default_config(m, n)} | {
+    cands = {"before": before, "policy": fp8_matmul.default_config(m, n, key["k"])} | {
         name: fp8_matmul.Fp8TileConfig(bm, bn, 8, warps, stages, waves)
         for name, (bm, bn, warps, stages, waves) in FP8_BATCH_CANDIDATES.items()
     }

@@ -12,7 +12,7 @@ DeepGEMM / vLLM `w8a8_block_fp8_matmul` scheme.
   (DeepSeek-V4) are float32 powers of two after load: the same kernel. With a tile fixed by the
   weight alone (`--batch-invariant` takes `decode_config(N)` at every M, never split) a row's sum
   is the same chain of K steps for any M, so rows are batch invariant.
-- Split-K (the default set's `SPLIT` tile, 17-128 rows where whole-K tiles leave SMs idle): K is
+- Split-K (the default set's `SPLIT` tiles, 17-128 rows where whole-K tiles leave SMs idle): K is
   cut into runs fixed by the shape, each program sums one run in float32 and the last of a
   tile's programs adds the runs in order (fp8_gemv.py's one-launch scheme): deterministic, and
   capturable in a CUDA graph.
@@ -66,9 +66,14 @@ class Fp8TileConfig:
 DECODE = Fp8TileConfig()
 MEDIUM = Fp8TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=4)
 LARGE = Fp8TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
-# 17-128 rows of a weight MEDIUM's tiles leave SMs idle on (a batch-64 step's projections):
-# whole 64-row tiles on the tensor cores, K split until the launch fills the GPU twice
-SPLIT = Fp8TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=4, waves=2)
+# 17-128 rows of a weight MEDIUM's tiles leave SMs idle on (a batch-64 step's projections), K
+# cut into runs until the launch fills the GPU: 64-row tiles, each weight tile read once, for
+# wide weights; 16-row tiles (more programs, short runs) for narrow ones. The GPU job's sweep
+# (kernel_checks `time_fp8_batch_tiles`, run-gpu21-1) chose both and the bounds below.
+SPLIT = Fp8TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=4, waves=1)
+SPLIT_NARROW = Fp8TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=4, waves=2)
+SPLIT_MIN_K = 4096  # up to 64 rows, shorter K runs whole (16-row tiles): a split gained nothing
+NARROW_N = 1024
 
 
 def decode_config(n: int, m: int = 1) -> Fp8TileConfig:
@@ -82,18 +87,20 @@ def decode_config(n: int, m: int = 1) -> Fp8TileConfig:
     return replace(DECODE, block_n=block_n)
 
 
-def default_config(m: int, n: int) -> Fp8TileConfig:
-    """The fast set's tile for M rows of an N-column weight. Up to 128 rows MEDIUM's 64 x 128
+def default_config(m: int, n: int, k: int) -> Fp8TileConfig:
+    """The fast set's tile for M rows of an [N, K] weight. Up to 128 rows MEDIUM's 64 x 128
     tiles, unless they leave SMs idle: a batch-64 decode step's projections (V4's 1,024-column
-    q_a: 8 programs on 132 SMs; its 4,096-column wo_b: 32 programs walking K = 8,192) take
-    SPLIT's tiles with K cut into runs then."""
+    q_a: 8 programs on 132 SMs; its 4,096-column wo_b: 32 programs walking K = 8,192) then cut
+    K into runs (SPLIT, SPLIT_NARROW), or up to 64 rows of a short K take 16-row whole-K tiles."""
     if m <= 16:
         return decode_config(n)
     if m > 128:
         return LARGE
     if cdiv(m, MEDIUM.block_m) * cdiv(n, MEDIUM.block_n) >= FILL_PROGRAMS:
         return MEDIUM
-    return SPLIT
+    if k < SPLIT_MIN_K and m <= 64:
+        return decode_config(n, m)
+    return SPLIT_NARROW if n <= NARROW_N else SPLIT
 
 
 @jit
@@ -254,7 +261,7 @@ def fp8_linear(
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0 or n == 0:
         return out.reshape(*lead, n)
-    cfg = cfg or default_config(m, n)
+    cfg = cfg or default_config(m, n, k)
     assert n % (groups * cfg.block_n) == 0 or groups == 1, "a tile's columns span two groups"
     inline = m <= INLINE_QUANT_ROWS if inline_quant is None else inline_quant
     q, qs = (flat, flat) if inline else quantize_groups(flat)
