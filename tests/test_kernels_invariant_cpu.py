@@ -10,7 +10,7 @@ import torch
 from paged_kv import PagedCase
 
 from deepserve.kernels import reference
-from deepserve.kernels.reference.invariant import KV_SPLIT, invariant_kernels
+from deepserve.kernels.reference.invariant import KV_SPLIT, MatmulPlan, invariant_kernels
 
 BI = invariant_kernels()
 
@@ -50,6 +50,23 @@ def test_bmm_row_bits_do_not_depend_on_row_count():
     for m in [1, 2, 3, 5, 17, 90]:
         assert torch.equal(BI.bmm(a[:, :m], b), full[:, :m]), m
     torch.testing.assert_close(full, reference.bmm(a, b), rtol=1e-5, atol=1e-4)
+
+
+def test_bmm_rows_in_bfloat16_do_not_depend_on_row_count():
+    a, b = _rand(3, 90, 64, seed=7, dtype=torch.bfloat16), _rand(3, 64, 256, seed=8)
+    full = BI.bmm(a, b.bfloat16())
+    for m in [1, 2, 3, 33, 47, 90]:
+        assert torch.equal(BI.bmm(a[:, :m], b.bfloat16()), full[:, :m]), m
+
+
+def test_a_chunked_plan_runs_each_chunk_as_its_own_call():
+    """MatmulPlan.run: calls of at most `chunk` rows, each padded to the tile, the padding cut."""
+    seen = []
+    plan = MatmulPlan(tile=4, compute=torch.float32, chunk=8)
+    x = _rand(2, 19, 5)
+    y = plan.run(x, lambda p: seen.append(p.shape[-2]) or p * 2)
+    assert seen == [8, 8, 4] and torch.equal(y, x * 2)
+    assert plan.run(x[:, :0], lambda p: p).shape == (2, 0, 5)
 
 
 @pytest.mark.parametrize("hidden", [576, 7168, 40000])

@@ -13,7 +13,9 @@ docs/batch_invariance.md):
   shapes with 2 threads), so `x[:m] @ W` differs from `(x @ W)[:m]`. `linear`/`bmm` pad the row count
   to a multiple of a fixed row tile, found by probing the library once per dtype; rows whose count is
   a multiple of the tile were bitwise equal for every m and row position tried. Where no tile keeps
-  a dtype's rows (bf16 on AMX hosts), its GEMMs run in float32 and round once.
+  a dtype's rows (bf16 on AMX hosts: oneDNN's blocking changes past ~40 rows), its GEMMs run in
+  calls of at most CHUNK_ROWS rows when the probe finds every such call gives a row the same bits,
+  else in float32, rounded once.
 - Row reductions: torch splits a single long row across threads (two-pass), but never a row among
   many. `_row_sum` reduces fixed-size chunks and folds them in order with a sequential scan.
 - Elementwise ops: torch's CPU loops run whole vectors and send the tail (numel mod the vector
@@ -71,42 +73,64 @@ def _pad_rows(x: Tensor, rows: int) -> Tensor:
 
 
 PROBE_ROWS = 140  # rows in the probe's batch: past the row counts where oneDNN changes kernels
-
-
-def _probe_invariant(tile: int, dtype: torch.dtype, compute: torch.dtype) -> bool:
-    """True when, with the threads torch uses now, each row of a `dtype` GEMM run in `compute`
-    with its row count padded to a multiple of `tile` gets the bits it gets alone, for small and
-    large row counts and several positions."""
-    gen = torch.Generator().manual_seed(1234)
-    w = torch.randn(768, 576, generator=gen).to(dtype).to(compute)
-    x = torch.randn(PROBE_ROWS, 576, generator=gen).to(dtype).to(compute)
-    alone = torch.stack([F.linear(_pad_rows(x[i : i + 1], tile), w)[0] for i in range(len(x))])
-    for rows in (2, 3, tile + 1, 2 * tile, 4 * tile + 3, 67, PROBE_ROWS - 3):
-        for off in (0, 1, 3):
-            m = min(rows, len(x) - off)
-            got = F.linear(_pad_rows(x[off : off + m], _round_up(m, tile)), w)[:m]
-            if not torch.equal(got.to(dtype), alone[off : off + m].to(dtype)):
-                return False
-    return True
+CHUNK_ROWS = 32  # the most rows of a call whose kernel gives a row the bits of a one-row call
 
 
 @dataclass(frozen=True)
 class MatmulPlan:
-    """How one input dtype's GEMMs run: rows padded to `tile`, multiplied in `compute`."""
+    """How one input dtype's GEMMs run: rows in calls of at most `chunk` rows (None: one call),
+    each padded to a multiple of `tile`, multiplied in `compute`."""
 
     tile: int
     compute: torch.dtype
+    chunk: int | None = None
+
+    def run(self, a: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
+        """`fn` over a's rows (dim -2) as planned; the rows' results without the padding."""
+        rows = a.shape[-2]
+        step = self.chunk or max(rows, 1)
+        outs = []
+        for start in range(0, max(rows, 1), step):
+            part = a[..., start : start + step, :]
+            m = part.shape[-2]
+            outs.append(
+                fn(_pad_rows(part, _round_up(max(m, 1), self.tile)).to(self.compute))[..., :m, :]
+            )
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+
+
+def _probe_invariant(plan: MatmulPlan, dtype: torch.dtype) -> bool:
+    """True when, with the threads torch uses now, each row of a `dtype` GEMM run as `plan` gets
+    the bits it gets alone, for small and large row counts and several positions."""
+    gen = torch.Generator().manual_seed(1234)
+    w = torch.randn(768, 576, generator=gen).to(dtype).to(plan.compute)
+    x = torch.randn(PROBE_ROWS, 576, generator=gen).to(dtype)
+
+    def gemm(a: Tensor) -> Tensor:
+        return plan.run(a, lambda p: F.linear(p, w)).to(dtype)
+
+    alone = torch.cat([gemm(x[i : i + 1]) for i in range(len(x))])
+    for rows in (2, 3, plan.tile + 1, 2 * plan.tile, 4 * plan.tile + 3, 33, 67, PROBE_ROWS - 3):
+        for off in (0, 1, 3):
+            m = min(rows, len(x) - off)
+            if not torch.equal(gemm(x[off : off + m]), alone[off : off + m]):
+                return False
+    return True
 
 
 def _probe_plan(dtype: torch.dtype) -> MatmulPlan:
     # A bf16 GEMM on AMX takes kernels whose float32 accumulation order changes with the row
-    # count, whatever the padding (measured: no tile kept 140-row batches bitwise). bf16 products
-    # are exact in float32, so the same GEMM in float32 then rounded once is the same function
-    # with float32 GEMM's row invariance.
-    for compute in dict.fromkeys((dtype, torch.float32)):
-        good = [t for t in ROW_TILES[:-1] if _probe_invariant(t, dtype, compute)]
-        if good:
-            return MatmulPlan(good[0], compute)
+    # count past ~40 rows, whatever the padding (no tile kept 140-row batches bitwise), while
+    # every call of 1 to 32 rows gives a row the same bits: there the GEMMs run in calls of at
+    # most CHUNK_ROWS rows. Else float32: bf16 products are exact in it, so the same GEMM in
+    # float32 rounded once is the same function with float32 GEMM's row invariance.
+    candidates = [MatmulPlan(t, dtype) for t in ROW_TILES[:-1]]
+    if dtype != torch.float32:
+        candidates += [MatmulPlan(1, dtype, CHUNK_ROWS)]
+        candidates += [MatmulPlan(t, torch.float32) for t in ROW_TILES[:-1]]
+    for plan in candidates:
+        if _probe_invariant(plan, dtype):
+            return plan
     return MatmulPlan(ROW_TILES[-1], torch.float32)
 
 
@@ -128,20 +152,16 @@ class RowTiledMatmul:
     def linear(self, x: Tensor, w: Tensor) -> Tensor:
         """x[..., in] @ w[out, in].T with rows padded to the tile."""
         lead, k = x.shape[:-1], x.shape[-1]
-        flat = x.reshape(-1, k)
-        rows = flat.shape[0]
         plan = self.plan(x.dtype)
-        padded = _pad_rows(flat, _round_up(max(rows, 1), plan.tile))
-        y = F.linear(padded.to(plan.compute), w.to(plan.compute)).to(x.dtype)
-        return y[:rows].reshape(*lead, w.shape[0])
+        wc = w.to(plan.compute)
+        y = plan.run(x.reshape(-1, k), lambda p: F.linear(p, wc)).to(x.dtype)
+        return y.reshape(*lead, w.shape[0])
 
     def bmm(self, a: Tensor, b: Tensor) -> Tensor:
-        """torch.matmul(a, b) for a [..., M, K], b [..., K, N], with M padded to the tile."""
-        rows = a.shape[-2]
+        """torch.matmul(a, b) for a [..., M, K], b [..., K, N], with M run as the plan says."""
         plan = self.plan(a.dtype)
-        padded = _pad_rows(a, _round_up(max(rows, 1), plan.tile)).to(plan.compute)
-        y = torch.matmul(padded, b.contiguous().to(plan.compute)).to(a.dtype)
-        return y[..., :rows, :]
+        bc = b.contiguous().to(plan.compute)
+        return plan.run(a, lambda p: torch.matmul(p, bc)).to(a.dtype)
 
 
 def _row_sum(x: Tensor) -> Tensor:
