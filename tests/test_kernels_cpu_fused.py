@@ -246,6 +246,20 @@ def test_fused_llama_layer_gives_the_bits_of_the_op_by_op_layer(monkeypatch, dty
     assert native_runs == [True] * 8  # 2 layers x 4 calls, all native
 
 
+def test_the_fused_layer_never_runs_weights_the_flag_sends_through_onednn():
+    """Under `--batch-invariant` on AMX every bf16 call of a weight with oneDNN's copy goes
+    through it (`onednn_chunk`): the fused layer's native linears would give other bits."""
+    ws = [
+        replace(
+            pack_linear_weight(torch.randn(32, 32).bfloat16()),
+            onednn=torch.empty(1),
+            onednn_chunk=32,
+        )
+        for _ in range(4)
+    ]
+    assert cpu_ops.pack_llama_layer(ws).max_rows == 0
+
+
 def test_the_fused_layer_leaves_steps_past_its_rows_to_the_ops_where_weights_keep_onednn_copies():
     """bf16 weights with oneDNN's copies (the default set on AMX CPUs): a decode-sized step runs
     the fused layer, a prefill-sized one runs op by op so its linears take oneDNN's GEMM."""

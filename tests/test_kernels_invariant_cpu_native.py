@@ -175,9 +175,24 @@ def test_attention_matches_the_oracle(ops, layout):
         torch.testing.assert_close(got, torch.cat(case.run(ORACLE, seqs)), rtol=1e-5, atol=1e-5)
 
 
-def test_the_flags_set_packs_no_onednn_copy_where_the_default_set_would():
-    """oneDNN's GEMM picks kernels by row count; under the flag every bf16 linear stays native."""
+@pytest.mark.skipif(not vendor_gemm_faster(), reason="no AMX: the flag's bf16 linears stay native")
+def test_the_flags_bf16_linear_runs_onednn_in_calls_of_at_most_32_rows_row_invariantly():
+    """oneDNN picks its blocking by row count, but every call of 1 to 32 rows gives a row its
+    one-row bits: under the flag every bf16 call goes through it in such calls."""
+    k = invariant_cpu_kernels()
+    w = k.pack_weight(_rand(192, 576, seed=3, dtype=torch.bfloat16))
+    assert w.onednn is not None and w.onednn_chunk == 32
+    x = _rand(100, 576, seed=4, dtype=torch.bfloat16)
+    alone = torch.cat([k.linear(x[i : i + 1], w) for i in range(len(x))])
+    for m in (2, 7, 32, 33, 64, 100):
+        assert torch.equal(k.linear(x[100 - m :], w), alone[100 - m :]), m
+    assert k.torch_calls.ops == []  # probed on one thread and on all: the count follows the load
+
+
+def test_a_weight_whose_small_onednn_calls_are_not_row_invariant_stays_native(monkeypatch):
+    from deepserve.kernels.cpu import packed
+
+    monkeypatch.setattr(packed, "onednn_rows_invariant", lambda *a: False)
     w = _rand(64, 32, seed=3, dtype=torch.bfloat16)
-    assert invariant_cpu_kernels().pack_weight(w).onednn is None
-    default = get_kernels("cpu", False).pack_weight(w)
-    assert (default.onednn is not None) == vendor_gemm_faster()
+    assert pack_linear_weight(w, onednn=True, onednn_chunk=32).onednn is None
+    assert pack_linear_weight(w, onednn=True).onednn is not None  # the default set's copy

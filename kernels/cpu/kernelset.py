@@ -7,7 +7,9 @@ backend imports no other):
   query runs torch's SDPA (kernels/cpu/sdpa_prefill.py).
 - `native_invariant_kernels(torch_set)`: the `--batch-invariant` CPU set, over the torch
   invariant set (kernels/reference/invariant.py, the oracle these ops are tested against, and
-  the whole flag's set where the native kernels are unavailable).
+  the whole flag's set where the native kernels are unavailable). On CPUs with AMX its bf16
+  linears run oneDNN's GEMM in calls of at most 32 rows, where a probe of each weight finds
+  every such call gives a row its one-row bits (kernels/cpu/packed.py).
 
 The native ops are batch invariant by construction: the linear computes each output as one FMA
 chain over `in` in order whatever the row count (float32, bfloat16 and quantized panels alike),
@@ -105,7 +107,7 @@ class NativeInvariantOps:
         return getattr(self.torch_set, op)
 
     def linear(self, x: Tensor, w: Tensor | packed.PackedWeight) -> Tensor:
-        if isinstance(w, packed.PackedWeight):
+        if isinstance(w, packed.PackedWeight):  # oneDNN's calls too: probed at every count
             return packed.linear(x, w)
         return self._torch("linear")(x, w)
 
@@ -174,7 +176,12 @@ def native_invariant_kernels(torch_set: KernelSet) -> KernelSet:
         add_rms_norm_=ops.add_rms_norm_,
         silu_mul=ops.silu_mul,
         rope_qk_write_kv_=ops.rope_qk_write_kv_,
-        pack_weight=packed.pack_linear_weight,
+        # on AMX, bf16 weights keep oneDNN's copy where its small calls are row invariant
+        pack_weight=partial(
+            packed.pack_linear_weight,
+            onednn=packed.vendor_gemm_faster(),
+            onednn_chunk=packed.ONEDNN_INVARIANT_ROWS,
+        ),
         pack_llama_layer=cpu_ops.pack_llama_layer,
         llama_layer_=cpu_ops.llama_layer_,  # None: the layer runs op by op, through the above
     )

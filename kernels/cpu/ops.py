@@ -154,11 +154,12 @@ def pack_llama_layer(matmuls: list) -> FusedLayer | None:
     none = torch.empty(0, dtype=torch.uint8)
     weights = [t for w in matmuls for t in (w.panels, none if w.quant is None else w.quant)]
     vendor = any(w.onednn is not None for w in matmuls)
+    if any(w.onednn_chunk for w in matmuls):
+        max_rows = 0  # every call of these weights goes through oneDNN (the invariant set's)
+    else:
+        max_rows = ONEDNN_MIN_ROWS - 1 if vendor else sys.maxsize
     return FusedLayer(
-        weights,
-        [w.quant_format for w in matmuls],
-        [w.out_features for w in matmuls],
-        ONEDNN_MIN_ROWS - 1 if vendor else sys.maxsize,
+        weights, [w.quant_format for w in matmuls], [w.out_features for w in matmuls], max_rows
     )
 
 

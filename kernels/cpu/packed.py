@@ -9,6 +9,7 @@ What does not live here: the kernel (kernels/cpu/csrc/linear.cpp), the GGUF bloc
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -27,6 +28,10 @@ QUANT_MAX_ROWS = 4
 # native kernel's best path's 134, 713 vs 126 at 64, 1,108 vs 134 at 256; level at 4 rows, 31
 # vs 48 at one: decode stays native.
 ONEDNN_MIN_ROWS = 8
+# Under `--batch-invariant`: the most rows of a oneDNN bf16 call whose kernel gives a row the bits
+# it gets alone. On the AMX Xeon every call of 1 to 32 rows did, from ~40 rows on the blocking
+# changes (RESULTS.md, session 21); `pack_linear_weight` probes each weight before relying on it.
+ONEDNN_INVARIANT_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -52,14 +57,19 @@ class PackedWeight:
     A bfloat16 weight on a CPU with AMX tiles may also keep oneDNN's packed copy (`onednn`,
     the default set's choice: `vendor_gemm_faster`) for calls of `ONEDNN_MIN_ROWS` rows and up,
     where AMX runs several times the native kernel's rate; twice the weight's memory, and those
-    rows' bits then depend on the row count (oneDNN picks kernels by shape), so the
-    `--batch-invariant` set never packs one."""
+    rows' bits then depend on the row count (oneDNN picks kernels by shape). The
+    `--batch-invariant` set keeps one only where every call of at most `onednn_chunk` rows gives
+    a row its one-row bits (probed per weight), and then sends every bf16 call through it in
+    calls of at most that many rows, the native kernel never (its bits are another function's)."""
 
     panels: torch.Tensor
     out_features: int
     quant: torch.Tensor | None = None  # uint8 [panels, in / 32, block bytes]
     quant_format: int = -1  # kernels/quant_panels.py's FORMATS value, with `quant`
     onednn: torch.Tensor | None = None  # oneDNN's packed bf16 copy (mkldnn reorder)
+    onednn_chunk: int = (
+        0  # > 0: every bf16 call through `onednn`, in calls of at most this many rows
+    )
 
     @property
     def in_features(self) -> int:
@@ -77,9 +87,13 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight) -> torch.Tensor:
     # that accumulates in float32: in the kernel too (`linear_bf16`), which on AVX512-BF16 then
     # writes no float32 output at all.
     rows = x.reshape(-1, x.shape[-1])
-    if w.onednn is not None and rows.dtype == torch.bfloat16 and rows.shape[0] >= ONEDNN_MIN_ROWS:
-        y = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), w.onednn, None, "none", [], "")
-        return y.view(*x.shape[:-1], w.out_features)
+    if w.onednn is not None and rows.dtype == torch.bfloat16:
+        if w.onednn_chunk:
+            y = _onednn_in_chunks(rows, w.onednn, w.onednn_chunk)
+            return y.view(*x.shape[:-1], w.out_features)
+        if rows.shape[0] >= ONEDNN_MIN_ROWS:
+            y = _onednn_linear(rows, w.onednn)
+            return y.view(*x.shape[:-1], w.out_features)
     if rows.dtype == torch.bfloat16 and w.quant is None:
         y = native.op("linear_bf16")(rows, w.panels, w.out_features)
         return y.view(*x.shape[:-1], w.out_features)
@@ -88,6 +102,36 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight) -> torch.Tensor:
     y = _packed_linear(rows, w)
     y = y.view(*x.shape[:-1], w.out_features)
     return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def _onednn_linear(rows: torch.Tensor, onednn: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(rows.contiguous(), onednn, None, "none", [], "")
+
+
+def _onednn_in_chunks(rows: torch.Tensor, onednn: torch.Tensor, chunk: int) -> torch.Tensor:
+    if rows.shape[0] <= chunk:
+        return _onednn_linear(rows, onednn)
+    return torch.cat([_onednn_linear(part, onednn) for part in rows.split(chunk)])
+
+
+def onednn_rows_invariant(w: torch.Tensor, onednn: torch.Tensor, chunk: int) -> bool:
+    """Whether every oneDNN call of at most `chunk` rows against this bf16 weight gives each row
+    the bits of its one-row call: several counts and positions, on one thread and on every core
+    the process owns (the engine changes the count with the host's load, engine/threads.py)."""
+    gen = torch.Generator().manual_seed(32)
+    x = torch.randn(chunk + 3, w.shape[1], generator=gen).to(torch.bfloat16)
+    alone = torch.cat([_onednn_linear(x[i : i + 1], onednn) for i in range(len(x))])
+    threads = torch.get_num_threads()
+    try:
+        for count in dict.fromkeys((threads, 1, len(os.sched_getaffinity(0)))):
+            torch.set_num_threads(count)
+            for start, rows in ((0, chunk), (3, chunk), (1, 2), (2, 5), (5, chunk // 2 + 1)):
+                got = _onednn_linear(x[start : start + rows], onednn)
+                if not torch.equal(got, alone[start : start + rows]):
+                    return False
+    finally:
+        torch.set_num_threads(threads)
+    return True
 
 
 def _packed_linear(rows: torch.Tensor, w: PackedWeight) -> torch.Tensor:
@@ -115,19 +159,25 @@ def vendor_gemm_faster() -> bool:
 
 
 def pack_linear_weight(
-    w: torch.Tensor, quantized: QuantizedMatrix | None = None, onednn: bool = False
+    w: torch.Tensor,
+    quantized: QuantizedMatrix | None = None,
+    onednn: bool = False,
+    onednn_chunk: int = 0,
 ) -> torch.Tensor | PackedWeight:
     """`w` as a `PackedWeight` where the native kernel applies (a CPU float32 or bfloat16 matrix
     and the kernels built, see kernels/cpu/native.py), else `w` itself (F.linear then).
     `quantized` is the checkpoint's own blocks for `w` (its exact dequantization): a float32 `w`
     keeps them too, for few-row calls. Lower precisions round the dequantized values, so they
-    use `w` alone. `onednn`: a bfloat16 `w` also keeps oneDNN's packed copy (`PackedWeight`)."""
+    use `w` alone. `onednn`: a bfloat16 `w` also keeps oneDNN's packed copy (`PackedWeight`);
+    with `onednn_chunk`, only where `onednn_rows_invariant` holds for it, used for every call."""
     usable = w.device.type == "cpu" and w.dim() == 2 and w.dtype in (torch.float32, torch.bfloat16)
     if not usable or not native.load():
         return w
     packed = PackedWeight(panels=pack_panels(w), out_features=w.shape[0])
     if onednn and w.dtype == torch.bfloat16:
-        packed = replace(packed, onednn=torch.ops.mkldnn._reorder_linear_weight(w, None))
+        copy = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        if not onednn_chunk or onednn_rows_invariant(w, copy, onednn_chunk):
+            packed = replace(packed, onednn=copy, onednn_chunk=onednn_chunk)
     if quantized is None or w.dtype != torch.float32:
         return packed
     if (quantized.out_features, quantized.in_features) != tuple(w.shape):
