@@ -185,16 +185,22 @@ def _gemv_kernel(
         keep = (rm[:, None] < M) & (rn[None, :] < N)
     tl.store(out_ptr + split * s_os + offs, acc.to(out_ptr.dtype.element_ty), mask=keep)
     if ONE_LAUNCH:
-        tl.debug_barrier()  # every thread's partial stored before the count releases them
-        done = tl.atomic_add(count_ptr + pn, 1, sem="acq_rel", scope="gpu")
-        if done == n_split - 1:
-            total = tl.load(out_ptr + offs, mask=keep, other=0.0, cache_modifier=".cg")
-            for s in range(1, n_split):
-                total += tl.load(
-                    out_ptr + s * s_os + offs, mask=keep, other=0.0, cache_modifier=".cg"
-                )
-            tl.store(y_ptr + offs, total.to(y_ptr.dtype.element_ty), mask=keep)
-            tl.atomic_xchg(count_ptr + pn, 0, sem="relaxed", scope="gpu")
+        add_runs_when_last(count_ptr + pn, out_ptr + offs, s_os, n_split, y_ptr + offs, keep)
+
+
+@jit
+def add_runs_when_last(count_ptr, part_ptr, run_stride, n_split, out_ptr, keep):
+    """After a program stored its partial sums (run r of a tile at part_ptr + r * run_stride):
+    count it done on the tile's counter; the last of the tile's `n_split` programs adds the
+    runs in run order into out_ptr and sets the counter back to 0."""
+    tl.debug_barrier()  # every thread's partial stored before the count releases them
+    done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    if done == n_split - 1:
+        total = tl.load(part_ptr, mask=keep, other=0.0, cache_modifier=".cg")
+        for s in range(1, n_split):
+            total += tl.load(part_ptr + s * run_stride, mask=keep, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr, total.to(out_ptr.dtype.element_ty), mask=keep)
+        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @jit

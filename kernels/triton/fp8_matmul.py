@@ -220,20 +220,10 @@ def _fp8_gemm_kernel(
 
 @jit
 def _sum_runs(acc, part_ptr, count_ptr, tile, out, offs, run_size, n_split, keep):
-    """Store this program's K run, count it done on its tile's counter; the last program of the
-    tile adds the runs in run order into `out` and sets the counter back to 0."""
+    """Store this program's K run; the tile's last program adds the runs into `out`."""
     run = tl.program_id(1).to(tl.int64)
     tl.store(part_ptr + run * run_size + offs, acc, mask=keep)
-    tl.debug_barrier()  # every thread's partial stored before the count releases them
-    done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    if done == n_split - 1:
-        total = tl.load(part_ptr + offs, mask=keep, other=0.0, cache_modifier=".cg")
-        for s in range(1, n_split):
-            total += tl.load(
-                part_ptr + s * run_size + offs, mask=keep, other=0.0, cache_modifier=".cg"
-            )
-        tl.store(out, total.to(out.dtype.element_ty), mask=keep)
-        tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+    fp8_gemv.add_runs_when_last(count_ptr + tile, part_ptr + offs, run_size, n_split, out, keep)
 
 
 def supports(w: Fp8Weight) -> bool:
