@@ -67,9 +67,8 @@ class PackedWeight:
     quant: torch.Tensor | None = None  # uint8 [panels, in / 32, block bytes]
     quant_format: int = -1  # kernels/quant_panels.py's FORMATS value, with `quant`
     onednn: torch.Tensor | None = None  # oneDNN's packed bf16 copy (mkldnn reorder)
-    onednn_chunk: int = (
-        0  # > 0: every bf16 call through `onednn`, in calls of at most this many rows
-    )
+    # > 0: every bf16 call goes through `onednn`, in calls of at most this many rows
+    onednn_chunk: int = 0
 
     @property
     def in_features(self) -> int:
