@@ -447,6 +447,21 @@ def test_grouped_linear_is_each_groups_product_on_its_own_columns(m):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("cfg", ["SPLIT", "SPLIT_NARROW"])
+def test_a_split_k_grouped_linear_is_each_groups_split_product(cfg):
+    """K runs inside a group's columns (V4's wo_a at batch sizes): each group's rows against its
+    own run of x's columns, as the same split GEMM on that slice gives it."""
+    cfg = getattr(fp8_matmul, cfg)
+    parts, w, x = _grouped_case(24, k=512)
+    got = fp8_matmul.fp8_linear(x, w, cfg, groups=len(parts))
+    want = torch.cat(
+        [fp8_matmul.fp8_linear(x[:, g * 512 : (g + 1) * 512], p, cfg) for g, p in enumerate(parts)],
+        dim=1,
+    )
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert _counters_at_rest()
+
+
 def test_the_invariant_grouped_linear_keeps_a_row_alone_equal_to_it_in_its_batch():
     parts, w, x = _grouped_case(fp8_matmul.GEMV_ROWS + 4)
     grouped = fp8_matmul.grouped_linear_or_none(batch_invariant=True)
