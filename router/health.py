@@ -39,7 +39,7 @@ class HealthChecker:
             if w.worker_id is None or w.consecutive_failures > 0:
                 health = await w.client.health()
                 w.worker_id, w.block_size = health.worker_id, health.block_size
-            w.load = await w.client.load()
+            w.observe_load(await w.client.load())
         except (WorkerUnavailableError, ValueError) as e:
             was_healthy = w.healthy
             self.pool.record_failure(w)

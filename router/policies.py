@@ -72,6 +72,11 @@ class CacheAwareConfig:
     # the first worker that served one. Below the share, the request goes where the least is
     # running and cached, as a new prefix does (SGLang's router has the same cache threshold).
     min_match_ratio: float = 0.5
+    # A new prefix goes to the worker caching the least, but footprints within this share of a
+    # worker's pool count as equal and take turns: a few dozen blocks of a 50,000-block pool
+    # evict nothing, and treating them as a difference sent every new chat to one worker for
+    # as long as the other had served one more conversation before.
+    footprint_slack: float = 0.01
 
 
 class CacheAware:
@@ -114,14 +119,18 @@ class CacheAware:
 
     def _emptiest(self, candidates: list[Worker], token_ids: list[int]) -> Worker:
         """A new prefix goes to the least loaded worker; among equals, the one caching the least
-        (so tenants spread by cache footprint, not only by the moment's load)."""
+        (so tenants spread by cache footprint, not only by the moment's load), up to the slack."""
         best = min(w.load_score() for w in candidates)
         idle = [w for w in candidates if w.load_score() == best]
         least_held = min(self._held(w) for w in idle)
-        return self._least.choose([w for w in idle if self._held(w) == least_held], token_ids)
+        light = [w for w in idle if self._held(w) <= least_held + self._slack(w)]
+        return self._least.choose(light, token_ids)
 
     def _held(self, w: Worker) -> int:
         return self.index.held(w.worker_id) if w.worker_id is not None else 0
+
+    def _slack(self, w: Worker) -> float:
+        return self.config.footprint_slack * (w.load.num_blocks if w.load else 0)
 
     def _too_busy(self, best: Worker, candidates: list[Worker]) -> bool:
         least = min(w.load_score() for w in candidates)

@@ -48,7 +48,12 @@ class Worker:
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     inflight: int = 0  # requests this router has open on the worker
-    load: WorkerLoad | None = None
+    load: WorkerLoad | None = None  # as of the last probe; set through `observe_load`
+    load_probes: int = 0
+    # Our requests the last probe may have counted as running that have ended since: the report
+    # stays a second old, and a request that just ended still counted would send the next one
+    # away from an idle worker.
+    ended_since_probe: int = 0
     worker_id: str | None = None  # the name it uses in its KV events (from /internal/health)
     block_size: int | None = None
     retired_at: float | None = None  # time.monotonic() when it left the pool
@@ -57,7 +62,22 @@ class Worker:
         """Queue depth (the larger of our view and the worker's) plus KV usage as the tie-breaker."""
         reported = self.load.running + self.load.waiting if self.load else 0
         kv = self.load.kv_usage if self.load else 0.0
-        return max(self.inflight, reported) + kv
+        return max(self.inflight, reported - self.ended_since_probe) + kv
+
+    def observe_load(self, load: WorkerLoad) -> None:
+        self.load = load
+        self.load_probes += 1
+        self.ended_since_probe = 0
+
+    def begin_request(self) -> int:
+        """Count a request opened on the worker; returns the token `end_request` takes."""
+        self.inflight += 1
+        return self.load_probes
+
+    def end_request(self, began_at_probe: int) -> None:
+        self.inflight -= 1
+        if began_at_probe < self.load_probes:  # a probe ran while it was open
+            self.ended_since_probe += 1
 
 
 @dataclass

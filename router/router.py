@@ -170,7 +170,7 @@ class Router:
         return self.pick(role, token_ids, tried)
 
     async def _stream_one(self, w: Worker, req: GenerateRequest) -> AsyncIterator[StreamEvent]:
-        w.inflight += 1
+        began = w.begin_request()
         self._serving.setdefault(req.request_id, set()).add(w)
         settled = False
         try:
@@ -191,7 +191,7 @@ class Router:
             e.worker = e.worker or w.url
             raise
         finally:
-            w.inflight -= 1
+            w.end_request(began)
             self._unserve(req.request_id, w)
             if not settled:  # stopped early, timed out or failed: the worker may still hold it
                 self.abort_on(w, req.request_id)

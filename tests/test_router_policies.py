@@ -183,3 +183,30 @@ def test_cache_aware_keeps_a_long_shared_prefix_on_its_holder_among_others():
     index.apply("b", stored(list(range(9000, 9000 + 40 * bs)), bs))  # b caches more
     policy = CacheAware(index, CacheAwareConfig(block_size=bs))
     assert all(policy.choose([a, b], tenant + [50 + i] * 12) is a for i in range(5))
+
+
+def test_cache_aware_alternates_new_prefixes_between_footprints_small_beside_the_pool():
+    """Thirty blocks more in a 50,000-block pool evict nothing: new chats take turns."""
+    index = PrefixIndex()
+    index.apply("a", stored(list(range(100, 100 + 30 * BS))))
+    ws = [worker("a"), worker("b")]
+    for w in ws:
+        w.load.num_blocks = 50_000
+    policy = CacheAware(index, CacheAwareConfig(block_size=BS))
+    served = [policy.choose(ws, list(range(900 + 40 * i, 940 + 40 * i))).url for i in range(6)]
+    assert served.count("http://a") == served.count("http://b") == 3
+
+
+def test_a_request_ended_since_the_last_probe_does_not_count_as_load():
+    w = worker("a")
+    began = w.begin_request()
+    w.observe_load(WorkerLoad(role="mixed", running=1, waiting=0, kv_usage=0.0))
+    w.end_request(began)
+    assert w.load_score() == 0
+
+
+def test_a_request_opened_after_the_last_probe_counts_once():
+    w = worker("a")
+    w.observe_load(WorkerLoad(role="mixed", running=1, waiting=0, kv_usage=0.0))  # another router's
+    w.end_request(w.begin_request())
+    assert w.load_score() == 1
