@@ -80,8 +80,8 @@ ISAS = cpu_native.supported_isas() if cpu_native.load() else []
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("layout", ["gqa", "mla"])
 def test_native_attention_bfloat16_cache_matches_float64_reference(isa, layout):
-    # on AVX512-BF16 bfloat16 q is scored in bf16 pairs (vdpbf16ps): a path of its own; the
-    # 150-token prompt spans three key tiles, the last one partial
+    # on AVX512-BF16 bfloat16 q is scored, and p @ V summed, in bf16 pairs (vdpbf16ps): a path
+    # of its own; the 150-token prompt spans three key tiles, the last one partial
     case = PagedCase(layout, [150, 9], dtype=torch.bfloat16)
     seqs = [(0, 0, 150), (1, 8, 1)]
     wide = PagedCase(layout, [150, 9])
@@ -91,7 +91,8 @@ def test_native_attention_bfloat16_cache_matches_float64_reference(isa, layout):
         got = case.run(Native, seqs)
     for out, ref in zip(got, wide.run(VarlenRef, seqs), strict=True):
         assert out.dtype == torch.bfloat16
-        # only the final rounding to bfloat16 differs: half a bfloat16 ulp
+        # the final rounding to bfloat16 (half a bfloat16 ulp) and, on the pairs path, the
+        # probabilities rounded to bfloat16 before p @ V
         torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=8e-3)
 
 

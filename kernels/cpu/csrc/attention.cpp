@@ -161,6 +161,7 @@ inline float softmax_block(float* s, int64_t n, float& m, float* alpha) {
 struct Avx2 {
   using Q = float;
   static constexpr int kRows = 4;
+  static constexpr bool kPairValues = false;
   template <typename T>
   static void pack_keys(const T* const* k, int64_t n, int64_t dk, float* panel) {
     ::pack_keys(k, n, dk, panel);

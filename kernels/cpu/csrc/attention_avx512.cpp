@@ -84,6 +84,7 @@ inline __mmask16 first(int64_t k) {
 struct Avx512 {
   using Q = float;
   static constexpr int kRows = 6;  // rows of a score block: 6 x 4 registers of keys
+  static constexpr bool kPairValues = false;
 
   // panel[d][j] = k[j][d] (widened to float32) for the tile's n keys; columns past n are left
   // as they are (their scores are masked).
@@ -264,8 +265,16 @@ struct Avx512 {
 // are exact and only the sums round: each score is ONE chain of vdpbf16ps over the head's pairs
 // in order (per pair: odd d, then even d, added into the accumulator), fixed by the row and the
 // key alone as on the other paths, with bits of this path's own. The tile's keys are packed as
-// 32-bit pairs, a transposition with no widening, into half the panel. Softmax and p @ V are
-// the AVX-512 path's, in float32.
+// 32-bit pairs, a transposition with no widening, into half the panel. Softmax is the AVX-512
+// path's, in float32.
+//
+// p @ V runs in pairs of keys too: each probability is rounded to bfloat16 (as torch's CPU flash
+// attention and GPU flash attention round p for a bf16 model; the row's sum stays the float32
+// probabilities'), the tile's values are packed once per work item as 32-bit (key 2i, key 2i + 1)
+// pairs per column, and each output column is ONE chain of vdpbf16ps over the row's pairs in
+// order: half the float32 FMAs. A pair's second key that the row does not see has p = 0 exactly
+// and a finite value (a key of the sequence, or the panel's zero past the tile), so it adds 0
+// whichever rows, chunk or step the row is computed with.
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
@@ -274,6 +283,101 @@ namespace {
 
 struct Avx512Bf16 : Avx512 {
   using Q = uint16_t;
+  static constexpr bool kPairValues = true;
+
+  // vpanel[i][c] = (v[2i][c], v[2i + 1][c]) as one 32-bit word, for the tile's n keys (a
+  // missing second key is 0).
+  static void pack_values(const uint16_t* const* v, int64_t n, int64_t dv, uint32_t* vpanel) {
+    alignas(64) static constexpr uint16_t kInterleave[32] = {
+        0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+        8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i idx = _mm512_load_si512(kInterleave);
+    for (int64_t i = 0; 2 * i < n; ++i) {
+      const uint16_t* a = v[2 * i];
+      const uint16_t* b = 2 * i + 1 < n ? v[2 * i + 1] : nullptr;
+      for (int64_t c = 0; c < dv; c += 16) {
+        const __mmask16 m = lanes(c, dv);
+        const __m512i lo = _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(m, a + c));
+        const __m512i hi = b ? _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(m, b + c))
+                             : _mm512_setzero_si512();
+        _mm512_mask_storeu_epi32(vpanel + i * dv + c, m, _mm512_permutex2var_epi16(lo, idx, hi));
+      }
+    }
+  }
+
+  // acc[r] = acc[r] * alpha[r] + p[r] @ V over the row's ceil(vis[r] / 2) pairs: the pairs every
+  // row has together, then each row's own last pairs (acc * 1 is exact, so each row's chain over
+  // its pairs stays one).
+  template <int R>
+  static void accumulate_pairs(float* const* acc, const float* alpha, const float* const* p,
+                               const uint32_t* vpanel, const int64_t* vis, int64_t dv) {
+    alignas(64) uint16_t pb[R][kKeys];
+    const uint16_t* rows[R];
+    int64_t pairs[R];
+    for (int r = 0; r < R; ++r) {
+      pairs[r] = (vis[r] + 1) / 2;
+      for (int64_t j = 0; j < 2 * pairs[r]; j += 16) {
+        const __mmask16 m = first(2 * pairs[r] - j);
+        const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, p[r] + j));
+        _mm256_mask_storeu_epi16(pb[r] + j, m, (__m256i)b);
+      }
+      rows[r] = pb[r];
+    }
+    pair_range<R>(acc, alpha, rows, vpanel, 0, pairs[0], dv);
+    const float one = 1.0f;
+    for (int r = 1; r < R; ++r)
+      if (pairs[r] > pairs[0]) pair_range<1>(&acc[r], &one, &rows[r], vpanel, pairs[0], pairs[r], dv);
+  }
+
+  // Pairs [i0, i1) into R rows' outputs: 64 columns at a time in registers, then 16 (or 8).
+  template <int R>
+  static void pair_range(float* const* acc, const float* alpha, const uint16_t* const* pb,
+                         const uint32_t* vpanel, int64_t i0, int64_t i1, int64_t dv) {
+    int64_t c = 0;
+    for (; c + 64 <= dv; c += 64) pair_columns<R, 4>(acc, alpha, pb, vpanel, i0, i1, dv, c, 0xFFFF);
+    for (; c < dv; c += 16) pair_columns<R, 1>(acc, alpha, pb, vpanel, i0, i1, dv, c, lanes(c, dv));
+  }
+
+  // Columns [c, c + 16 U) (the last register's lanes `last`) of R rows over pairs [i0, i1).
+  template <int R, int U>
+  static void pair_columns(float* const* acc, const float* alpha, const uint16_t* const* pb,
+                           const uint32_t* vpanel, int64_t i0, int64_t i1, int64_t dv,
+                           int64_t c, __mmask16 last) {
+    __m512 a[R][U];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 va = _mm512_set1_ps(alpha[r]);
+#pragma GCC unroll 8
+      for (int u = 0; u < U; ++u) {
+        const __mmask16 m = u == U - 1 ? last : __mmask16(0xFFFF);
+        a[r][u] = _mm512_mul_ps(va, _mm512_maskz_loadu_ps(m, acc[r] + c + 16 * u));
+      }
+    }
+    for (int64_t i = i0; i < i1; ++i) {
+      const uint32_t* row = vpanel + i * dv + c;
+      __m512bh vj[U];
+#pragma GCC unroll 8
+      for (int u = 0; u < U; ++u) {
+        const __mmask16 m = u == U - 1 ? last : __mmask16(0xFFFF);
+        vj[u] = (__m512bh)_mm512_maskz_loadu_epi32(m, row + 16 * u);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        uint32_t pair;
+        std::memcpy(&pair, pb[r] + 2 * i, sizeof(pair));
+        const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+#pragma GCC unroll 8
+        for (int u = 0; u < U; ++u) a[r][u] = _mm512_dpbf16_ps(a[r][u], pv, vj[u]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int u = 0; u < U; ++u) {
+        const __mmask16 m = u == U - 1 ? last : __mmask16(0xFFFF);
+        _mm512_mask_storeu_ps(acc[r] + c + 16 * u, m, a[r][u]);
+      }
+  }
 
   // panel[p][j] = (k[j][2p], k[j][2p + 1]) as one 32-bit word, for the tile's n keys.
   static void pack_keys(const uint16_t* const* k, int64_t n, int64_t dk, float* panel) {

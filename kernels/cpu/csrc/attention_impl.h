@@ -1,7 +1,8 @@
 // Paged attention's walk over key tiles and rows (kernels/cpu/csrc/attention.cpp has the
 // contract), written once over an ISA's vector primitives: `Isa::pack_keys` (a tile's keys
 // transposed into a [head][key] panel), `Isa::scores` (a register-blocked score tile),
-// `softmax_block` and `scale_accumulate_rows`, with q rows of element type `Isa::Q`. attention.cpp instantiates it
+// `softmax_block` and `scale_accumulate_rows` (or, where `Isa::kPairValues`, `pack_values` and
+// `accumulate_pairs`: p @ V over pairs of keys), with q rows of element type `Isa::Q`. attention.cpp instantiates it
 // for AVX2, attention_avx512.cpp for AVX-512. Everything here is a template on `Isa`, a type
 // local to each translation unit, so no function compiled for one target can stand in for the
 // other's at link time.
@@ -58,14 +59,21 @@ struct RowState {
   float* acc;
 };
 
-// One thread's scratch, reused across its work items: the rows' outputs and the key panel.
+// One thread's scratch, reused across its work items: the rows' outputs, the key panel and,
+// on a path that takes p @ V in pairs of keys, the value panel.
 struct Scratch {
-  std::vector<float> acc, panel_store;
+  std::vector<float> acc, panel_store, vpanel_store;
   std::vector<RowState> rows;
   float* panel(int64_t dk) {  // [dk][kKeys], 64-byte aligned
-    panel_store.resize(dk * kKeys + 16);
-    const auto p = reinterpret_cast<uintptr_t>(panel_store.data());
-    return panel_store.data() + ((64 - p % 64) % 64) / sizeof(float);
+    return aligned(panel_store, dk * kKeys);
+  }
+  uint32_t* vpanel(int64_t dv) {  // [kKeys / 2][dv] 32-bit words, 64-byte aligned
+    return reinterpret_cast<uint32_t*>(aligned(vpanel_store, kKeys / 2 * dv));
+  }
+  static float* aligned(std::vector<float>& store, int64_t n) {
+    store.resize(n + 16);
+    const auto p = reinterpret_cast<uintptr_t>(store.data());
+    return store.data() + ((64 - p % 64) % 64) / sizeof(float);
   }
 };
 
@@ -74,7 +82,8 @@ struct Scratch {
 // same for any R; the R rows share the panel and value loads and interleave their chains.
 template <class Isa, typename T, int R>
 inline void attend_rows(const typename Isa::Q* const* qr, const float* panel, const T* const* vp,
-                        const int64_t* vis, const Layout& L, RowState* st) {
+                        const uint32_t* vpanel, const int64_t* vis, const Layout& L,
+                        RowState* st) {
   alignas(64) float s[R][kKeys];
   const int64_t n = Isa::template scores<R>(qr, panel, L.dk, L.scale, vis, &s[0][0]);
   float alpha[R];
@@ -87,6 +96,10 @@ inline void attend_rows(const typename Isa::Q* const* qr, const float* panel, co
     st[r].l = st[r].l * alpha[r] + sum;
     sp[r] = s[r];
     acc[r] = st[r].acc;
+  }
+  if constexpr (Isa::kPairValues) {
+    Isa::template accumulate_pairs<R>(acc, alpha, sp, vpanel, vis, L.dv);
+    return;
   }
   // Keys every row sees together, then each row's own last keys (acc * 1 is exact, so the
   // split leaves each row's chain over its keys as one).
@@ -103,12 +116,12 @@ inline void attend_rows(const typename Isa::Q* const* qr, const float* panel, co
 // attend_rows for n rows, n <= R (Isa::kRows at the top).
 template <class Isa, typename T, int R = Isa::kRows>
 inline void attend_rows_n(int64_t n, const typename Isa::Q* const* qr, const float* panel,
-                          const T* const* vp, const int64_t* vis, const Layout& L,
-                          RowState* st) {
+                          const T* const* vp, const uint32_t* vpanel, const int64_t* vis,
+                          const Layout& L, RowState* st) {
   if constexpr (R > 1) {
-    if (n < R) return attend_rows_n<Isa, T, R - 1>(n, qr, panel, vp, vis, L, st);
+    if (n < R) return attend_rows_n<Isa, T, R - 1>(n, qr, panel, vp, vpanel, vis, L, st);
   }
-  attend_rows<Isa, T, R>(qr, panel, vp, vis, L, st);
+  attend_rows<Isa, T, R>(qr, panel, vp, vpanel, vis, L, st);
 }
 
 // Pointers to keys [start, start + n) of head h of a sequence (its block table `table`).
@@ -155,6 +168,7 @@ void attend_item(const Work& w, const Layout& L, const typename Isa::Q* q, const
     qr[r] = q + (q0 + t) * L.qs0 + (h * G + row % G) * L.qs1;
   }
   float* panel = sc.panel(L.dk);
+  uint32_t* vpanel = Isa::kPairValues ? sc.vpanel(L.dv) : nullptr;
   const int64_t keys = limit[nrows - 1];
   const T* kp[2][kKeys];
   const T* vp[2][kKeys];
@@ -173,13 +187,14 @@ void attend_item(const Work& w, const Layout& L, const typename Isa::Q* q, const
       if (j < next)
         prefetch_keys(kp[i ^ 1] + j, vp[i ^ 1] + j, std::min<int64_t>(16, next - j), L);
     }
+    if constexpr (Isa::kPairValues) Isa::pack_values(vp[i], n, L.dv, vpanel);
     int64_t vis[kTileRows];
     int64_t r = 0;
     for (int64_t x = 0; x < nrows; ++x) vis[x] = std::min(n, limit[x] - start);
     while (vis[r] <= 0) ++r;  // the last row sees this tile
     for (; r < nrows; r += Isa::kRows) {
       const int64_t m = std::min<int64_t>(Isa::kRows, nrows - r);
-      attend_rows_n<Isa, T>(m, qr + r, panel, vp[i], vis + r, L, sc.rows.data() + r);
+      attend_rows_n<Isa, T>(m, qr + r, panel, vp[i], vpanel, vis + r, L, sc.rows.data() + r);
     }
   }
 }
