@@ -11,7 +11,8 @@
 // primitives, and the choice of path (AVX-512 in attention_avx512.cpp, kernels/cpu/csrc/isa.h).
 // Scores are the same on both paths (one FMA chain per score over the head); a path's bits are
 // still its own: AVX-512 sums a tile's probabilities over 16 lanes, AVX2 over 8. On AVX512-BF16,
-// bfloat16 q against a bfloat16 cache is scored by vdpbf16ps in bf16 pairs (bits of its own).
+// bfloat16 q against a bfloat16 cache is scored, and p @ V summed, by vdpbf16ps in bf16 pairs
+// (bits of its own).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
