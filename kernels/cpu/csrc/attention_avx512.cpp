@@ -281,6 +281,13 @@ struct Avx512 {
 
 namespace {
 
+// The bf16 pair at p (two consecutive elements) in every 32-bit lane.
+inline __m512bh broadcast_pair(const uint16_t* p) {
+  uint32_t pair;
+  std::memcpy(&pair, p, sizeof(pair));
+  return (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+}
+
 struct Avx512Bf16 : Avx512 {
   using Q = uint16_t;
   static constexpr bool kPairValues = true;
@@ -363,9 +370,7 @@ struct Avx512Bf16 : Avx512 {
       }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        uint32_t pair;
-        std::memcpy(&pair, pb[r] + 2 * i, sizeof(pair));
-        const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        const __m512bh pv = broadcast_pair(pb[r] + 2 * i);
 #pragma GCC unroll 8
         for (int u = 0; u < U; ++u) a[r][u] = _mm512_dpbf16_ps(a[r][u], pv, vj[u]);
       }
@@ -411,9 +416,7 @@ struct Avx512Bf16 : Avx512 {
       for (int v = 0; v < V; ++v) kv[v] = (__m512bh)_mm512_load_si512(kd + 16 * v);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        uint32_t pair;
-        std::memcpy(&pair, q[r] + 2 * p, sizeof(pair));
-        const __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        const __m512bh qv = broadcast_pair(q[r] + 2 * p);
 #pragma GCC unroll 8
         for (int v = 0; v < V; ++v) a[r][v] = _mm512_dpbf16_ps(a[r][v], qv, kv[v]);
       }
