@@ -86,13 +86,10 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight) -> torch.Tensor:
     # that accumulates in float32: in the kernel too (`linear_bf16`), which on AVX512-BF16 then
     # writes no float32 output at all.
     rows = x.reshape(-1, x.shape[-1])
-    if w.onednn is not None and rows.dtype == torch.bfloat16:
-        if w.onednn_chunk:
-            y = _onednn_in_chunks(rows, w.onednn, w.onednn_chunk)
-            return y.view(*x.shape[:-1], w.out_features)
-        if rows.shape[0] >= ONEDNN_MIN_ROWS:
-            y = _onednn_linear(rows, w.onednn)
-            return y.view(*x.shape[:-1], w.out_features)
+    onednn = w.onednn is not None and rows.dtype == torch.bfloat16
+    if onednn and (w.onednn_chunk or rows.shape[0] >= ONEDNN_MIN_ROWS):
+        y = _onednn_in_chunks(rows, w.onednn, w.onednn_chunk)
+        return y.view(*x.shape[:-1], w.out_features)
     if rows.dtype == torch.bfloat16 and w.quant is None:
         y = native.op("linear_bf16")(rows, w.panels, w.out_features)
         return y.view(*x.shape[:-1], w.out_features)
@@ -108,7 +105,8 @@ def _onednn_linear(rows: torch.Tensor, onednn: torch.Tensor) -> torch.Tensor:
 
 
 def _onednn_in_chunks(rows: torch.Tensor, onednn: torch.Tensor, chunk: int) -> torch.Tensor:
-    if rows.shape[0] <= chunk:
+    """Calls of at most `chunk` rows (0: one call)."""
+    if not chunk or rows.shape[0] <= chunk:
         return _onednn_linear(rows, onednn)
     return torch.cat([_onednn_linear(part, onednn) for part in rows.split(chunk)])
 
