@@ -14,6 +14,7 @@ from model_loop import SequenceLoop, batched_step_logits
 
 from deepserve.engine.config import EngineConfig
 from deepserve.engine.loading.loader import load_model
+from deepserve.engine.models.deepseek_v4_config import CSA, HCA, SLIDING
 from deepserve.engine.testmodels.tiny_deepseek_v4 import TINY_V4_CONFIG, write_tiny_deepseek_v4
 
 LENGTHS = [1, 17, 300, 2000]
@@ -55,13 +56,26 @@ def test_tiny_config_reaches_past_the_window_and_the_indexers_top_k():
     assert c["sliding_window"] < 300 and 300 // csa > c["index_topk"] and 300 // hca >= 8
 
 
-def test_model_info_and_kv_row_width(ours):
-    info, spec = ours.info, ours.model.kv_cache_spec
+def test_model_info(ours):
+    info = ours.info
     assert (info.family, info.architecture) == ("deepseek_v4", "DeepseekV4ForCausalLM")
+
+
+def test_each_layer_owns_a_run_of_the_token_row_as_wide_as_its_kind(ours):
+    model, spec = ours.model, ours.model.kv_cache_spec
     d, di = TINY_V4_CONFIG["head_dim"], TINY_V4_CONFIG["index_head_dim"]
-    # CSA's row: window latent, 2-series compressor inputs, indexer inputs, entry and indexer key;
-    # one slot per decoder layer and one for the MTP layer
-    assert (spec.num_layers, spec.width) == (4 + 1, d + 4 * d + 4 * di + d + di)
+    # sliding: the window latent; HCA: + compressor kv and gate, entry; CSA: 2-series compressor
+    # inputs, the indexer's inputs, entry and indexer key
+    width = {SLIDING: d, HCA: 4 * d, CSA: 6 * d + 5 * di}
+    kinds = model.args.layer_types + model.args.mtp_layer_types
+    layout = model.row_layout
+    assert layout.widths == tuple(width[k] for k in kinds)
+    assert (spec.num_layers, spec.width) == (1, layout.width)
+    ends = [o + w for o, w in zip(layout.offsets, layout.widths, strict=True)]
+    assert all(
+        end <= nxt for end, nxt in zip(ends, layout.offsets[1:] + (layout.width,), strict=True)
+    )
+    assert layout.width < len(kinds) * width[CSA]  # not every layer as wide as CSA's
 
 
 @pytest.mark.parametrize("length", LENGTHS)

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from deepserve.engine.errors import UnsupportedModelError
 from deepserve.engine.models.base import KVCacheSpec
 from deepserve.engine.models.common import WeightStore, require
-from deepserve.engine.models.deepseek_v4_cache import KVRow, StepPlan, kv_row
+from deepserve.engine.models.deepseek_v4_cache import KVRow, StepPlan, kv_row, row_layout
 from deepserve.engine.models.deepseek_v4_config import (
     CSA,
     HCA,
@@ -312,8 +312,9 @@ class DeepseekV4ForCausalLM:
         self.rows = {
             kind: kv_row(kind, a.head_dim, a.index_head_dim) for kind in (SLIDING, CSA, HCA)
         }
-        width = max(self.rows[kind].width for kind in a.layer_types + a.mtp_layer_types)
-        self.kv_cache_spec = KVCacheSpec(a.num_layers + self.num_mtp_layers, width, self.dtype)
+        kinds = a.layer_types + a.mtp_layer_types
+        self.row_layout = row_layout([self.rows[kind].width for kind in kinds])
+        self.kv_cache_spec = KVCacheSpec(1, self.row_layout.width, self.dtype)
         self.ropes = {
             SLIDING: self._rope(a.rope_theta, None),
             CSA: self._rope(a.compress_rope_theta, a.compress_rope_scaling),
@@ -449,7 +450,8 @@ class DeepseekV4ForCausalLM:
         plan, ropes = self._step(positions, attn)
         h = F.embedding(input_ids, self.embed)
         h = h[:, None, :].expand(-1, self.args.hc_mult, -1).contiguous()  # [T, streams, hidden]
-        for layer, cache in zip(self.layers, kv_cache, strict=False):
+        for i, layer in enumerate(self.layers):
+            cache = self.row_layout.layer(kv_cache, i)
             h = self._decoder_layer(layer, h, input_ids, ropes, plan, cache)
         return h.flatten(1)
 
@@ -475,7 +477,7 @@ class DeepseekV4ForCausalLM:
         e = k.linear(self._norm(e, m.enorm), m.e_proj)
         prev = previous_hidden.view(-1, a.hc_mult, a.hidden_size)
         h = k.linear(self._norm(prev, m.hnorm), m.h_proj) + e[:, None, :]
-        cache = kv_cache[a.num_layers + mtp_index]
+        cache = self.row_layout.layer(kv_cache, a.num_layers + mtp_index)
         return self._decoder_layer(m.layer, h, input_ids, ropes, plan, cache).flatten(1)
 
     def compute_mtp_logits(self, hidden: torch.Tensor, mtp_index: int = 0) -> torch.Tensor:

@@ -1,10 +1,12 @@
 """What DeepSeek-V4 keeps per token in the engine's one paged KV tensor, and where a step reads it.
 
-Every row of `kv_cache[layer]` (`[num_blocks, block_size, width]`) belongs to one token and holds
-what later queries need from it, so prefix caching, the KV tiers and the prefill/decode hand-off
-move V4's blocks as bytes, unchanged, and a block carries everything a request needs to resume at
-its boundary. `KVRow` names the columns, per layer kind (D = head_dim, Di = index_head_dim,
-s = 2 for CSA's overlapping windows, 1 for HCA):
+A token owns one row of `kv_cache[0]` (`[num_blocks, block_size, width]`), and every layer (the
+MTP's too) a run of that row's columns as wide as its own kind needs (`RowLayout`): a sliding
+layer's 512 next to a CSA layer's ~3,700, so no layer pays for the widest kind's columns. The
+row holds what later queries need from the token, so prefix caching, the KV tiers and the
+prefill/decode hand-off move V4's blocks as bytes, unchanged, and a block carries everything a
+request needs to resume at its boundary. `KVRow` names a layer's columns, per layer kind (D =
+head_dim, Di = index_head_dim, s = 2 for CSA's overlapping windows, 1 for HCA):
 
     window    D      the token's latent K=V (normed, rotated): the sliding-window branch
     comp_kv   s*D    the compressor's inputs for this token (kv and gate projections), so a
@@ -14,9 +16,9 @@ s = 2 for CSA's overlapping windows, 1 for HCA):
     entry     D      in a group's LAST token's row: the group's compressed entry, computed once
     idx_key   Di     when the group closes; (CSA) its indexer key likewise
 
-A sliding-window layer uses `window` only; the tensor's width is the widest kind's (CSA's). Rows
-past the window and of closed groups stay readable (the block manager keeps whole sequences);
-the per-kind pools that drop them are the GPU step's.
+A sliding-window layer has `window` only. Rows past the window and of closed groups stay
+readable (the block manager keeps whole sequences); per-kind pools that drop them (entries every
+4 / 128 tokens, the window as a ring) are not built.
 
 `StepPlan` turns one step's `AttentionMetadata` into device tensors of slots: each token's window
 keys, each sequence's entry rows and how many of them each token sees, and the groups this step
@@ -73,6 +75,30 @@ def kv_row(kind: str, head_dim: int, index_head_dim: int) -> KVRow:
     if kind == CSA:
         take("idx_key", index_head_dim)
     return KVRow(written=written, **cols)
+
+
+ROW_ALIGN = 64  # elements: each layer's columns start 128 bytes apart in bf16 (vector loads)
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Each layer's columns in a token's row: layer i owns `[offsets[i], offsets[i] + widths[i])`."""
+
+    offsets: tuple[int, ...]
+    widths: tuple[int, ...]
+    width: int  # the whole row
+
+    def layer(self, kv_cache: torch.Tensor, i: int) -> torch.Tensor:
+        """Layer i's `[num_blocks, block_size, widths[i]]` view of `kv_cache [1, ...]`."""
+        return kv_cache[0, ..., self.offsets[i] : self.offsets[i] + self.widths[i]]
+
+
+def row_layout(widths: list[int]) -> RowLayout:
+    offsets, end = [], 0
+    for w in widths:
+        offsets.append(end)
+        end += -(-w // ROW_ALIGN) * ROW_ALIGN
+    return RowLayout(tuple(offsets), tuple(widths), end)
 
 
 @dataclass(frozen=True)
