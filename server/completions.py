@@ -3,7 +3,9 @@
 The recipe covers the chat protocols only, so this legacy OpenAI shape is built here: the prompt
 is encoded as is (no chat template), text is decoded incrementally per choice, stop strings end a
 choice, and logprobs take the legacy shape (`tokens`, `token_logprobs`, `top_logprobs`,
-`text_offset`). Not here: chat requests (server/chat_routes.py).
+`text_offset`). A list of prompts is a batch: one engine request each, choice `i * n + j` the
+j-th sample of prompt i (OpenAI's and vLLM's order), usage summed. Not here: chat requests
+(server/chat_routes.py).
 """
 
 from __future__ import annotations
@@ -108,32 +110,41 @@ async def handle(request: Request, state: AppState) -> Response:
     with state.backend.arriving():
         body = await read_json(request, state.config.max_body_bytes)
         check_model(body, state.config.served_model_name)
-        job = await prepare_off_loop(
+        jobs = await prepare_off_loop(
             request, body, INLINE_PREPARE_BYTES, _prepare, body, state, tenant_of(request)
         )
     rid = "cmpl-" + uuid.uuid4().hex[:24]
-    prompt = _PromptUsage(len(job.admitted.prompt_token_ids))
-    events = _generate(state, rid, job, prompt)
+    n = jobs[0].admitted.params.n
+    prompts = [_PromptUsage(len(job.admitted.prompt_token_ids)) for job in jobs]
+    if len(jobs) == 1:
+        events = _generate(state, rid, jobs[0], prompts[0])
+    else:
+        events = _merged(
+            [
+                _generate(state, f"{rid}-{i}", j, u, i * n)
+                for i, (j, u) in enumerate(zip(jobs, prompts, strict=True))
+            ]
+        )
     if body.get("stream"):
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        sse_events = _sse(events, rid, state, usage, prompt)
+        sse_events = _sse(events, rid, state, usage, prompts)
         return StreamingResponse(sse_events, media_type="text/event-stream")
     try:
-        collected = _collect(events, rid, state, job.admitted.params, prompt)
+        collected = _collect(events, rid, state, n * len(jobs), jobs[0].admitted.params, prompts)
         result = await until_disconnect(request.receive, collected)
     except ClientDisconnected:
         return Response(status_code=499)
     return JSONResponse(result)
 
 
-def _prepare(body: dict, state: AppState, tenant: str | None = None) -> _Job:
+def _prepare(body: dict, state: AppState, tenant: str | None = None) -> list[_Job]:
     check_fields(body, state.max_prompt_chars, "completions")
     unknown = sorted(set(body) - _ALLOWED)
     if unknown:
         raise HTTPError(400, f"unknown field {unknown[0]!r}", param=unknown[0])
     check_protocol("completions", body)
     salt = cache_salt(body, state.config, tenant)
-    prompt, prompt_ids = _encode_prompt(body.get("prompt"), state)
+    encoded = _encode_prompts(body.get("prompt"), state)
     stops = body.get("stop") or []
     stops = [stops] if isinstance(stops, str) else stops
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
@@ -141,15 +152,26 @@ def _prepare(body: dict, state: AppState, tenant: str | None = None) -> _Job:
     extras = pop_extras(body, True, ("max_tokens",))
     params = sampling_params(completion_options(body, extras), extras, cache_salt=salt)
     _check_unsupported(body, params)
+    return [_job(state, text, ids, params, stops, body.get("echo")) for text, ids in encoded]
+
+
+def _job(
+    state: AppState,
+    prompt: str | None,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    stops: list[str],
+    echo: bool | None,
+) -> _Job:
     admitted = admit(state, prompt_ids, params)
-    echo = ""
-    if body.get("echo"):
-        echo = (
+    text = ""
+    if echo:
+        text = (
             prompt
             if prompt is not None
             else state.backend.tokenizer.decode(prompt_ids, skip_special_tokens=False)
         )
-    return _Job(admitted, stops, echo)
+    return _Job(admitted, stops, text)
 
 
 def _check_unsupported(body: dict, params: SamplingParams) -> None:
@@ -169,15 +191,24 @@ def _check_unsupported(body: dict, params: SamplingParams) -> None:
         )
 
 
+def _encode_prompts(prompt, state: AppState) -> list[tuple[str | None, list[int]]]:
+    """Each prompt's (text when it was given as text, token ids): a string or a list of token
+    ids is one prompt, a list of them a batch."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        return [_encode_prompt(p, state) for p in prompt]
+    return [_encode_prompt(prompt, state)]
+
+
 def _encode_prompt(prompt, state: AppState) -> tuple[str | None, list[int]]:
-    """(the prompt text when it was given as text, its token ids)."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
         return prompt, encode_text(state.backend.tokenizer, prompt)
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         return None, prompt
-    raise HTTPError(400, "prompt must be a non-empty string or a list of token ids", param="prompt")
+    raise HTTPError(
+        400,
+        "prompt must be a non-empty string, a list of token ids, or a list of either",
+        param="prompt",
+    )
 
 
 @dataclass
@@ -192,10 +223,10 @@ class _Choice:
 
 
 async def _generate(
-    state: AppState, rid: str, job: _Job, prompt: _PromptUsage
+    state: AppState, rid: str, job: _Job, prompt: _PromptUsage, first_index: int = 0
 ) -> AsyncIterator[_Event]:
-    """Yield each choice's new output as it comes; aborts the engine request when left early.
-    Sets `prompt`'s cached tokens from the first output."""
+    """Yield each choice's new output as it comes (choice j as `first_index + j`); aborts the
+    engine request when left early. Sets `prompt`'s cached tokens from the first output."""
     tok = state.backend.tokenizer
     params = job.admitted.params
     choices = [_Choice(DecodeStream(skip_special_tokens=True), job.echo) for _ in range(params.n)]
@@ -218,6 +249,7 @@ async def _generate(
                     event = _advance(choice, c, tok, job.stops, params.logprobs)
                     choice.done = event.finish is not None
                     reason = event.finish or reason
+                    event.index += first_index
                     yield event
                 finished = out.finished
                 if finished or all(c.done for c in choices):
@@ -227,6 +259,39 @@ async def _generate(
         state.metrics.request_finished(reason)
         if not finished:  # last: a cut stream's cancel scope makes this await raise again
             await asyncio.shield(state.backend.abort(rid))
+
+
+async def _merged(streams: list[AsyncIterator[_Event]]) -> AsyncIterator[_Event]:
+    """The events of several prompts' streams as each comes; leaving early closes every stream
+    (each aborts its engine request)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(stream: AsyncIterator[_Event]) -> None:
+        try:
+            async with aclosing(stream):
+                async for event in stream:
+                    await queue.put(event)
+        except Exception as e:  # the consumer raises it
+            await queue.put(e)
+        finally:
+            await queue.put(done)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _advance(
@@ -304,16 +369,18 @@ def _chunk(rid: str, model: str, choices: list[dict], usage: dict | None = None)
     }
 
 
-def _usage(prompt: _PromptUsage, completion: int) -> dict:
-    """Usage in the shape the chat routes report it (OpenAI's fields, DeepSeek's cache fields)."""
-    cached = prompt.cached_tokens
+def _usage(prompts: list[_PromptUsage], completion: int) -> dict:
+    """Usage in the shape the chat routes report it (OpenAI's fields, DeepSeek's cache fields),
+    summed over a batch's prompts."""
+    cached = sum(p.cached_tokens for p in prompts)
+    prompt_tokens = sum(p.prompt_tokens for p in prompts)
     return {
-        "prompt_tokens": prompt.prompt_tokens,
+        "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
-        "total_tokens": prompt.prompt_tokens + completion,
+        "total_tokens": prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
         "prompt_cache_hit_tokens": cached,
-        "prompt_cache_miss_tokens": prompt.prompt_tokens - cached,
+        "prompt_cache_miss_tokens": prompt_tokens - cached,
     }
 
 
@@ -322,7 +389,7 @@ async def _sse(
     rid: str,
     state: AppState,
     include_usage: bool,
-    prompt: _PromptUsage,
+    prompts: list[_PromptUsage],
 ) -> AsyncIterator[bytes]:
     model = state.config.served_model_name
     tokens = 0
@@ -337,7 +404,7 @@ async def _sse(
             }
             yield sse(None, json.dumps(_chunk(rid, model, [choice])))
     if include_usage:
-        yield sse(None, json.dumps(_chunk(rid, model, [], _usage(prompt, tokens))))
+        yield sse(None, json.dumps(_chunk(rid, model, [], _usage(prompts, tokens))))
     yield sse(None, "[DONE]")
 
 
@@ -345,10 +412,10 @@ async def _collect(
     events: AsyncIterator[_Event],
     rid: str,
     state: AppState,
+    n: int,
     params: SamplingParams,
-    prompt: _PromptUsage,
+    prompts: list[_PromptUsage],
 ) -> dict:
-    n = params.n
     texts, finishes, tokens = [""] * n, [None] * n, 0
     logprobs = [_empty_logprobs() if params.logprobs is not None else None for _ in range(n)]
     async with aclosing(events):
@@ -363,7 +430,7 @@ async def _collect(
         {"index": i, "text": texts[i], "logprobs": logprobs[i], "finish_reason": finishes[i]}
         for i in range(n)
     ]
-    return _chunk(rid, state.config.served_model_name, choices, _usage(prompt, tokens))
+    return _chunk(rid, state.config.served_model_name, choices, _usage(prompts, tokens))
 
 
 def _empty_logprobs() -> dict:

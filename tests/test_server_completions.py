@@ -148,3 +148,43 @@ def test_repeated_completion_prompt_reports_cached_tokens(client):
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= 16
     assert second.usage.model_extra["prompt_cache_hit_tokens"] == cached
+
+
+BATCH = ["The capital of France is", "Once upon a time"]
+
+
+def test_a_list_of_prompts_answers_each_as_alone_in_prompt_order(client):
+    batch = complete(client, prompt=BATCH)
+    alone = [complete(client, prompt=p).choices[0] for p in BATCH]
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert [c.text for c in batch.choices] == [c.text for c in alone]
+    prompt_tokens = [complete(client, prompt=p, max_tokens=1).usage.prompt_tokens for p in BATCH]
+    assert batch.usage.prompt_tokens == sum(prompt_tokens)
+    assert batch.usage.completion_tokens == 2 * 8
+
+
+def test_a_batch_with_n_numbers_choices_prompt_major(client):
+    ids = [504, 3575]  # a prompt given as token ids
+    batch = complete(client, prompt=[BATCH[0], ids], n=2)
+    alone = [complete(client, prompt=p).choices[0].text for p in (BATCH[0], ids)]
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert [c.text for c in batch.choices] == [alone[0], alone[0], alone[1], alone[1]]
+
+
+def test_a_streamed_batch_equals_the_unstreamed_one(client):
+    whole = complete(client, prompt=BATCH)
+    texts, usage = {}, None
+    for chunk in complete(
+        client, prompt=BATCH, stream=True, stream_options={"include_usage": True}
+    ):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+        usage = chunk.usage or usage
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert usage.prompt_tokens == whole.usage.prompt_tokens
+    assert usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_an_empty_prompt_in_a_batch_is_rejected(client):
+    with pytest.raises(openai.BadRequestError, match="prompt"):
+        complete(client, prompt=[BATCH[0], ""])

@@ -284,3 +284,27 @@ def test_metrics_exports_latency_and_token_counters(server, client):
         "deepserve:batch_invariant_mode",
     ]:
         assert name in text, name
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_batch_of_prompts_cut_by_the_client_aborts_every_prompt(server, stream):
+    body = {
+        "model": MODEL,
+        "prompt": ["The capital of France is", "Once upon a time"],
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+    url = server.base_url + "/v1/completions"
+    if stream:
+        with httpx.stream("POST", url, json=body, timeout=60) as s:
+            lines = s.iter_lines()
+            for _ in range(6):
+                next(lines)
+            assert server.engine.load().running == 2
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url, json=body, timeout=1.5)
+    assert wait_until(lambda: server.engine.load().running == 0, timeout=5)
+    assert server.engine.load().kv_usage == 0
