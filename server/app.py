@@ -27,7 +27,7 @@ from deepserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from deepserve.server.middleware import FrontMiddleware
 from deepserve.server.protocols import CHAT, MESSAGES, RESPONSES
 from deepserve.server.response_store import ResponseStore, ResponseStoreConfig
-from deepserve.server.state import AppState
+from deepserve.server.state import AppState, check_model
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +84,8 @@ def _add_routes(app: FastAPI, state: AppState) -> None:
     ):
         app.add_route(path, endpoint, methods=["POST"])
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        card = {
+    def card() -> dict:
+        return {
             "id": state.config.served_model_name,
             "object": "model",
             "created": created,
@@ -95,7 +94,16 @@ def _add_routes(app: FastAPI, state: AppState) -> None:
             "batch_invariant": state.metrics.batch_invariant,
             "kv_cache_dtype": state.backend.card.kv_cache_dtype,
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [card()]}
+
+    # OpenAI's "retrieve model" (`client.models.retrieve`); a served name may hold slashes
+    @app.get("/v1/models/{model:path}")
+    async def model_card(model: str) -> dict:
+        check_model({"model": model}, state.config.served_model_name)
+        return card()
 
     # Both report a backend that cannot serve (a crashed engine, no worker left), so a
     # container's healthcheck or a load balancer stops sending it requests.

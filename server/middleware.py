@@ -58,7 +58,7 @@ class FrontMiddleware:
             else:
                 await self.app(scope, receive, send_and_count)
         finally:
-            endpoint = path if path in KNOWN_ENDPOINTS else "other"
+            endpoint = _endpoint(path)
             self.metrics.http_request(endpoint, status["code"])
 
     def _reject(self, scope):
@@ -87,3 +87,10 @@ class FrontMiddleware:
             if given and hmac.compare_digest(given, key):
                 found = tenant
         return found
+
+
+def _endpoint(path: str) -> str:
+    """The metrics label of a request path: a known endpoint, one model's card, or "other"."""
+    if path in KNOWN_ENDPOINTS:
+        return path
+    return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"

@@ -8,6 +8,7 @@ import time
 
 import httpx
 import jsonschema
+import openai
 import pytest
 from anthropic import Anthropic
 from server_harness import client, server, smollm_engine, wait_until
@@ -264,6 +265,13 @@ def test_non_stream_disconnect_aborts(server):
 def test_models_lists_served_name(server):
     data = httpx.get(server.base_url + "/v1/models").json()["data"]
     assert [m["id"] for m in data] == [MODEL]
+
+
+def test_models_retrieve_gives_the_served_models_card(server, client):
+    card = client.models.retrieve(MODEL)
+    assert (card.id, card.object, card.owned_by) == (MODEL, "model", "deepserve")
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("another-model")
 
 
 def test_metrics_exports_latency_and_token_counters(server, client):
