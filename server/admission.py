@@ -306,7 +306,7 @@ def pop_extras(body: dict, allow_n: bool, max_tokens_fields: tuple[str, ...]) ->
     json_object = isinstance(fmt, dict) and fmt.get("type") == "json_object"
     if json_object:
         body.pop("response_format")
-    parallel = body.get("parallel_tool_calls", True) is not False
+    parallel = ToolRequest.parallel(body)
     return BodyExtras(
         1 if n is None else n,
         max_tokens,

@@ -44,9 +44,22 @@ from deepserve.server.state import (
     tenant_of,
 )
 from deepserve.server.stream import GenerationJob, stream_chunks
-from deepserve.server.tool_calls import ToolPlan, rewrite_result, rewrite_stream
+from deepserve.server.tool_calls import (
+    ToolPlan,
+    rewrite_message,
+    rewrite_response,
+    rewrite_result,
+    rewrite_stream,
+)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+# A collected body's text rewritten into the protocol's tool calls (chat-template models)
+_REWRITES = {
+    CHAT.name: rewrite_result,
+    MESSAGES.name: rewrite_message,
+    RESPONSES.name: rewrite_response,
+}
 
 
 @dataclass
@@ -97,7 +110,7 @@ async def handle(request: Request, spec: ProtocolSpec, state: AppState) -> Respo
     if job.logprob_feed is not None:
         _set_logprobs(result, job.logprob_feed)
     if prepared.tools is not None:
-        rewrite_result(result, prepared.tools)
+        _REWRITES[spec.name](result, prepared.tools)
     if info.on_response is not None:
         await info.on_response(result)
     return JSONResponse(result)
@@ -143,13 +156,13 @@ def prepare(spec: ProtocolSpec, body: dict, state: AppState, tenant: str | None 
     )
     conv = parsed.conversation
     prompt = state.family.prepare(conv, extras.parallel_tool_calls, extras.tools)
-    if prompt.tools is not None and spec is not CHAT:
-        # The rewrite into tool calls exists for Chat Completions only; elsewhere the tools
-        # would be ignored, so the request is refused instead.
+    if prompt.tools is not None and spec is not CHAT and conv.stream:
+        # Calls are rewritten out of a stream for Chat Completions only; elsewhere the text
+        # would reach the client as is, so the request is refused instead.
         raise HTTPError(
             400,
-            f"tools on this model are served on /v1/chat/completions, not the {spec.name} "
-            'endpoint; send tool_choice "none" to answer without them',
+            f"streamed tool calls on this model are served on /v1/chat/completions; on the "
+            f'{spec.name} endpoint send stream false, or tool_choice "none"',
         )
     _check_tool_constraint(prompt.tools, extras)
     options = recipe_options(conv.inference_options, extras)

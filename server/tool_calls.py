@@ -35,9 +35,11 @@ _ANY_OBJECT = {"type": "object"}
 
 @dataclass(frozen=True)
 class ToolRequest:
-    """What the raw Chat Completions body says about tools that conversion does not keep."""
+    """What the raw body says about tools that conversion does not keep."""
 
     named: bool = False  # tool_choice names a function (conversion turns it into "required")
+    # Anthropic's {"type": "any"}: a call is required (conversion makes it "auto")
+    any_tool: bool = False
     # The client's own parameter schemas by tool name: with `strict: true` conversion rewrites
     # them to OpenAI's strict subset, dropping bounds such as maxLength that xgrammar enforces.
     parameters: dict[str, dict] = field(default_factory=dict)
@@ -49,7 +51,20 @@ class ToolRequest:
             fn = tool.get("function") if isinstance(tool, dict) else None
             if isinstance(fn, dict) and isinstance(fn.get("parameters"), dict):
                 schemas[fn.get("name")] = fn["parameters"]
-        return cls(isinstance(body.get("tool_choice"), dict), schemas)
+        choice = body.get("tool_choice")
+        kind = choice.get("type") if isinstance(choice, dict) else None
+        # Chat {"type": "function", "function": {...}}, Responses {"type": "function", "name"},
+        # Anthropic {"type": "tool", "name"}
+        return cls(kind in ("function", "tool"), kind == "any", schemas)
+
+    @staticmethod
+    def parallel(body: dict) -> bool:
+        """Whether several calls may come at once: OpenAI's `parallel_tool_calls`, Anthropic's
+        `tool_choice.disable_parallel_tool_use`."""
+        choice = body.get("tool_choice")
+        if isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True:
+            return False
+        return body.get("parallel_tool_calls", True) is not False
 
 
 @dataclass(frozen=True)
@@ -134,7 +149,7 @@ def tool_plan(
         )
         for t in conversation.tools
     )
-    if conversation.tool_choice == "required":
+    if conversation.tool_choice == "required" or request.any_tool:
         return ToolPlan("named" if request.named else "required", tools, parallel)
     return ToolPlan("auto", tools, parallel)
 
@@ -354,3 +369,69 @@ def _rewrite_choice(choice: dict, parser: ToolCallParser) -> None:
         delta["content"] = content
     if deltas:
         delta["tool_calls"] = deltas
+
+
+def rewrite_message(result: dict, plan: ToolPlan) -> None:
+    """A collected Anthropic Messages body: calls in its text become `tool_use` blocks after
+    the text that stays, and `stop_reason` "tool_use"."""
+    blocks = result.get("content") or []
+    calls, text = _calls_in(plan, "".join(b.get("text", "") for b in blocks if b["type"] == "text"))
+    if not calls:
+        return
+    kept = [b for b in blocks if b["type"] != "text"]
+    if text:
+        kept.append({"type": "text", "text": text})
+    kept += [
+        {"type": "tool_use", "id": "toolu_" + c["id"][5:], "name": c["name"], "input": c["input"]}
+        for c in calls
+    ]
+    result["content"] = kept
+    if result.get("stop_reason") == "end_turn":
+        result["stop_reason"] = "tool_use"
+
+
+def rewrite_response(result: dict, plan: ToolPlan) -> None:
+    """A collected Responses body: calls in its message text become `function_call` output
+    items after the message, which keeps the rest of the text (and is dropped when none is)."""
+    items = result.get("output") or []
+    messages = [i for i in items if i.get("type") == "message"]
+    parts = [p for m in messages for p in m.get("content") or [] if p.get("type") == "output_text"]
+    calls, text = _calls_in(plan, "".join(p.get("text", "") for p in parts))
+    if not calls:
+        return
+    kept = [i for i in items if i.get("type") != "message"]
+    if text and messages:
+        first = messages[0]
+        part = {**parts[0], "text": text, "logprobs": []} if parts else None
+        kept.append({**first, "content": [part] if part else []})
+    for c in calls:
+        kept.append(
+            {
+                "type": "function_call",
+                "id": "fc_" + c["id"][5:],
+                "call_id": c["id"],
+                "name": c["name"],
+                "arguments": c["arguments"],
+                "status": "completed",
+            }
+        )
+    result["output"] = kept
+
+
+def _calls_in(plan: ToolPlan, text: str) -> tuple[list[dict], str]:
+    """The calls in one answer's text, each with its arguments also as an object (`input`),
+    and the text left outside them; no calls when any call's arguments are not a JSON object
+    (a constrained answer cut by max_tokens): the text then stays as it is."""
+    parser = ToolCallParser(plan)
+    shown, _ = parser.feed(text)
+    rest, _ = parser.finish(None)
+    calls = []
+    for call in parser.calls:
+        fn = call["function"]
+        args = _loads_or_text(fn["arguments"])
+        if not isinstance(args, dict):
+            return [], text
+        calls.append(
+            {"id": call["id"], "name": fn["name"], "arguments": fn["arguments"], "input": args}
+        )
+    return calls, shown + rest

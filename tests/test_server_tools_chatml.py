@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 
+import anthropic
 import jsonschema
 import openai
 import pytest
+from anthropic import Anthropic
 from openai import OpenAI
 from server_harness import client, server, smollm_engine
 
@@ -164,15 +166,77 @@ def test_conversation_with_a_tool_result_renders_and_answers(client):
     assert choice.finish_reason in ("stop", "length", "tool_calls")
 
 
-def test_tools_on_responses_endpoint_are_refused_not_ignored(client):
-    with pytest.raises(openai.BadRequestError, match="chat/completions"):
-        client.responses.create(
-            model=MODEL,
-            input="What is the weather in Paris?",
-            tools=[{"type": "function", **TOOLS[0]["function"]}],
-            tool_choice="required",
-            max_output_tokens=20,
-        )
+RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+ANTHROPIC_TOOLS = [
+    {"name": f["name"], "description": f["description"], "input_schema": f["parameters"]}
+    for f in (t["function"] for t in TOOLS)
+]
+
+
+@pytest.fixture(scope="module")
+def claude(server) -> Anthropic:
+    return Anthropic(base_url=server.base_url, api_key="none", max_retries=0, timeout=120)
+
+
+def ask_claude(claude: Anthropic, **kwargs):
+    args = {"model": MODEL, "messages": ASK, "tools": ANTHROPIC_TOOLS, "max_tokens": 60}
+    return claude.messages.create(**{**args, "extra_body": {"temperature": 0}, **kwargs})
+
+
+def test_messages_tool_choice_any_answers_with_a_valid_tool_use_block(claude):
+    message = ask_claude(claude, tool_choice={"type": "any"})
+    uses = [b for b in message.content if b.type == "tool_use"]
+    assert message.stop_reason == "tool_use" and uses
+    for use in uses:
+        assert use.id.startswith("toolu_")
+        jsonschema.validate(use.input, SCHEMAS[use.name])
+
+
+def test_messages_named_tool_gives_that_tools_input(claude):
+    message = ask_claude(claude, tool_choice={"type": "tool", "name": "calculate"})
+    (use,) = [b for b in message.content if b.type == "tool_use"]
+    assert use.name == "calculate"
+    jsonschema.validate(use.input, CALC)
+
+
+def test_messages_tool_result_turn_is_answered(claude):
+    first = ask_claude(claude, tool_choice={"type": "tool", "name": "get_weather"})
+    (use,) = [b for b in first.content if b.type == "tool_use"]
+    result = {"type": "tool_result", "tool_use_id": use.id, "content": "Sunny, 24 C"}
+    history = [*ASK, {"role": "assistant", "content": first.content}]
+    answer = ask_claude(claude, messages=[*history, {"role": "user", "content": [result]}])
+    assert answer.content and answer.stop_reason in ("end_turn", "max_tokens", "tool_use")
+
+
+def test_responses_required_tool_choice_gives_function_call_items(client):
+    response = client.responses.create(
+        model=MODEL, input=ASK[0]["content"], tools=RESPONSES_TOOLS, tool_choice="required",
+        temperature=0, max_output_tokens=60,
+    )  # fmt: skip
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert response.status == "completed" and calls
+    for call in calls:
+        assert call.call_id.startswith("call_")
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+
+
+def test_responses_function_call_output_continues_a_stored_response(client):
+    first = client.responses.create(
+        model=MODEL, input=ASK[0]["content"], tools=RESPONSES_TOOLS, store=True,
+        tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=60,
+    )  # fmt: skip
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 24 C"}
+    answer = client.responses.create(
+        model=MODEL, previous_response_id=first.id, input=[output], tools=RESPONSES_TOOLS,
+        max_output_tokens=12,
+    )  # fmt: skip
+    assert answer.output_text
+
+
+def test_streamed_tools_on_messages_are_refused_not_ignored(claude):
+    with pytest.raises(anthropic.BadRequestError, match="chat/completions"):
+        ask_claude(claude, tool_choice={"type": "any"}, stream=True)
 
 
 def test_named_tool_choice_with_an_unknown_name_is_a_400(client):
