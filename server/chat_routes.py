@@ -47,6 +47,7 @@ from deepserve.server.stream import GenerationJob, stream_chunks
 from deepserve.server.tool_calls import (
     ToolPlan,
     rewrite_message,
+    rewrite_message_stream,
     rewrite_response,
     rewrite_result,
     rewrite_stream,
@@ -101,7 +102,8 @@ async def handle(request: Request, spec: ProtocolSpec, state: AppState) -> Respo
         if job.logprob_feed is not None:
             body = _stream_with_logprobs(body, job.logprob_feed)
         if prepared.tools is not None:
-            body = rewrite_stream(body, prepared.tools)
+            rewrite = rewrite_message_stream if spec is MESSAGES else rewrite_stream
+            body = rewrite(body, prepared.tools)
         return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         result = await until_disconnect(request.receive, collect(chunks, info))
@@ -156,13 +158,13 @@ def prepare(spec: ProtocolSpec, body: dict, state: AppState, tenant: str | None 
     )
     conv = parsed.conversation
     prompt = state.family.prepare(conv, extras.parallel_tool_calls, extras.tools)
-    if prompt.tools is not None and spec is not CHAT and conv.stream:
-        # Calls are rewritten out of a stream for Chat Completions only; elsewhere the text
-        # would reach the client as is, so the request is refused instead.
+    if prompt.tools is not None and spec is RESPONSES and conv.stream:
+        # A Responses stream's calls are not rewritten (its stored response would keep the
+        # raw text), so the request is refused rather than stream the text as is.
         raise HTTPError(
             400,
-            f"streamed tool calls on this model are served on /v1/chat/completions; on the "
-            f'{spec.name} endpoint send stream false, or tool_choice "none"',
+            "streamed tool calls on this model are served on /v1/chat/completions and "
+            '/v1/messages; on the responses endpoint send stream false, or tool_choice "none"',
         )
     _check_tool_constraint(prompt.tools, extras)
     options = recipe_options(conv.inference_options, extras)

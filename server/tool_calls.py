@@ -435,3 +435,98 @@ def _calls_in(plan: ToolPlan, text: str) -> tuple[list[dict], str]:
             {"id": call["id"], "name": fn["name"], "arguments": fn["arguments"], "input": args}
         )
     return calls, shown + rest
+
+
+async def rewrite_message_stream(
+    body: AsyncIterator[bytes], plan: ToolPlan
+) -> AsyncIterator[bytes]:
+    """The SSE events of an Anthropic Messages stream with the text's calls as `tool_use`
+    blocks (`input_json_delta` pieces), the blocks renumbered, and `stop_reason` "tool_use"."""
+    blocks = _MessageBlocks(ToolCallParser(plan))
+    async with aclosing(body):  # a client that leaves must still abort the engine request now
+        async for event in body:
+            head, _, data = event.decode().partition("data: ")
+            try:
+                payload = json.loads(data)
+            except ValueError:
+                yield event
+                continue
+            for out in blocks.rewrite(payload):
+                yield _anthropic_sse(out)
+
+
+def _anthropic_sse(payload: dict) -> bytes:
+    return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+
+class _MessageBlocks:
+    """The content blocks a Messages stream sends once its text is parsed for calls: a text
+    block opens when text is shown, a call's block when the call starts, each closing the one
+    before it."""
+
+    def __init__(self, parser: ToolCallParser) -> None:
+        self.parser = parser
+        self.index = -1  # the block open now (or the last one sent)
+        self.open: str | None = None  # "text" | "tool_use" | "other" | None
+        self.text_source: int | None = None  # the incoming text block's index
+
+    def rewrite(self, payload: dict) -> list[dict]:
+        kind = payload.get("type")
+        if kind == "content_block_start" and payload["content_block"]["type"] == "text":
+            self.text_source = payload["index"]
+            return []  # opened when text is shown
+        if kind == "content_block_delta" and payload["index"] == self.text_source:
+            return self._emit(*self.parser.feed(payload["delta"].get("text") or ""))
+        if kind == "content_block_stop" and payload["index"] == self.text_source:
+            self.text_source = None
+            return [*self._emit(*self.parser.finish(None)), *self._close()]
+        if kind in ("content_block_start", "content_block_delta", "content_block_stop"):
+            return self._passthrough(payload)
+        if kind == "message_delta":
+            delta = payload.get("delta") or {}
+            if self.parser.calls and delta.get("stop_reason") == "end_turn":
+                delta["stop_reason"] = "tool_use"
+            return [*self._close(), payload]
+        return [payload]
+
+    def _emit(self, text: str, deltas: list[dict]) -> list[dict]:
+        out = []
+        if text:
+            if self.open != "text":
+                out += [*self._close(), *self._start({"type": "text", "text": ""}, "text")]
+            out.append(self._delta({"type": "text_delta", "text": text}))
+        for d in deltas:
+            fn = d.get("function") or {}
+            if "id" in d:  # a new call
+                block = {"type": "tool_use", "id": "toolu_" + d["id"][5:], "name": fn["name"]}
+                out += [*self._close(), *self._start({**block, "input": {}}, "tool_use")]
+            if fn.get("arguments"):
+                out.append(
+                    self._delta({"type": "input_json_delta", "partial_json": fn["arguments"]})
+                )
+        return out
+
+    def _start(self, block: dict, kind: str) -> list[dict]:
+        self.index += 1
+        self.open = kind
+        return [{"type": "content_block_start", "index": self.index, "content_block": block}]
+
+    def _delta(self, delta: dict) -> dict:
+        return {"type": "content_block_delta", "index": self.index, "delta": delta}
+
+    def _close(self) -> list[dict]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [{"type": "content_block_stop", "index": self.index}]
+
+    def _passthrough(self, payload: dict) -> list[dict]:
+        """A block of another kind (thinking): its own index after the blocks sent so far."""
+        if payload["type"] == "content_block_start":
+            out = self._close()
+            self.index += 1
+            self.open = "other"
+            return [*out, {**payload, "index": self.index}]
+        if payload["type"] == "content_block_stop":
+            self.open = None
+        return [{**payload, "index": self.index}]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import anthropic
 import jsonschema
 import openai
 import pytest
@@ -234,9 +233,30 @@ def test_responses_function_call_output_continues_a_stored_response(client):
     assert answer.output_text
 
 
-def test_streamed_tools_on_messages_are_refused_not_ignored(claude):
-    with pytest.raises(anthropic.BadRequestError, match="chat/completions"):
-        ask_claude(claude, tool_choice={"type": "any"}, stream=True)
+@pytest.mark.parametrize(
+    "tool_choice", [{"type": "tool", "name": "get_weather"}, {"type": "any"}], ids=["named", "any"]
+)
+def test_streamed_messages_tool_use_equals_non_stream(claude, tool_choice):
+    args = dict(model=MODEL, messages=ASK, tools=ANTHROPIC_TOOLS, max_tokens=60,
+                tool_choice=tool_choice, extra_body={"temperature": 0})  # fmt: skip
+    whole = claude.messages.create(**args)
+    with claude.messages.stream(**args) as stream:
+        types = [event.type for event in stream]
+        streamed = stream.get_final_message()
+    assert "input_json" in types and streamed.stop_reason == whole.stop_reason == "tool_use"
+    assert _blocks(streamed) == _blocks(whole)
+
+
+def _blocks(message) -> list[tuple]:
+    return [(b.type, getattr(b, "name", None), getattr(b, "input", None)) for b in message.content]
+
+
+def test_streamed_tools_on_responses_are_refused_not_ignored(client):
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        client.responses.create(
+            model=MODEL, input=ASK[0]["content"], tools=RESPONSES_TOOLS, tool_choice="required",
+            max_output_tokens=20, stream=True,
+        )  # fmt: skip
 
 
 def test_named_tool_choice_with_an_unknown_name_is_a_400(client):
