@@ -5,8 +5,8 @@ Read the body, check the model name, then off the event loop: check the shared s
 convert with the recipe, render and encode the prompt (model family), and admit the request
 (server/admission.py: SamplingParams, the engine's validation, max_tokens and grammar), so every
 bad request fails with 4xx before work is queued. Then stream or collect the protocol chunks
-(server/stream.py, server/framing.py); for chat-template models with tools, the Chat Completions
-output is rewritten into tool calls (server/tool_calls.py).
+(server/stream.py, server/framing.py); for chat-template models with tools, the output is rewritten
+into each protocol's tool calls (server/tool_calls.py).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from deepserve.server.tool_calls import (
     rewrite_message,
     rewrite_message_stream,
     rewrite_response,
+    rewrite_response_stream,
     rewrite_result,
     rewrite_stream,
 )
@@ -98,13 +99,9 @@ async def handle(request: Request, spec: ProtocolSpec, state: AppState) -> Respo
         None if stored is None else partial(keep, state.responses, stored),
     )
     if prepared.stream:
-        body = sse_body(chunks, info)
-        if job.logprob_feed is not None:
-            body = _stream_with_logprobs(body, job.logprob_feed)
-        if prepared.tools is not None:
-            rewrite = rewrite_message_stream if spec is MESSAGES else rewrite_stream
-            body = rewrite(body, prepared.tools)
-        return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+        return StreamingResponse(
+            _sse(chunks, info, prepared), media_type="text/event-stream", headers=SSE_HEADERS
+        )
     try:
         result = await until_disconnect(request.receive, collect(chunks, info))
     except ClientDisconnected:
@@ -116,6 +113,23 @@ async def handle(request: Request, spec: ProtocolSpec, state: AppState) -> Respo
     if info.on_response is not None:
         await info.on_response(result)
     return JSONResponse(result)
+
+
+def _sse(chunks, info: FrameInfo, prepared: Prepared) -> AsyncIterator[bytes]:
+    """The stream's SSE events, with logprobs and tool calls put in where the protocol needs
+    them (a Responses stream's calls before the response is stored)."""
+    tools, spec = prepared.tools, info.spec
+    store = info.on_response
+    if tools is not None and spec is RESPONSES:
+        info = replace(info, on_response=None)
+    body = sse_body(chunks, info)
+    if prepared.job.logprob_feed is not None:
+        body = _stream_with_logprobs(body, prepared.job.logprob_feed)
+    if tools is None:
+        return body
+    if spec is RESPONSES:
+        return rewrite_response_stream(body, tools, store)
+    return (rewrite_message_stream if spec is MESSAGES else rewrite_stream)(body, tools)
 
 
 async def _conversation(spec: ProtocolSpec, body: dict, state: AppState) -> list[dict] | None:
@@ -158,14 +172,6 @@ def prepare(spec: ProtocolSpec, body: dict, state: AppState, tenant: str | None 
     )
     conv = parsed.conversation
     prompt = state.family.prepare(conv, extras.parallel_tool_calls, extras.tools)
-    if prompt.tools is not None and spec is RESPONSES and conv.stream:
-        # A Responses stream's calls are not rewritten (its stored response would keep the
-        # raw text), so the request is refused rather than stream the text as is.
-        raise HTTPError(
-            400,
-            "streamed tool calls on this model are served on /v1/chat/completions and "
-            '/v1/messages; on the responses endpoint send stream false, or tool_choice "none"',
-        )
     _check_tool_constraint(prompt.tools, extras)
     options = recipe_options(conv.inference_options, extras)
     params = sampling_params(options, extras, prompt.structured, salt)

@@ -10,9 +10,10 @@
   templates write one object per block). Text outside the blocks stays content.
 
 The model sees the tools too: through its chat template when the template takes `tools`, otherwise
-as a short description appended to the system message. The chat chunks and bodies the recipe
-produced (content only, tool-call parsing off for this family) are rewritten here into OpenAI
-`tool_calls`. Not here: DeepSeek's DSML tool calls (the recipe parses those).
+as a short description appended to the system message. The chunks and bodies the recipe produced
+(content only, tool-call parsing off for this family) are rewritten here into each protocol's
+calls: OpenAI `tool_calls`, Anthropic `tool_use` blocks, Responses `function_call` items, streamed
+or not. Not here: DeepSeek's DSML tool calls (the recipe parses those).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -530,3 +531,137 @@ class _MessageBlocks:
         if payload["type"] == "content_block_stop":
             self.open = None
         return [{**payload, "index": self.index}]
+
+
+_RESPONSE_FINAL = ("response.completed", "response.incomplete")
+
+
+async def rewrite_response_stream(
+    body: AsyncIterator[bytes],
+    plan: ToolPlan,
+    on_response: Callable[[dict], Awaitable[None]] | None = None,
+) -> AsyncIterator[bytes]:
+    """The SSE events of a Responses stream with the message text's calls as `function_call`
+    items (`function_call_arguments` deltas), the items and sequence numbers renumbered; the
+    final response carries the rewritten output, and is the one `on_response` stores."""
+    items = _ResponseItems(ToolCallParser(plan))
+    stored = False
+    async with aclosing(body):  # a client that leaves must still abort the engine request now
+        async for event in body:
+            _, _, data = event.decode().partition("data: ")
+            try:
+                payload = json.loads(data)
+            except ValueError:
+                yield event
+                continue
+            for out in items.rewrite(payload):
+                if out["type"] in _RESPONSE_FINAL and on_response is not None and not stored:
+                    stored = True
+                    await on_response(out["response"])
+                yield _named_sse(out)
+
+
+def _named_sse(payload: dict) -> bytes:
+    return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+
+class _ResponseItems:
+    """The output items a Responses stream sends once its message text is parsed for calls: a
+    message opens when text is shown, a call's item when the call starts, each closing the one
+    before it; every event numbered anew."""
+
+    def __init__(self, parser: ToolCallParser) -> None:
+        self.parser = parser
+        self.sequence = 0
+        self.output: list[dict] = []  # the items sent, as they stand
+        self.open: dict | None = None
+        self.message: dict | None = None  # the incoming message item (its id, role, phase)
+
+    def rewrite(self, payload: dict) -> list[dict]:
+        kind = payload.get("type")
+        item = payload.get("item") or {}
+        if kind == "response.output_item.added" and item.get("type") == "message":
+            self.message = item
+            return []
+        if kind == "response.output_text.delta":
+            return self._number(self._emit(*self.parser.feed(payload.get("delta") or "")))
+        if kind == "response.output_text.done":
+            return self._number(self._emit(*self.parser.finish(None)))
+        if kind == "response.output_item.done" and item.get("type") == "message":
+            return self._number(self._close(item.get("status") or "completed"))
+        if kind in ("response.content_part.added", "response.content_part.done"):
+            return []
+        if kind in _RESPONSE_FINAL or kind == "response.completed":
+            payload["response"]["output"] = [dict(i) for i in self.output]
+        return self._number([payload])
+
+    def _number(self, events: list[dict]) -> list[dict]:
+        for e in events:
+            e["sequence_number"] = self.sequence
+            self.sequence += 1
+        return events
+
+    def _emit(self, text: str, deltas: list[dict]) -> list[dict]:
+        out = []
+        if text:
+            if self.open is None or self.open["type"] != "message":
+                out += [*self._close("completed"), *self._open_message()]
+            self.open["content"][0]["text"] += text
+            out.append(self._at("response.output_text.delta", content_index=0, delta=text,
+                                logprobs=[]))  # fmt: skip
+        for d in deltas:
+            fn = d.get("function") or {}
+            if "id" in d:  # a new call
+                call = {"type": "function_call", "id": "fc_" + d["id"][5:], "call_id": d["id"],
+                        "name": fn["name"], "arguments": "", "status": "in_progress"}  # fmt: skip
+                out += [*self._close("completed"), *self._add(call)]
+            if fn.get("arguments"):
+                self.open["arguments"] += fn["arguments"]
+                out.append(
+                    self._at("response.function_call_arguments.delta", delta=fn["arguments"])
+                )
+        return out
+
+    def _open_message(self) -> list[dict]:
+        source = self.message or {"id": "msg_" + uuid.uuid4().hex[:24], "role": "assistant"}
+        count = sum(1 for i in self.output if i["type"] == "message")
+        item = {**source, "id": source["id"] + (f"_{count}" if count else ""),
+                "status": "in_progress", "content": []}  # fmt: skip
+        part = {"type": "output_text", "annotations": [], "logprobs": [], "text": ""}
+        out = self._add(item)
+        item["content"].append(part)
+        return [*out, self._at("response.content_part.added", content_index=0, part=dict(part))]
+
+    def _add(self, item: dict) -> list[dict]:
+        self.output.append(item)
+        self.open = item
+        added = {**item, "content": []} if item["type"] == "message" else dict(item)
+        return [{"type": "response.output_item.added", "item": added,
+                 "output_index": len(self.output) - 1}]  # fmt: skip
+
+    def _close(self, status: str) -> list[dict]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        out = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            out += [self._at("response.output_text.done", content_index=0, text=part["text"],
+                             logprobs=[], at=item),
+                    self._at("response.content_part.done", content_index=0, part=dict(part),
+                             at=item)]  # fmt: skip
+            item["status"] = status
+        else:
+            out.append(self._at("response.function_call_arguments.done",
+                                arguments=item["arguments"], at=item))  # fmt: skip
+            item["status"] = "completed"
+        index = self.output.index(item)
+        return [
+            *out,
+            {"type": "response.output_item.done", "item": dict(item), "output_index": index},
+        ]
+
+    def _at(self, kind: str, at: dict | None = None, **fields) -> dict:
+        item = at or self.open
+        return {"type": kind, "item_id": item["id"], "output_index": self.output.index(item),
+                **fields}  # fmt: skip

@@ -166,6 +166,7 @@ def test_conversation_with_a_tool_result_renders_and_answers(client):
 
 
 RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+NAMED_RESPONSES = {"type": "function", "name": "get_weather"}
 ANTHROPIC_TOOLS = [
     {"name": f["name"], "description": f["description"], "input_schema": f["parameters"]}
     for f in (t["function"] for t in TOOLS)
@@ -222,7 +223,7 @@ def test_responses_required_tool_choice_gives_function_call_items(client):
 def test_responses_function_call_output_continues_a_stored_response(client):
     first = client.responses.create(
         model=MODEL, input=ASK[0]["content"], tools=RESPONSES_TOOLS, store=True,
-        tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=60,
+        tool_choice=NAMED_RESPONSES, max_output_tokens=60,
     )  # fmt: skip
     (call,) = [item for item in first.output if item.type == "function_call"]
     output = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 24 C"}
@@ -251,12 +252,34 @@ def _blocks(message) -> list[tuple]:
     return [(b.type, getattr(b, "name", None), getattr(b, "input", None)) for b in message.content]
 
 
-def test_streamed_tools_on_responses_are_refused_not_ignored(client):
-    with pytest.raises(openai.BadRequestError, match="stream"):
-        client.responses.create(
-            model=MODEL, input=ASK[0]["content"], tools=RESPONSES_TOOLS, tool_choice="required",
-            max_output_tokens=20, stream=True,
-        )  # fmt: skip
+@pytest.mark.parametrize("tool_choice", [NAMED_RESPONSES, "required"], ids=["named", "required"])
+def test_streamed_responses_function_calls_equal_non_stream(client, tool_choice):
+    args = dict(model=MODEL, input=ASK[0]["content"], tools=RESPONSES_TOOLS,
+                tool_choice=tool_choice, temperature=0, max_output_tokens=60)  # fmt: skip
+    whole = client.responses.create(**args)
+    with client.responses.stream(**args) as stream:
+        types = [event.type for event in stream]
+        streamed = stream.get_final_response()
+    assert "response.function_call_arguments.delta" in types
+    assert _calls(streamed) == _calls(whole) != []
+
+
+def test_a_streamed_stored_function_call_is_continued_by_its_output(client):
+    with client.responses.stream(
+        model=MODEL, input=ASK[0]["content"], tools=RESPONSES_TOOLS, tool_choice=NAMED_RESPONSES,
+        max_output_tokens=60, store=True,
+    ) as stream:  # fmt: skip
+        first = stream.get_final_response()
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 24 C"}
+    answer = client.responses.create(
+        model=MODEL, previous_response_id=first.id, input=[output], max_output_tokens=12
+    )
+    assert answer.output_text
+
+
+def _calls(response) -> list[tuple]:
+    return [(i.name, i.arguments) for i in response.output if i.type == "function_call"]
 
 
 def test_named_tool_choice_with_an_unknown_name_is_a_400(client):
