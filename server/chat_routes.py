@@ -44,14 +44,16 @@ from deepserve.server.state import (
     tenant_of,
 )
 from deepserve.server.stream import GenerationJob, stream_chunks
+from deepserve.server.tool_call_streams import (
+    rewrite_message_stream,
+    rewrite_response_stream,
+    rewrite_stream,
+)
 from deepserve.server.tool_calls import (
     ToolPlan,
     rewrite_message,
-    rewrite_message_stream,
     rewrite_response,
-    rewrite_response_stream,
     rewrite_result,
-    rewrite_stream,
 )
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
