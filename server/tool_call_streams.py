@@ -57,18 +57,14 @@ async def rewrite_message_stream(
     blocks = _MessageBlocks(ToolCallParser(plan))
     async with aclosing(body):  # a client that leaves must still abort the engine request now
         async for event in body:
-            head, _, data = event.decode().partition("data: ")
+            _, _, data = event.decode().partition("data: ")
             try:
                 payload = json.loads(data)
             except ValueError:
                 yield event
                 continue
             for out in blocks.rewrite(payload):
-                yield _anthropic_sse(out)
-
-
-def _anthropic_sse(payload: dict) -> bytes:
-    return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+                yield _named_sse(out)
 
 
 class _MessageBlocks:
@@ -173,6 +169,7 @@ async def rewrite_response_stream(
 
 
 def _named_sse(payload: dict) -> bytes:
+    """An event named by its payload's type, as Anthropic's and Responses streams send them."""
     return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
 
