@@ -55,16 +55,9 @@ async def rewrite_message_stream(
     """The SSE events of an Anthropic Messages stream with the text's calls as `tool_use`
     blocks (`input_json_delta` pieces), the blocks renumbered, and `stop_reason` "tool_use"."""
     blocks = _MessageBlocks(ToolCallParser(plan))
-    async with aclosing(body):  # a client that leaves must still abort the engine request now
-        async for event in body:
-            _, _, data = event.decode().partition("data: ")
-            try:
-                payload = json.loads(data)
-            except ValueError:
-                yield event
-                continue
-            for out in blocks.rewrite(payload):
-                yield _named_sse(out)
+    async with aclosing(_rewritten(body, blocks.rewrite)) as events:
+        async for out in events:
+            yield out if isinstance(out, bytes) else _named_sse(out)
 
 
 class _MessageBlocks:
@@ -153,6 +146,22 @@ async def rewrite_response_stream(
     final response carries the rewritten output, and is the one `on_response` stores."""
     items = _ResponseItems(ToolCallParser(plan))
     stored = False
+    async with aclosing(_rewritten(body, items.rewrite)) as events:
+        async for out in events:
+            if isinstance(out, bytes):
+                yield out
+                continue
+            if out["type"] in _RESPONSE_FINAL and on_response is not None and not stored:
+                stored = True
+                await on_response(out["response"])
+            yield _named_sse(out)
+
+
+async def _rewritten(
+    body: AsyncIterator[bytes], rewrite: Callable[[dict], list[dict]]
+) -> AsyncIterator[dict | bytes]:
+    """Each event's payload through `rewrite` (the payloads to send for it); an event that is
+    not JSON as it came."""
     async with aclosing(body):  # a client that leaves must still abort the engine request now
         async for event in body:
             _, _, data = event.decode().partition("data: ")
@@ -161,11 +170,8 @@ async def rewrite_response_stream(
             except ValueError:
                 yield event
                 continue
-            for out in items.rewrite(payload):
-                if out["type"] in _RESPONSE_FINAL and on_response is not None and not stored:
-                    stored = True
-                    await on_response(out["response"])
-                yield _named_sse(out)
+            for out in rewrite(payload):
+                yield out
 
 
 def _named_sse(payload: dict) -> bytes:
