@@ -24,6 +24,8 @@ KNOWN_ENDPOINTS = (
     "/v1/messages",
     "/v1/messages/count_tokens",
     "/v1/models",
+    "/tokenize",
+    "/detokenize",
     "/health",
     "/ready",
     "/metrics",
