@@ -6,7 +6,7 @@ convert with the recipe, render and encode the prompt (model family), and admit 
 (server/admission.py: SamplingParams, the engine's validation, max_tokens and grammar), so every
 bad request fails with 4xx before work is queued. Then stream or collect the protocol chunks
 (server/stream.py, server/framing.py); for chat-template models with tools, the output is rewritten
-into each protocol's tool calls (server/tool_calls.py).
+into each protocol's tool calls (server/tool_calls.py, server/tool_call_streams.py).
 """
 
 from __future__ import annotations
@@ -117,7 +117,9 @@ async def handle(request: Request, spec: ProtocolSpec, state: AppState) -> Respo
     return JSONResponse(result)
 
 
-def _sse(chunks, info: FrameInfo, prepared: Prepared) -> AsyncIterator[bytes]:
+def _sse(
+    chunks: AsyncIterator[tuple[int, list]], info: FrameInfo, prepared: Prepared
+) -> AsyncIterator[bytes]:
     """The stream's SSE events, with logprobs and tool calls put in where the protocol needs
     them (a Responses stream's calls before the response is stored)."""
     tools, spec = prepared.tools, info.spec
