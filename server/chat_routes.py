@@ -156,12 +156,17 @@ async def count_tokens(request: Request, state: AppState) -> Response:
 def _count_tokens(body: dict, state: AppState) -> int:
     check_fields(body, state.max_prompt_chars)
     check_protocol("count_tokens", body)
-    extras = pop_extras(body, MESSAGES.allows_n, MESSAGES.max_tokens_fields)
+    return len(prompt_token_ids(MESSAGES, body, state))
+
+
+def prompt_token_ids(spec: ProtocolSpec, body: dict, state: AppState) -> list[int]:
+    """The prompt a checked `spec` body renders to, as token ids (nothing admitted)."""
+    extras = pop_extras(body, spec.allows_n, spec.max_tokens_fields)
     parsed = parse_request(
-        MESSAGES, body, state.family.conversion_options, state.config.served_model_name
+        spec, body, state.family.conversion_options, state.config.served_model_name
     )
     prompt = state.family.prepare(parsed.conversation, extras.parallel_tool_calls, extras.tools)
-    return len(prompt.token_ids)
+    return prompt.token_ids
 
 
 def prepare(spec: ProtocolSpec, body: dict, state: AppState, tenant: str | None = None) -> Prepared:

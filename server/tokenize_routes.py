@@ -9,10 +9,11 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from deepserve.server.admission import check_fields, pop_extras
+from deepserve.server.admission import check_fields
+from deepserve.server.chat_routes import prompt_token_ids
 from deepserve.server.errors import HTTPError
 from deepserve.server.family import INLINE_PREPARE_BYTES, encode_text
-from deepserve.server.protocols import CHAT, parse_request
+from deepserve.server.protocols import CHAT
 from deepserve.server.state import AppState, check_model, prepare_off_loop, read_json
 
 # A chat body's fields that shape its prompt; the rest of a /tokenize body is not sent on.
@@ -48,12 +49,7 @@ def _token_ids(body: dict, state: AppState) -> list[int]:
     if "messages" in body:
         chat = {"model": body["model"], **{k: body[k] for k in _CHAT_FIELDS if k in body}}
         check_fields(chat, state.max_prompt_chars)
-        extras = pop_extras(chat, CHAT.allows_n, CHAT.max_tokens_fields)
-        parsed = parse_request(
-            CHAT, chat, state.family.conversion_options, state.config.served_model_name
-        )
-        prompt = state.family.prepare(parsed.conversation, extras.parallel_tool_calls, extras.tools)
-        return prompt.token_ids
+        return prompt_token_ids(CHAT, chat, state)
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise HTTPError(400, "send prompt (a string) or messages (a chat)", param="prompt")

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 
-from deepserve.server.tool_calls import ToolCallParser, ToolPlan, finish_reason
+from deepserve.server.tool_calls import ToolCallParser, ToolPlan, finish_reason, protocol_id
 
 
 async def rewrite_stream(body: AsyncIterator[bytes], plan: ToolPlan) -> AsyncIterator[bytes]:
@@ -99,7 +99,11 @@ class _MessageBlocks:
         for d in deltas:
             fn = d.get("function") or {}
             if "id" in d:  # a new call
-                block = {"type": "tool_use", "id": "toolu_" + d["id"][5:], "name": fn["name"]}
+                block = {
+                    "type": "tool_use",
+                    "id": protocol_id(d["id"], "toolu_"),
+                    "name": fn["name"],
+                }
                 out += [*self._close(), *self._start({**block, "input": {}}, "tool_use")]
             if fn.get("arguments"):
                 out.append(
@@ -205,7 +209,7 @@ class _ResponseItems:
             return self._number(self._close(item.get("status") or "completed"))
         if kind in ("response.content_part.added", "response.content_part.done"):
             return []
-        if kind in _RESPONSE_FINAL or kind == "response.completed":
+        if kind in _RESPONSE_FINAL:
             payload["response"]["output"] = [dict(i) for i in self.output]
         return self._number([payload])
 
@@ -226,7 +230,7 @@ class _ResponseItems:
         for d in deltas:
             fn = d.get("function") or {}
             if "id" in d:  # a new call
-                call = {"type": "function_call", "id": "fc_" + d["id"][5:], "call_id": d["id"],
+                call = {"type": "function_call", "id": protocol_id(d["id"], "fc_"), "call_id": d["id"],
                         "name": fn["name"], "arguments": "", "status": "in_progress"}  # fmt: skip
                 out += [*self._close("completed"), *self._add(call)]
             if fn.get("arguments"):

@@ -207,6 +207,11 @@ def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
+def protocol_id(call_id: str, prefix: str) -> str:
+    """A call's id in another protocol's prefix (`toolu_`, `fc_`), same random part."""
+    return prefix + call_id.removeprefix("call_")
+
+
 class ToolCallParser:
     """Splits one choice's streamed text into content and tool calls, per the plan's mode.
 
@@ -347,7 +352,12 @@ def rewrite_message(result: dict, plan: ToolPlan) -> None:
     if text:
         kept.append({"type": "text", "text": text})
     kept += [
-        {"type": "tool_use", "id": "toolu_" + c["id"][5:], "name": c["name"], "input": c["input"]}
+        {
+            "type": "tool_use",
+            "id": protocol_id(c["id"], "toolu_"),
+            "name": c["name"],
+            "input": c["input"],
+        }
         for c in calls
     ]
     result["content"] = kept
@@ -365,15 +375,13 @@ def rewrite_response(result: dict, plan: ToolPlan) -> None:
     if not calls:
         return
     kept = [i for i in items if i.get("type") != "message"]
-    if text and messages:
-        first = messages[0]
-        part = {**parts[0], "text": text, "logprobs": []} if parts else None
-        kept.append({**first, "content": [part] if part else []})
+    if text:  # some text came from a message's output_text part
+        kept.append({**messages[0], "content": [{**parts[0], "text": text, "logprobs": []}]})
     for c in calls:
         kept.append(
             {
                 "type": "function_call",
-                "id": "fc_" + c["id"][5:],
+                "id": protocol_id(c["id"], "fc_"),
                 "call_id": c["id"],
                 "name": c["name"],
                 "arguments": c["arguments"],
