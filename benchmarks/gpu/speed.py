@@ -318,9 +318,10 @@ def _deepserve_rows(
         print(rows[-1], flush=True)
     rows.append(dict(row, prefill_2000_tok_s=engine_prefill_tok_s(llm, vocab, rng, 2000)))
     print(rows[-1], flush=True)
-    if not flag:
+    if not flag or name == "v2-lite":
         prof = profile_prefill(llm, vocab, rng, 2000)
-        out.setdefault("prefill_profile", []).append(dict(shape=name, quantization=quant, **prof))
+        prof = dict(shape=name, quantization=quant, batch_invariant=flag, **prof)
+        out.setdefault("prefill_profile", []).append(prof)
         print(out["prefill_profile"][-1], flush=True)
     if name == "v2-lite" or not flag:
         for b in batches[:: max(1, len(batches) - 1)]:

@@ -1,0 +1,209 @@
+"""Do a tile's shape and a launch's warps change a GEMM's bits? (issue 31, `--batch-invariant`)
+
+The batch-invariant set fixes every launch parameter of its matmul and fused MoE from the
+weight alone (kernels/triton/matmul.py), so its decode runs 64-row tiles at M = 1 and its
+prefill the same narrow tiles at M = 2,000. The premise: a different tile could change an
+output element's bits. The arithmetic of an element is its chain of tensor-core products over
+K (16 deep each) added into one float32 accumulator, chunk partials added in chunk order: this
+script checks, on the GPU, whether the MMA's M / N extent (mma.sync at 16 rows, wgmma from 64),
+BLOCK_K (how many of those products one loop step issues), warps and stages leave those bits
+alone when the K chunks stay the weight's. Each candidate's output at M = 1 / 17 / 64 / 2,000
+rows is compared bit for bit with the weight's own configuration at 2,000 rows, and timed (CUDA
+graph) beside cuBLAS. The fused MoE likewise (bf16 experts, V2-Lite shape: DECODE / PREFILL /
+LARGE tiles and K-in-128-steps variants), and the block-scaled FP8 GEMM's whole-K tiles.
+
+From the repo root on the GPU machine (run_all.sh's namespace mapping, then this script):
+
+    ns=/tmp/deepserve-ns/deepserve; mkdir -p $ns
+    for r in engine kernels server kvcache router disagg; do ln -sfn $PWD/$r $ns/$r; done
+    PYTHONPATH=/tmp/deepserve-ns:$PWD/tests:$PWD/benchmarks/gpu \
+        python3 benchmarks/gpu/tile_bits.py --out $OUT/tile_bits.json --budget-s 120
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from kernel_checks import _graph_us
+
+from deepserve.kernels.triton import fused_moe, matmul
+from deepserve.kernels.triton.lang import cdiv
+
+SHAPES = {  # (K, N) -> layer
+    (2048, 3072): "v2 q_proj",
+    (2048, 576): "v2 kv_a",
+    (2048, 2048): "v2 o_proj",
+    (2048, 2816): "v2 shared gate_up",
+    (1408, 2048): "v2 down (1408)",
+    (2816, 2048): "v2 shared down",
+    (2048, 102400): "v2 lm_head",
+}
+CANDIDATES = {  # name -> (block_m, block_n, block_k, warps, stages)
+    "m16n32k128w4s4": (16, 32, 128, 4, 4),
+    "m16n64k128w4s4": (16, 64, 128, 4, 4),
+    "m16n64k64w4s6": (16, 64, 64, 4, 6),
+    "m16n128k128w4s4": (16, 128, 128, 4, 4),
+    "m32n64k128w4s4": (32, 64, 128, 4, 4),
+    "m64n64k64w4s4": (64, 64, 64, 4, 4),
+    "m64n128k128w8s3": (64, 128, 128, 8, 3),
+    "m128n128k64w8s3": (128, 128, 64, 8, 3),
+    "m128n256k64w8s3": (128, 256, 64, 8, 3),
+    "m128n128k128w8s3": (128, 128, 128, 8, 3),
+}
+ROWS = (1, 17, 64, 2000)
+
+
+def launch(x, w, out, cfg: matmul.TileConfig, kc: int) -> torch.Tensor:
+    """matmul._launch with the K chunk `kc` given (the weight's), not derived from cfg."""
+    a, b, c = x[None], w.t()[None], out[None]
+    m, k, n = x.shape[0], x.shape[1], w.shape[0]
+    chunks = cdiv(k, kc)
+    tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
+    split = chunks > 1 and tiles < matmul.FILL_PROGRAMS
+    parts = chunks if split else 1
+    ws = torch.empty((1, chunks, m, n) if split else (1, 1, 1, 1), device=x.device,
+                     dtype=torch.float32)  # fmt: skip
+    matmul._matmul_kernel[(tiles, parts, 1)](
+        a, b, c, ws, m, n, k, kc, chunks // parts,
+        a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
+        c.stride(0), c.stride(1), c.stride(2), ws.stride(0), ws.stride(1), ws.stride(2),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0, PRECISION="tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if split:
+        matmul._sum_chunks_kernel[(cdiv(m * n, 1024), 1)](
+            ws, c, m * n, n, chunks, ws.stride(0), ws.stride(1),
+            c.stride(0), c.stride(1), c.stride(2), BLOCK=1024, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def linear_rows(out: dict, deadline: float) -> None:
+    g = torch.Generator(device="cuda").manual_seed(7)
+    for (k, n), layer in SHAPES.items():
+        if time.time() > deadline:
+            out["errors"].append(f"out of time before {layer}")
+            return
+        w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) / k**0.5
+        x = torch.randn(2000, k, device="cuda", generator=g, dtype=torch.bfloat16)
+        own = matmul.config_for(k, n, torch.bfloat16)
+        kc = own.chunk(k)
+        ref = matmul.linear(x, w, own)  # the weight's own configuration, 2,000 rows
+        row = dict(layer=layer, k=k, n=n, own=str(own), kc=kc, cands={})
+        row.update(cublas={}, own_us={})
+        for m in ROWS:
+            calls = 3 if m == 2000 else 20
+            xm = x[:m]
+            row["cublas"][m] = round(_graph_us(lambda xm=xm, w=w: xm @ w.t(), calls), 2)
+            fixed = (xm, w, own)  # the weight's one tile at every M
+            row["own_us"][m] = round(_graph_us(lambda a=fixed: matmul.linear(*a), calls), 2)
+        for name, (bm, bn, bk, warps, stages) in CANDIDATES.items():
+            cfg = matmul.TileConfig(bm, bn, bk, 8, warps, stages).fitted(2)
+            if kc % bk:
+                continue
+            cand = {}
+            try:
+                for m in ROWS:
+                    o = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                    launch(x[:m], w, o, cfg, kc)
+                    same = bool(torch.equal(o, ref[:m]))
+                    calls = 3 if m == 2000 else 20
+                    args = (x[:m], w, o, cfg, kc)
+                    us = _graph_us(lambda args=args: launch(*args), calls)
+                    cand[m] = dict(equal=same, us=round(us, 2))
+            except Exception as e:  # out of shared memory, registers: recorded
+                cand["error"] = str(e)[:160]
+            row["cands"][name] = cand
+        out["linear"].append(row)
+        print(json.dumps(row), flush=True)
+
+
+def moe_rows(out: dict) -> None:
+    """V2-Lite's routed experts (64 x [2 x 1408, 2048], top-6), bf16: every tile's rows against
+    DECODE's at 2,000 tokens, bitwise."""
+    g = torch.Generator(device="cuda").manual_seed(8)
+    e, h, inter, topk, t = 64, 2048, 1408, 6, 2000
+    gate_up = torch.randn(e, 2 * inter, h, device="cuda", generator=g, dtype=torch.bfloat16) / 45
+    down = torch.randn(e, h, inter, device="cuda", generator=g, dtype=torch.bfloat16) / 38
+    x = torch.randn(t, h, device="cuda", generator=g, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(e, device="cuda", generator=g)[:topk] for _ in range(t)])
+    wts = torch.rand(t, topk, device="cuda", generator=g)
+    ref = fused_moe.fused_moe(x, gate_up, down, wts, ids, fused_moe.DECODE)
+    tiles = {
+        "DECODE": fused_moe.DECODE,
+        "PREFILL": fused_moe.PREFILL,
+        "LARGE": fused_moe.LARGE,
+        "MXFP4_PREFILL": fused_moe.MXFP4_PREFILL,
+        "m64n64k128w4s4": fused_moe.MoeConfig(64, 64, 128, 4, 4),
+        "m16n128k64w4s4": fused_moe.MoeConfig(16, 128, 64, 4, 4),
+        "LARGE, K in 128-steps": fused_moe.MoeConfig(128, 128, 128, 8, 3),
+        "PREFILL, K in 128-steps": fused_moe.MoeConfig(64, 128, 128, 8, 3),
+    }
+    for name, cfg in tiles.items():
+        row = dict(tile=name, cfg=str(cfg))
+        for m in ROWS:
+            o = fused_moe.fused_moe(x[:m], gate_up, down, wts[:m], ids[:m], cfg)
+            us = _graph_us(
+                lambda m=m, cfg=cfg: fused_moe.fused_moe(
+                    x[:m], gate_up, down, wts[:m], ids[:m], cfg
+                ),
+                3 if m == 2000 else 20,
+            )
+            row[m] = dict(equal=bool(torch.equal(o, ref[:m])), us=round(us, 1))
+        out["moe"].append(row)
+        print(json.dumps(row), flush=True)
+
+
+def fp8_rows(out: dict) -> None:
+    """Block-scaled FP8 weights (V2-Lite's q_proj and shared down, V4's wq_b): the GEMM's
+    whole-K tiles (the default set's by M, without split-K) against `--batch-invariant`'s
+    `decode_config(N)` at 2,000 rows, bitwise; inline and separate quantization alike."""
+    from deepserve.kernels.block_quant import quantize_fp8
+    from deepserve.kernels.triton import fp8_matmul as f8
+
+    g = torch.Generator(device="cuda").manual_seed(10)
+    for k, n in ((2048, 3072), (2816, 2048), (1024, 32768)):
+        w = quantize_fp8(torch.randn(n, k, device="cuda", generator=g) / k**0.5)
+        x = torch.randn(2000, k, device="cuda", generator=g, dtype=torch.bfloat16)
+        ref = f8.fp8_linear(x, w, f8.decode_config(n))
+        tiles = {"decode_config(n)": f8.decode_config(n), "DECODE": f8.DECODE,
+                 "MEDIUM": f8.MEDIUM, "LARGE": f8.LARGE,
+                 "decode_config(n, 64)": f8.decode_config(n, 64)}  # fmt: skip
+        for name, cfg in tiles.items():
+            row = dict(k=k, n=n, tile=name)
+            for m in ROWS:
+                o = f8.fp8_linear(x[:m], w, cfg)
+                args = (x[:m], w, cfg)
+                us = _graph_us(lambda args=args: f8.fp8_linear(*args), 20)
+                row[m] = dict(equal=bool(torch.equal(o, ref[:m])), us=round(us, 2))
+            out["fp8"].append(row)
+            print(json.dumps(row), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--budget-s", type=float, default=240)
+    args = parser.parse_args()
+    deadline = time.time() + args.budget_s
+    out: dict = {"gpu": torch.cuda.get_device_name(), "errors": [], "linear": [], "moe": []}
+    out["fp8"] = []
+    sections = [lambda: linear_rows(out, deadline), lambda: moe_rows(out), lambda: fp8_rows(out)]
+    for section in sections:
+        if time.time() > deadline:
+            out["errors"].append("out of time")
+            break
+        try:
+            section()
+        except Exception as e:  # recorded; the next section still runs
+            out["errors"].append(repr(e)[:300])
+        args.out.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
