@@ -92,6 +92,55 @@ def test_matmul_config_depends_on_the_weight_alone():
     assert (wide.block_k, wide.splits) == (narrow.block_k, narrow.splits)
 
 
+def test_row_count_changes_a_16_bit_weights_tiles_never_its_k_chunks():
+    """Tiles follow M (16 and 32 rows for decode, 64 x 256 for prefill); the K chunks that
+    order a row's sums stay the weight's at every M, each a whole number of the tile's K steps."""
+    from deepserve.kernels.triton import matmul
+
+    for k, n in ((2048, 3072), (1408, 2048), (2048, 576)):
+        own = matmul.config_for(k, n, torch.bfloat16)
+        shapes = set()
+        for m in (1, 16, 17, 32, 64, 512, 513, 4096):
+            cfg = matmul.config_for(k, n, torch.bfloat16, m)
+            assert cfg.chunk(k) == own.chunk(k) and cfg.chunk(k) % cfg.block_k == 0, (k, m)
+            shapes.add((cfg.block_m, cfg.block_n))
+        assert len(shapes) == (3 if n % 256 else 4), (k, n)  # 64 x 256 only where it divides N
+    fp32 = matmul.config_for(2048, 64, torch.float32)
+    assert matmul.config_for(2048, 64, torch.float32, 1) == fp32  # one tile: FMA chains unchecked
+
+
+def test_bf16_rows_keep_their_bits_across_the_row_count_tiles():
+    """A bf16 row's output is the same from a 1-, 20- or 30-row launch, though they run 16- and
+    32-row tiles (`matmul.ROW_TILES`): only the pinned K chunks order its sums. (BLOCK_K too is
+    free on the GPU, where a tile's K steps chain the same 16-deep MMAs; the interpreter adds a
+    step's K in numpy's order, so there tile_bits.py checks it.)"""
+    from deepserve.kernels.triton import matmul
+
+    w = _rand(256, 384, seed=11).to(torch.bfloat16)
+    x = _rand(30, 384, seed=12).to(torch.bfloat16)
+    cfg = dataclasses.replace(matmul.config_for(384, 256, torch.bfloat16), splits=3)
+    full = matmul.linear(x, w, cfg.for_rows(30, 384, 256))
+    for m in (1, 20):
+        tile = cfg.for_rows(m, 384, 256)
+        assert tile.block_k == 128 and tile.chunk(384) == cfg.chunk(384)
+        assert torch.equal(matmul.linear(x[:m], w, tile), full[:m]), m
+
+
+def test_invariant_moe_tiles_keep_k_steps_and_fp8_inputs_at_every_size():
+    from deepserve.kernels.block_quant import quantize_fp8, quantize_mxfp4
+    from deepserve.kernels.triton import fused_moe
+
+    bf16 = torch.zeros(64, 256, 128, dtype=torch.bfloat16)
+    fp8 = quantize_fp8(torch.randn(64, 256, 128))
+    mxfp4 = quantize_mxfp4(torch.randn(64, 256, 128))
+    for pairs in (1, 384, 1024, 12000, 100000):
+        for w in (bf16, mxfp4):
+            cfg = fused_moe.invariant_config(pairs, w)
+            assert (cfg.block_k, cfg.fp8_inputs) == (fused_moe.DECODE.block_k, True), pairs
+        # e4m3 dots: the decode tile's 16-row mma at every size (wgmma sums them otherwise)
+        assert fused_moe.invariant_config(pairs, fp8) == fused_moe.DECODE
+
+
 def test_bmm_rows_equal_for_any_row_count_and_match_reference():
     a, b = _rand(3, 70, 40, seed=3), _rand(3, 40, 24, seed=4)
     full = TK.bmm(a, b)
@@ -136,6 +185,24 @@ def test_attention_rows_equal_across_prefill_chunks_decode_and_batches(layout):
     torch.testing.assert_close(torch.cat(outs), ref, rtol=1e-5, atol=1e-5)
     ref_whole = case.run(reference.KERNELS, [(0, 0, n)])[0]
     torch.testing.assert_close(whole, ref_whole, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["gqa", "mla"])
+def test_tiles_of_tokens_by_heads_give_the_one_head_tiles_bits(layout):
+    """A prefill tile of (token, head) rows over one KV head reads each key block once for all
+    its heads; every row walks the same splits and key blocks as in a one-head tile."""
+    split = attention.SPLIT if DEVICE == "cuda" else 2 * attention.BLOCK_N
+    case = PagedCase(layout, [2 * split + 21, 5, 40], device=DEVICE)
+    steps = [[(0, 0, 2 * split + 21)], [(0, split - 7, 30), (1, 0, 5), (2, 3, 37)]]
+    for rows, warps in ((16, 4), (32, 8)):
+        grouped = attention.TritonPagedAttention(split, grouped_rows=rows, grouped_warps=warps)
+        for seqs in steps:
+            want = case.run(
+                dataclasses.replace(TK, paged_attention=attention.TritonPagedAttention(split)), seqs
+            )
+            got = case.run(dataclasses.replace(TK, paged_attention=grouped), seqs)
+            for g, w in zip(got, want, strict=True):
+                assert torch.equal(g, w), (rows, seqs)
 
 
 @pytest.mark.parametrize("layout", ["gqa", "mla"])

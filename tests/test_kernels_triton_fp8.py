@@ -211,6 +211,15 @@ def test_batch_sized_calls_split_k_where_whole_k_tiles_leave_sms_idle():
     assert f.decode_config(1024).waves == 0  # --batch-invariant's tile
 
 
+def test_the_invariant_tiles_keep_16_rows_and_never_split_k():
+    """--batch-invariant: a row's K steps stay one chain in K order at every row count, on the
+    16-row tiles whose e4m3 mma sums as the decode tile's (wgmma, from 64 rows, does not)."""
+    f = fp8_matmul
+    for n in (1024, 4096, 2048, 32768):
+        tiles = {f.invariant_config(m, n) for m in (1, 16, 17, 64, 128, 129, 4096)}
+        assert all(cfg.waves == 0 and cfg.block_m == f.DECODE.block_m for cfg in tiles), n
+
+
 def test_the_decode_tile_narrows_until_a_weights_n_tiles_fill_the_gpu():
     """No split-K: at M = 1 the N tiles are the launch's only parallelism."""
     narrowest = fp8_matmul.MIN_DECODE_BLOCK_N

@@ -12,6 +12,7 @@ device call: a kernel that does not compile here does not compile there.
     .venv/bin/python benchmarks/gpu/compile_check.py --moe-mxfp4   # only the MXFP4 MoE's
     .venv/bin/python benchmarks/gpu/compile_check.py --gemv   # only the decode GEMV's
     .venv/bin/python benchmarks/gpu/compile_check.py --align   # only the MoE's align
+    .venv/bin/python benchmarks/gpu/compile_check.py --tiles   # the flag's tiles by row count
 """
 
 from __future__ import annotations
@@ -60,10 +61,10 @@ TORCH_DTYPE = {"bf16": "bfloat16", "fp32": "float32"}
 TORCH_KV = {"bf16": "bfloat16", "fp8e4nv": "float8_e4m3fn"}
 
 
-def compile_matmul(k: int, n: int, bmm: bool, dtype: str) -> dict:
+def compile_matmul(k: int, n: int, bmm: bool, dtype: str, rows: int | None = None) -> dict:
     import torch
 
-    cfg = matmul.config_for(k, n, getattr(torch, TORCH_DTYPE[dtype]))
+    cfg = matmul.config_for(k, n, getattr(torch, TORCH_DTYPE[dtype]), rows)
     fn = matmul._matmul_kernel
     names = fn.arg_names
     sig = {name: "i32" for name in names}
@@ -90,9 +91,12 @@ ATTENTION = [  # (name, DK, DV): V2-Lite's absorbed MLA (latent + rope key), Smo
 ]
 
 
-def compile_attention(fn, dk: int, dv: int, kv: str = "bf16") -> dict:
+def compile_attention(
+    fn, dk: int, dv: int, kv: str = "bf16", heads: int = 1, rows: int = 0, warps: int = 4
+) -> dict:
     """A fixed-split attention kernel (attention.py's or decode_attention.py's invariant one) in
-    bf16 with the engine's tile constants, over a `kv` ("bf16" or "fp8e4nv") cache."""
+    bf16 with the engine's tile constants, over a `kv` ("bf16" or "fp8e4nv") cache; `heads` and
+    `rows` (0: BLOCK_M) the varlen kernel's (token, head) tiles."""
     names = fn.arg_names
     sig = {name: "i32" for name in names}
     sig.update({n: "*i32" for n in names if n.endswith("_ptr")})  # tables, lengths, offsets
@@ -100,15 +104,41 @@ def compile_attention(fn, dk: int, dv: int, kv: str = "bf16") -> dict:
     typed.update(pm_ptr="*fp32", pl_ptr="*fp32", pacc_ptr="*fp32")
     sig.update({n: t for n, t in typed.items() if n in names})
     const = dict(
-        SPLIT=attention.SPLIT, BLOCK_M=attention.BLOCK_M, BLOCK_N=attention.BLOCK_N,
+        SPLIT=attention.SPLIT, BLOCK_M=rows or attention.BLOCK_M, BLOCK_N=attention.BLOCK_N,
         BLOCK_D=attention.BLOCK_D, BLOCK_DV=triton.next_power_of_2(dv), PRECISION="tf32",
-        s_qd=1, s_kd=1, s_vd=1,
+        s_qd=1, s_kd=1, s_vd=1, HEADS=heads,
     )  # fmt: skip
     const = {n: v for n, v in const.items() if n in names}
     sig.update({name: "constexpr" for name in const})
     kernel = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=4, num_stages=2))  # fmt: skip
-    return _resources(kernel, f"{fn.__name__} DK={dk} DV={dv} kv={kv}")
+                            options=dict(num_warps=warps, num_stages=2))  # fmt: skip
+    tile = f" rows={rows} heads={heads} w{warps}" if rows else ""
+    return _resources(kernel, f"{fn.__name__} DK={dk} DV={dv} kv={kv}{tile}")
+
+
+def tiles_main() -> int:
+    """`--batch-invariant`'s tiles by row count (matmul.ROW_TILES) on V2-Lite's weights, and the
+    varlen attention's (token, head) tiles on its absorbed MLA: registers, spills, HGMMA."""
+    cases = [
+        *((f"{k}x{n} rows={m}", partial(compile_matmul, k, n, False, "bf16", m))
+          for k, n, _, dt in SHAPES[:7] for m in (1, 64, 2000)),
+        *((f"mla rows={r} w{w}", partial(compile_attention, attention._varlen_kernel, 576, 512,
+                                         "bf16", 16, r, w))
+          for r, w in ((32, 4), (32, 8), (64, 4), (64, 8))),
+    ]  # fmt: skip
+    return 1 if _compile_cases(cases) else 0
+
+
+def _compile_cases(cases, tag: str = "") -> int:
+    """Builds each (what, build) case and prints its resources; how many failed."""
+    failed = 0
+    for what, build in cases:
+        try:
+            print(what, build(), flush=True)
+        except Exception as e:
+            failed += 1
+            print(what, tag, "FAILED:", str(e)[-600:], flush=True)
+    return failed
 
 
 def compile_decode(dk: int, dv: int, heads: int, kv_heads: int, shared: bool, kv: str) -> dict:
@@ -186,12 +216,7 @@ def kv_fp8_main() -> int:
             ("decode gqa", partial(compile_decode, 64, 64, 9, 3, False, kv)),
             ("kv writes", partial(compile_kv_writes, kv)),
         ]  # fmt: skip
-        for what, build in cases:
-            try:
-                print(what, build(), flush=True)
-            except Exception as e:
-                failed += 1
-                print(what, kv, "FAILED:", str(e)[-600:], flush=True)
+        failed += _compile_cases(cases, kv)
     return 1 if failed else 0
 
 
@@ -403,6 +428,8 @@ def main() -> int:
         return gemv_main()
     if "--align" in sys.argv[1:]:
         return align_main()
+    if "--tiles" in sys.argv[1:]:
+        return tiles_main()
     failed = 0
     for k, n, heads, dtype in SHAPES:
         try:

@@ -10,7 +10,8 @@ BLOCK_K (how many of those products one loop step issues), warps and stages leav
 alone when the K chunks stay the weight's. Each candidate's output at M = 1 / 17 / 64 / 2,000
 rows is compared bit for bit with the weight's own configuration at 2,000 rows, and timed (CUDA
 graph) beside cuBLAS. The fused MoE likewise (bf16 experts, V2-Lite shape: DECODE / PREFILL /
-LARGE tiles and K-in-128-steps variants), and the block-scaled FP8 GEMM's whole-K tiles.
+LARGE tiles and the `invariant_config` ones), the block-scaled FP8 GEMM's whole-K tiles, and
+attention.py's prefill tiles of (token, head) rows against its one-head tiles.
 
 From the repo root on the GPU machine (run_all.sh's namespace mapping, then this script):
 
@@ -53,6 +54,8 @@ CANDIDATES = {  # name -> (block_m, block_n, block_k, warps, stages)
     "m128n128k64w8s3": (128, 128, 64, 8, 3),
     "m128n256k64w8s3": (128, 256, 64, 8, 3),
     "m128n128k128w8s3": (128, 128, 128, 8, 3),
+    "m128n64k128w8s3": (128, 64, 128, 8, 3),
+    "m64n256k64w8s3": (64, 256, 64, 8, 3),
 }
 ROWS = (1, 17, 64, 2000)
 
@@ -95,13 +98,15 @@ def linear_rows(out: dict, deadline: float) -> None:
         kc = own.chunk(k)
         ref = matmul.linear(x, w, own)  # the weight's own configuration, 2,000 rows
         row = dict(layer=layer, k=k, n=n, own=str(own), kc=kc, cands={})
-        row.update(cublas={}, own_us={})
+        row.update(cublas={}, own_us={}, policy_us={}, policy_equal={})
         for m in ROWS:
             calls = 3 if m == 2000 else 20
             xm = x[:m]
             row["cublas"][m] = round(_graph_us(lambda xm=xm, w=w: xm @ w.t(), calls), 2)
-            fixed = (xm, w, own)  # the weight's one tile at every M
+            fixed = (xm, w, own)  # the weight's one tile at every M (before `for_rows`)
             row["own_us"][m] = round(_graph_us(lambda a=fixed: matmul.linear(*a), calls), 2)
+            row["policy_us"][m] = round(_graph_us(lambda a=fixed[:2]: matmul.linear(*a), calls), 2)
+            row["policy_equal"][m] = bool(torch.equal(matmul.linear(xm, w), ref[:m]))
         for name, (bm, bn, bk, warps, stages) in CANDIDATES.items():
             cfg = matmul.TileConfig(bm, bn, bk, 8, warps, stages).fitted(2)
             if kc % bk:
@@ -141,8 +146,8 @@ def moe_rows(out: dict) -> None:
         "MXFP4_PREFILL": fused_moe.MXFP4_PREFILL,
         "m64n64k128w4s4": fused_moe.MoeConfig(64, 64, 128, 4, 4),
         "m16n128k64w4s4": fused_moe.MoeConfig(16, 128, 64, 4, 4),
-        "LARGE, K in 128-steps": fused_moe.MoeConfig(128, 128, 128, 8, 3),
-        "PREFILL, K in 128-steps": fused_moe.MoeConfig(64, 128, 128, 8, 3),
+        "invariant 2,000 tokens": fused_moe.invariant_config(12000, gate_up).fitted(2),
+        "invariant 1,024 pairs": fused_moe.invariant_config(1024, gate_up).fitted(2),
     }
     for name, cfg in tiles.items():
         row = dict(tile=name, cfg=str(cfg))
@@ -157,6 +162,57 @@ def moe_rows(out: dict) -> None:
             row[m] = dict(equal=bool(torch.equal(o, ref[:m])), us=round(us, 1))
         out["moe"].append(row)
         print(json.dumps(row), flush=True)
+
+
+ATTENTION = {  # name -> TritonPagedAttention's arguments (split fixed: attention.SPLIT)
+    "one head, 16 tokens (--batch-invariant)": dict(block_m=16),
+    "one head, 32 tokens (default set)": dict(block_m=32),
+    "heads x tokens, 32 rows, 4 warps": dict(grouped_rows=32, grouped_warps=4),
+    "heads x tokens, 32 rows, 8 warps (--batch-invariant)": dict(grouped_rows=32, grouped_warps=8),
+    "heads x tokens, 64 rows, 4 warps": dict(grouped_rows=64, grouped_warps=4),
+    "heads x tokens, 64 rows, 8 warps": dict(grouped_rows=64, grouped_warps=8),
+}
+# (query heads, KV heads, key width, value width, latent): V2-Lite's absorbed MLA, SmolLM2's GQA
+ATTENTION_SHAPES = {
+    "mla 16 x 576": (16, 1, 576, 512, True),
+    "gqa 9 / 3 x 64": (9, 3, 64, 64, False),
+}
+
+
+def attention_rows(out: dict) -> None:
+    """Paged bf16 caches of V2-Lite's absorbed MLA (16 heads over one 576-wide latent, values
+    its first 512) and SmolLM2's GQA: a fresh 2,000-token prompt, and a 256-token chunk after
+    3,000 cached tokens beside 8 decodes (a mixed step); every variant's rows against the
+    first's (the flag's one-head tile), bitwise. Tiles of 64 rows differed on the H100: from 64
+    rows Triton issues wgmma, whose layout sums a row's softmax in another order."""
+    from paged_kv import Cache
+
+    from deepserve.kernels.triton import attention
+
+    g = torch.Generator(device="cuda").manual_seed(9)
+    steps = {"prefill 2,000": [(0, 0, 2000)], "chunk 256 + 8 decodes": [(0, 3000, 256)]}
+    steps["chunk 256 + 8 decodes"] += [(i, 599, 1) for i in range(1, 9)]
+    for shape, (hq, hkv, dk, dv, mla) in ATTENTION_SHAPES.items():
+        cache = Cache([3256] + [600] * 8, hkv, dk, dv, mla, 0, "cuda", torch.bfloat16, 64)
+        for step, seqs in steps.items():
+            meta = cache.meta(seqs)
+            q = torch.randn(meta.num_tokens, hq, dk, device="cuda", generator=g,
+                            dtype=torch.bfloat16)  # fmt: skip
+            want = None
+            for name, kw in ATTENTION.items():
+                op = attention.TritonPagedAttention(attention.SPLIT, **kw)
+                row = dict(shape=shape, step=step, variant=name)
+                try:
+                    got = op(q, cache.k, cache.v, meta, 0.07)
+                    args = (q, cache.k, cache.v, meta, 0.07)
+                    us = _graph_us(lambda op=op, args=args: op(*args), 3)
+                except Exception as e:  # registers or shared memory: recorded
+                    out["attention"].append(dict(row, error=str(e)[:160]))
+                    continue
+                want = got if want is None else want
+                row.update(equal=bool(torch.equal(got, want)), us=round(us, 1))
+                out["attention"].append(row)
+                print(json.dumps(row), flush=True)
 
 
 def fp8_rows(out: dict) -> None:
@@ -189,12 +245,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--budget-s", type=float, default=240)
+    parser.add_argument("--only", nargs="*", default=["linear", "moe", "attention", "fp8"])
     args = parser.parse_args()
     deadline = time.time() + args.budget_s
     out: dict = {"gpu": torch.cuda.get_device_name(), "errors": [], "linear": [], "moe": []}
-    out["fp8"] = []
-    sections = [lambda: linear_rows(out, deadline), lambda: moe_rows(out), lambda: fp8_rows(out)]
-    for section in sections:
+    out["attention"], out["fp8"] = [], []
+    sections = dict(linear=lambda: linear_rows(out, deadline), moe=lambda: moe_rows(out),
+                    attention=lambda: attention_rows(out), fp8=lambda: fp8_rows(out))  # fmt: skip
+    for section in (sections[name] for name in args.only):
         if time.time() > deadline:
             out["errors"].append("out of time")
             break

@@ -91,22 +91,33 @@ def _varlen_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, tile_seq_ptr, tile_row_ptr, qstart_ptr, ctx_ptr, o_ptr,
     s_qt, s_qh, s_qd, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, s_tb, s_ot, s_oh,
     scale, DK, DV, block_size, GROUP,
-    SPLIT: constexpr, BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_D: constexpr,
-    BLOCK_DV: constexpr, PRECISION: constexpr,
+    HEADS: constexpr, SPLIT: constexpr, BLOCK_M: constexpr, BLOCK_N: constexpr,
+    BLOCK_D: constexpr, BLOCK_DV: constexpr, PRECISION: constexpr,
 ):  # fmt: skip
-    """One tile of query rows for one head: every split the tile sees, walked and folded in order."""
-    tile, h = tl.program_id(0), tl.program_id(1)
+    """One tile of query rows: every split the tile sees, walked and folded in order. HEADS 1:
+    BLOCK_M query tokens of one head (program_id(1) the head). Otherwise BLOCK_M // HEADS tokens
+    x HEADS query heads of one KV head (program_id(1); HEADS is GROUP rounded up to a power of
+    2), so a key block loaded once serves all of them; each row walks the same splits and key
+    blocks either way, in the same order."""
+    tile, p = tl.program_id(0), tl.program_id(1)
     seq = tl.load(tile_seq_ptr + tile)
     first = tl.load(tile_row_ptr + tile)
     q_begin = tl.load(qstart_ptr + seq)
     q_end = tl.load(qstart_ptr + seq + 1)
     ctx = tl.load(ctx_ptr + seq)
-    rows = first + tl.arange(0, BLOCK_M)
-    row_ok = rows < q_end
+    r = tl.arange(0, BLOCK_M)
+    rows = first + r // HEADS
+    if HEADS == 1:
+        kvh = p // GROUP
+        head = p + 0 * r
+        row_ok = rows < q_end
+    else:
+        kvh = p
+        head = p * GROUP + r % HEADS
+        row_ok = (rows < q_end) & (r % HEADS < GROUP)
     pos = ctx + rows - q_begin
-    last_pos = ctx + tl.minimum(first + BLOCK_M, q_end) - 1 - q_begin
-    kvh = h // GROUP
-    q_rows = q_ptr + rows.to(tl.int64) * s_qt + h * s_qh
+    last_pos = ctx + tl.minimum(first + BLOCK_M // HEADS, q_end) - 1 - q_begin
+    q_rows = q_ptr + rows.to(tl.int64) * s_qt + head * s_qh
     table = tables_ptr + seq.to(tl.int64) * s_tb
     m_i, l_i, acc = _walk_split(
         q_rows, k_ptr, v_ptr, table, pos, row_ok, 0, tl.minimum(SPLIT, last_pos + 1),
@@ -123,7 +134,7 @@ def _varlen_kernel(
         )  # fmt: skip
         m_i, l_i, acc = _merge_split(m_i, l_i, acc, ms, ls, a_s, split <= pos // SPLIT)
     dv = tl.arange(0, BLOCK_DV)
-    out = o_ptr + rows.to(tl.int64)[:, None] * s_ot + h * s_oh + dv[None, :]
+    out = o_ptr + rows.to(tl.int64)[:, None] * s_ot + head[:, None] * s_oh + dv[None, :]
     val = acc / l_i[:, None]
     tl.store(out, val.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
 
@@ -196,24 +207,44 @@ class _StepLayout:
 class TritonPagedAttention:
     """`paged_attention(q, k_cache, v_cache, attn, scale)` as in kernels/reference/attention.py."""
 
-    def __init__(self, split: int = SPLIT, block_m: int = BLOCK_M, num_warps: int = 4) -> None:
+    def __init__(
+        self,
+        split: int = SPLIT,
+        block_m: int = BLOCK_M,
+        num_warps: int = 4,
+        grouped_rows: int = 0,
+        grouped_warps: int = 4,
+    ) -> None:
         self.split = split  # a multiple of BLOCK_N; tests use a small one
         self.block_m, self.num_warps = block_m, num_warps  # query rows per program, its warps
+        # > 0: tiles of that many (token, head) rows over one KV head (`_varlen_kernel` with
+        # HEADS > 1) where a KV head serves several query heads. Under 64 rows the same bits as
+        # one head a tile (H100, benchmarks/gpu/tile_bits.py): from 64 rows Triton issues wgmma,
+        # whose accumulator layout sums a row's max and softmax denominator in another order.
+        self.grouped_rows, self.grouped_warps = grouped_rows, grouped_warps
         self._layout: _StepLayout | None = None  # the current step's, reused by every layer
+        self._layout_tokens = block_m  # query tokens per tile the layout was built for
 
-    def _step_layout(self, attn: AttentionMetadata, device: torch.device) -> _StepLayout:
-        if self._layout is not None and self._layout.attn is attn:
+    def _step_layout(
+        self, attn: AttentionMetadata, device: torch.device, tokens: int
+    ) -> _StepLayout:
+        if self._layout is not None and self._layout.attn is attn and self._layout_tokens == tokens:
             return self._layout
         if attn.num_tokens == attn.num_seqs:
             self._layout = self._decode_layout(attn, device)
         else:
-            self._layout = self._host_layout(attn, device)
+            self._layout = self._host_layout(attn, device, tokens)
+        self._layout_tokens = tokens
         return self._layout
 
-    def _host_layout(self, attn: AttentionMetadata, device: torch.device) -> _StepLayout:
+    def _host_layout(
+        self, attn: AttentionMetadata, device: torch.device, tokens: int | None = None
+    ) -> _StepLayout:
+        """Tiles of `tokens` query tokens (None: block_m) of one sequence, from the host lengths."""
+        tokens = tokens or self.block_m
         tile_seq, tile_row, start = [], [], 0
         for i, n in enumerate(attn.query_lens_cpu):
-            for r in range(0, n, self.block_m):
+            for r in range(0, n, tokens):
                 tile_seq.append(i)
                 tile_row.append(start + r)
             start += n
@@ -243,15 +274,19 @@ class TritonPagedAttention:
         out = torch.empty(tokens, hq, dv, device=q.device, dtype=q.dtype)
         if tokens == 0:
             return out
-        lay = self._step_layout(attn, q.device)
         precision = "ieee" if q.dtype == torch.float32 else "tf32"
         qsl, ctx, tables = attn.query_start_loc, attn.context_lens, attn.block_tables
-        _varlen_kernel[(lay.tile_seq.numel(), hq)](
+        group = hq // hkv
+        grouped = self.grouped_rows and group > 1 and attn.num_tokens > attn.num_seqs
+        heads = next_power_of_2(group) if grouped else 1
+        rows = max(self.grouped_rows, heads) if grouped else self.block_m
+        lay = self._step_layout(attn, q.device, rows // heads)
+        _varlen_kernel[(lay.tile_seq.numel(), hkv if grouped else hq)](
             q, k_cache, v_cache, tables, lay.tile_seq, lay.tile_row, qsl, ctx, out,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), tables.stride(0),
-            out.stride(0), out.stride(1), scale, dk, dv, attn.block_size, hq // hkv,
-            SPLIT=self.split, BLOCK_M=self.block_m, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-            BLOCK_DV=next_power_of_2(dv), PRECISION=precision, num_warps=self.num_warps,
-            num_stages=2,
+            out.stride(0), out.stride(1), scale, dk, dv, attn.block_size, group,
+            HEADS=heads, SPLIT=self.split, BLOCK_M=rows, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+            BLOCK_DV=next_power_of_2(dv), PRECISION=precision,
+            num_warps=self.grouped_warps if grouped else self.num_warps, num_stages=2,
         )  # fmt: skip
         return out

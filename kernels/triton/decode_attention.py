@@ -366,4 +366,6 @@ class InvariantPagedAttention(DecodeOrVarlen):
     def __init__(self, split: int = attention.SPLIT) -> None:
         # `split`: a multiple of attention.BLOCK_N; tests use a small one
         decode = functools.partial(invariant_decode_attention, split=split)
-        super().__init__(decode, attention.TritonPagedAttention(split))
+        # prefill tiles of 2 tokens x 16 heads on MLA: a latent block read once for all heads
+        varlen = attention.TritonPagedAttention(split, grouped_rows=32, grouped_warps=8)
+        super().__init__(decode, varlen)

@@ -9,9 +9,9 @@ DeepGEMM / vLLM `w8a8_block_fp8_matmul` scheme.
   x's dtype. Up to INLINE_QUANT_ROWS rows (decode) the GEMM quantizes its own x tiles, by the
   same formula as `quantize_groups` (so the same bits): one launch, not two, where every
   program's redundant quantization of a few rows costs less than a launch. UE8M0 weight scales
-  (DeepSeek-V4) are float32 powers of two after load: the same kernel. With a tile fixed by the
-  weight alone (`--batch-invariant` takes `decode_config(N)` at every M, never split) a row's sum
-  is the same chain of K steps for any M, so rows are batch invariant.
+  (DeepSeek-V4) are float32 powers of two after load: the same kernel. With K walked whole
+  in 128-steps on 16-row tiles (`--batch-invariant` takes `invariant_config`: columns by M,
+  never split-K) a row's sum is the same chain of K steps for any M, so rows are batch invariant.
 - Split-K (the default set's `SPLIT` tiles, 17-128 rows where whole-K tiles leave SMs idle): K is
   cut into runs fixed by the shape, each program sums one run in float32 and the last of a
   tile's programs adds the runs in order (fp8_gemv.py's one-launch scheme): deterministic, and
@@ -226,6 +226,14 @@ def _sum_runs(acc, part_ptr, count_ptr, tile, out, offs, run_size, n_split, keep
     fp8_gemv.add_runs_when_last(count_ptr + tile, part_ptr + offs, run_size, n_split, out, keep)
 
 
+def invariant_config(m: int, n: int) -> Fp8TileConfig:
+    """`--batch-invariant`'s tile: DECODE's 16 rows with columns by M (`decode_config(n, m)`),
+    never split-K, so a row's K steps stay one chain from 0 in K order. A tile's columns do not
+    enter a row's bits, its rows do: from 64 rows Triton issues e4m3 wgmma, whose sums differ
+    from the 16-row mma's (benchmarks/gpu/tile_bits.py, H100: MEDIUM and LARGE against DECODE)."""
+    return decode_config(n, m)
+
+
 def supports(w: Fp8Weight) -> bool:
     """Whether the kernel reads `w`: one weight scale per 128 inputs, a 2-D matrix."""
     return w.data.dim() == 2 and w.block[1] == GROUP
@@ -322,5 +330,5 @@ def _by_path(x: torch.Tensor, w: Fp8Weight, batch_invariant: bool, groups: int =
     rows = x.numel() // max(x.shape[-1], 1)
     if path(rows, w, batch_invariant) == "gemv":
         return fp8_gemv.fp8_gemv(x, w, groups=groups)
-    cfg = decode_config(w.shape[0]) if batch_invariant else None
+    cfg = invariant_config(rows, w.shape[0]) if batch_invariant else None
     return fp8_linear(x, w, cfg, groups=groups)

@@ -23,6 +23,7 @@ sum's launch).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -65,6 +66,13 @@ class MoeConfig:
     # it (`E2M1_BF16_PTX_FOLDED`, `Mxfp4Weight.small_scales`): the same bits, fewer instructions
     e2m1_fold: bool = True
 
+    def fitted(self, itemsize: int) -> MoeConfig:
+        """The same tile with a pipeline shallow enough for the shared memory at this dtype."""
+        stage = (self.block_m + self.block_n) * self.block_k * itemsize
+        return replace(self, num_stages=max(2, min(self.num_stages, SMEM_BYTES // stage)))
+
+
+SMEM_BYTES = 200 * 1024  # a config's pipeline (the H100 / H200 have 227 KB a block)
 
 DECODE = MoeConfig()
 # the default set's decode-sized calls: memory bound, so w8a16 costs nothing and saves the two
@@ -91,6 +99,19 @@ def default_config(pairs: int, num_experts: int, mxfp4: bool = False) -> MoeConf
     if mxfp4 and pairs >= PREFILL_MIN_PAIRS:
         return MXFP4_PREFILL
     return PREFILL if pairs >= PREFILL_MIN_PAIRS else DECODE_W8A16
+
+
+def invariant_config(pairs: int, w: ExpertWeight) -> MoeConfig:
+    """`--batch-invariant`'s tile for a call of `pairs` pairs against experts `w`:
+    `default_config`'s shapes, but K always in 128-steps and FP8 experts always on quantized
+    activations, the two things that enter a row's arithmetic. A tile's rows, columns, warps and
+    stages do not for 16-bit dots (bf16 and MXFP4 experts: benchmarks/gpu/tile_bits.py, H100),
+    but e4m3 dots do: from 64 rows Triton issues FP8 wgmma, whose sums differ from the 16-row
+    mma's (fp8_matmul.py's MEDIUM / LARGE tiles against DECODE's), so FP8 experts keep DECODE."""
+    if isinstance(w, Fp8Weight):
+        return DECODE
+    cfg = default_config(pairs, w.shape[0], isinstance(w, Mxfp4Weight))
+    return replace(cfg, block_k=DECODE.block_k, fp8_inputs=True)
 
 
 # the expert weights' format, the GEMM kernel's WFMT (written as literals inside the kernel:
@@ -473,11 +494,13 @@ def fused_moe(
     cfg: MoeConfig | None = None,
     add: torch.Tensor | None = None,
     swiglu_limit: float | None = None,
+    configs: Callable[[int, ExpertWeight], MoeConfig] | None = None,
 ) -> torch.Tensor:
     """sum_j weights[t, j] * down[e](silu(gate[e] x_t) * up[e] x_t) over e = ids[t, j].
     x `[T, H]`, gate_up `[E, 2I, H]` (gate rows first), down `[E, H, I]`, weights/ids `[T, k]`.
-    `cfg` None: `default_config`'s, narrow for decode-sized calls, wider for prefill. `add` `[T, H]`
-    (the shared experts' output) is added to the result in the same launch as the slot sum,
+    `cfg` None: `configs(pairs, gate_up)`'s (None: `default_config`'s, narrow for decode-sized
+    calls, wider for prefill). `add` `[T, H]` (the shared experts' output) is added to the
+    result in the same launch as the slot sum,
     with the values of a separate `out + add`. `swiglu_limit` (DeepSeek-V4): gate clamped above
     and up on both sides at it before silu(gate) * up. gate_up and down may be kernels/
     block_quant.py's `Fp8Weight` (activations then quantized per 1 x 128 group, K in 128-steps)
@@ -485,7 +508,10 @@ def fused_moe(
     tokens, topk = ids.shape
     pairs = tokens * topk
     if cfg is None:
-        cfg = default_config(pairs, gate_up.shape[0], isinstance(gate_up, Mxfp4Weight))
+        if configs is None:
+            cfg = default_config(pairs, gate_up.shape[0], isinstance(gate_up, Mxfp4Weight))
+        else:
+            cfg = configs(pairs, gate_up).fitted(x.element_size())
     if add is not None and (add.shape != x.shape or add.dtype != x.dtype or add.stride(-1) != 1):
         return fused_moe(x, gate_up, down, weights, ids, cfg, swiglu_limit=swiglu_limit) + add
     if pairs == 0:

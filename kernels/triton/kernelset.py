@@ -110,7 +110,7 @@ def triton_kernels(base: KernelSet) -> KernelSet:
         paged_attention=InvariantPagedAttention(),  # decode steps: heads share a KV read
         # no flash_prefill: which rows take it follows the chunking, so their bits would too
         sigmoid=torch.sigmoid,  # CUDA elementwise ops compute every element the same way
-        moe=partial(fused_moe.fused_moe, cfg=fused_moe.DECODE),  # one tile shape at every size
+        moe=partial(fused_moe.fused_moe, configs=fused_moe.invariant_config),  # K steps fixed
         mla_kv_write_=mla.kv_write_,
         rope_into_=mla.rope_into_,
         absorbed_query_=mla.absorbed_query_,

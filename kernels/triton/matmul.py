@@ -1,10 +1,15 @@
-"""Batch-invariant matmul: `linear` (x @ w.T) and `bmm`, with tiles chosen from the weight alone.
+"""Batch-invariant matmul: `linear` (x @ w.T) and `bmm`, with the reduction fixed by the weight.
 
-Why it is batch-invariant: every launch parameter that shapes the arithmetic (tile sizes, warps,
-pipeline depth, and the K chunks) comes from the weight's (K, N) and dtype, never from M. An
+Why it is batch-invariant: the K chunks come from the weight's (K, N) and dtype, never from M. An
 output element is the sum, in chunk order, of per-chunk partials, each partial a chain of
-tensor-core products over its chunk's K blocks in order from the chunk's start:
-`out = ((0 + p_0) + p_1) + ... + p_{S-1}`. Two launch modes compute exactly that sum:
+tensor-core products over its chunk's K in order from the chunk's start:
+`out = ((0 + p_0) + p_1) + ... + p_{S-1}`. How many rows, columns and K steps one program covers,
+its warps and its pipeline depth do not enter that chain: each element's products are the same
+16-deep MMA instructions into one float32 accumulator whatever the tile (mma.sync at 16-32 rows,
+wgmma from 64). benchmarks/gpu/tile_bits.py checked that bit for bit on an H100, 16- to 128-row,
+32- to 256-column tiles and BLOCK_K 64 / 128 against the weight's own tile at 1 / 17 / 64 /
+2,000 rows. So those follow M (`for_rows`) with the chunk length pinned. Two launch modes
+compute exactly that sum:
 - split: one program per (tile, chunk) writes its partial in float32; a second pass adds the
   partials in chunk order. Used when the tiles alone cannot fill the GPU (decode: few rows),
   so the weight is streamed by S times more programs.
@@ -40,10 +45,25 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 4
     splits: int = 1
+    chunk_k: int = 0  # > 0: K per chunk pinned (a tile for M keeps the weight's chunks)
 
     def chunk(self, k: int) -> int:
         """K per chunk: a multiple of block_k, from K alone."""
-        return cdiv(cdiv(k, self.splits), self.block_k) * self.block_k
+        return self.chunk_k or cdiv(cdiv(k, self.splits), self.block_k) * self.block_k
+
+    def for_rows(self, m: int, k: int, n: int) -> TileConfig:
+        """These K chunks of a (K, N) weight with the tile M rows run fastest on (`ROW_TILES`):
+        its BLOCK_K only where it divides the chunk, its columns only where they divide N."""
+        kc = self.chunk(k)
+        for rows, shape in ROW_TILES:
+            if m > rows:
+                continue
+            if not shape or n % shape["block_n"]:
+                return self
+            if kc % shape["block_k"]:
+                shape = {**shape, "block_k": self.block_k}
+            return replace(self, **shape, chunk_k=kc)
+        return self
 
     def fitted(self, itemsize: int) -> TileConfig:
         """The same tiles with a pipeline shallow enough for the shared memory at this dtype."""
@@ -52,6 +72,18 @@ class TileConfig:
 
 
 DEFAULT = TileConfig()
+
+# Tile shapes by row count (`TileConfig.for_rows`): the first bucket whose bound M is within;
+# {} keeps the weight's own shape. The fastest of tile_bits.py's candidates on V2-Lite's six
+# projections (H100, benchmarks/RESULTS.md "Tiles by row count"): 16 x 64 and 32 x 64 beat the
+# weight's 64 x 128 by 15-35% at 1-32 rows, 64 x 256 by 10-22% at 2,000 rows; at 64 rows none
+# wins on every weight.
+ROW_TILES: tuple[tuple[float, dict], ...] = (
+    (16, dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)),
+    (32, dict(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=4)),
+    (512, {}),
+    (float("inf"), dict(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=3)),
+)
 
 # Measured winners per weight shape (K, N) on the H200 (benchmarks/gpu/kernel_checks.py
 # `tune_matmul`, run 8-2: benchmarks/gpu/results/run8-2.md, the fastest at M=1 and M=64 among the
@@ -79,9 +111,12 @@ def heuristic(k: int, n: int) -> TileConfig:
     return TileConfig(block_n=block_n, splits=splits)
 
 
-def config_for(k: int, n: int, dtype: torch.dtype) -> TileConfig:
-    """The configuration of a (K, N) weight: a function of the weight alone, never of M."""
+def config_for(k: int, n: int, dtype: torch.dtype, rows: int | None = None) -> TileConfig:
+    """The configuration of a (K, N) weight: its K chunks a function of the weight alone, never
+    of M; with `rows`, the tile shape for that many rows (`TileConfig.for_rows`)."""
     cfg = TUNED.get((k, n)) or heuristic(k, n)
+    if rows is not None and dtype.itemsize == 2:  # float32's FMA chains: checked at one tile only
+        cfg = cfg.for_rows(rows, k, n)
     return cfg.fitted(dtype.itemsize)
 
 
@@ -197,7 +232,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, cfg: TileConfig | None = None) -> t
     if w.dtype != flat.dtype:
         flat = flat.to(w.dtype)
     out = torch.empty(flat.shape[0], w.shape[0], device=x.device, dtype=w.dtype)
-    cfg = cfg or config_for(k, w.shape[0], w.dtype)
+    cfg = cfg or config_for(k, w.shape[0], w.dtype, flat.shape[0])
     _launch(flat[None], w.t()[None], out[None], cfg)
     return out.reshape(*lead, w.shape[0])
 
@@ -210,6 +245,6 @@ def bmm(a: torch.Tensor, b: torch.Tensor, cfg: TileConfig | None = None) -> torc
     a3 = a.expand(*lead, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
     b3 = b.expand(*lead, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
     out = torch.empty(a3.shape[0], a3.shape[1], b3.shape[2], device=a.device, dtype=a.dtype)
-    cfg = cfg or config_for(b3.shape[1], b3.shape[2], b3.dtype)
+    cfg = cfg or config_for(b3.shape[1], b3.shape[2], b3.dtype, a3.shape[1])
     _launch(a3, b3, out, cfg)
     return out.reshape(*lead, a.shape[-2], b.shape[-1])
