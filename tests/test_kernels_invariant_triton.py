@@ -205,6 +205,23 @@ def test_tiles_of_tokens_by_heads_give_the_one_head_tiles_bits(layout):
                 assert torch.equal(g, w), (rows, seqs)
 
 
+def test_decode_value_runs_give_the_whole_rows_bits():
+    """A batch-1 decode spreads a wide latent's value columns over programs (`value_runs`):
+    each run recomputes the split's scores, so every column's bits are the one-program row's."""
+    from paged_kv import Cache
+
+    from deepserve.kernels.triton import decode_attention
+
+    split = attention.SPLIT if DEVICE == "cuda" else 2 * attention.BLOCK_N
+    cache = Cache([split + 30, 40], 1, 288, 256, True, 0, DEVICE)
+    meta = cache.meta([(0, split + 29, 1), (1, 39, 1)])
+    q = torch.randn(2, 16, 288, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    assert decode_attention.value_runs(2, 256) == decode_attention.MIN_VALUE_RUN < 256
+    got = decode_attention.invariant_decode_attention(q, cache.k, cache.v, meta, 0.07, split)
+    want = attention.TritonPagedAttention(split)(q, cache.k, cache.v, meta, 0.07)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("layout", ["gqa", "mla"])
 def test_head_grouped_decode_equals_the_fixed_split_kernel_row_for_row(layout):
     """Decode steps read a KV row once per head group; the bits are the prefill kernel's."""

@@ -68,11 +68,15 @@ def compile_matmul(k: int, n: int, bmm: bool, dtype: str, rows: int | None = Non
     fn = matmul._matmul_kernel
     names = fn.arg_names
     sig = {name: "i32" for name in names}
-    sig.update(a_ptr=f"*{dtype}", b_ptr=f"*{dtype}", c_ptr=f"*{dtype}", ws_ptr="*fp32")
+    sig.update(
+        a_ptr=f"*{dtype}", b_ptr=f"*{dtype}", c_ptr=f"*{dtype}", ws_ptr="*fp32", count_ptr="*i32"
+    )
     const = dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0,
         PRECISION="ieee" if dtype == "fp32" else "tf32", s_ak=1,
+        SPLIT_MODE=cfg.splits > 1
+        and -(-(rows or 1) // cfg.block_m) * -(-n // cfg.block_n) < matmul.FILL_PROGRAMS,
     )  # fmt: skip
     const["s_bn" if bmm else "s_bk"] = 1  # linear's B is w.t(): K contiguous
     sig.update({name: "constexpr" for name in const})

@@ -26,13 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from kernel_checks import _graph_us
 
 from deepserve.kernels.triton import fused_moe, matmul
-from deepserve.kernels.triton.lang import cdiv
 
 SHAPES = {  # (K, N) -> layer
     (2048, 3072): "v2 q_proj",
@@ -61,28 +61,8 @@ ROWS = (1, 17, 64, 2000)
 
 
 def launch(x, w, out, cfg: matmul.TileConfig, kc: int) -> torch.Tensor:
-    """matmul._launch with the K chunk `kc` given (the weight's), not derived from cfg."""
-    a, b, c = x[None], w.t()[None], out[None]
-    m, k, n = x.shape[0], x.shape[1], w.shape[0]
-    chunks = cdiv(k, kc)
-    tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
-    split = chunks > 1 and tiles < matmul.FILL_PROGRAMS
-    parts = chunks if split else 1
-    ws = torch.empty((1, chunks, m, n) if split else (1, 1, 1, 1), device=x.device,
-                     dtype=torch.float32)  # fmt: skip
-    matmul._matmul_kernel[(tiles, parts, 1)](
-        a, b, c, ws, m, n, k, kc, chunks // parts,
-        a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
-        c.stride(0), c.stride(1), c.stride(2), ws.stride(0), ws.stride(1), ws.stride(2),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0, PRECISION="tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
-    if split:
-        matmul._sum_chunks_kernel[(cdiv(m * n, 1024), 1)](
-            ws, c, m * n, n, chunks, ws.stride(0), ws.stride(1),
-            c.stride(0), c.stride(1), c.stride(2), BLOCK=1024, num_warps=4,
-        )  # fmt: skip
+    """matmul's launch with the K chunk `kc` given (the weight's), not derived from cfg."""
+    matmul._launch(x[None], w.t()[None], out[None], replace(cfg, chunk_k=kc))
     return out
 
 
@@ -171,6 +151,7 @@ ATTENTION = {  # name -> TritonPagedAttention's arguments (split fixed: attentio
     "heads x tokens, 32 rows, 8 warps (--batch-invariant)": dict(grouped_rows=32, grouped_warps=8),
     "heads x tokens, 64 rows, 4 warps": dict(grouped_rows=64, grouped_warps=4),
     "heads x tokens, 64 rows, 8 warps": dict(grouped_rows=64, grouped_warps=8),
+    "InvariantPagedAttention (--batch-invariant)": None,  # decode steps: value runs by batch
 }
 # (query heads, KV heads, key width, value width, latent): V2-Lite's absorbed MLA, SmolLM2's GQA
 ATTENTION_SHAPES = {
@@ -188,10 +169,13 @@ def attention_rows(out: dict) -> None:
     from paged_kv import Cache
 
     from deepserve.kernels.triton import attention
+    from deepserve.kernels.triton.decode_attention import InvariantPagedAttention
 
     g = torch.Generator(device="cuda").manual_seed(9)
     steps = {"prefill 2,000": [(0, 0, 2000)], "chunk 256 + 8 decodes": [(0, 3000, 256)]}
     steps["chunk 256 + 8 decodes"] += [(i, 599, 1) for i in range(1, 9)]
+    steps["decode 1 x 200"] = [(1, 199, 1)]
+    steps["decode 8 x 600 + 3,256"] = [(i, 599, 1) for i in range(1, 9)] + [(0, 3255, 1)]
     for shape, (hq, hkv, dk, dv, mla) in ATTENTION_SHAPES.items():
         cache = Cache([3256] + [600] * 8, hkv, dk, dv, mla, 0, "cuda", torch.bfloat16, 64)
         for step, seqs in steps.items():
@@ -200,7 +184,11 @@ def attention_rows(out: dict) -> None:
                             dtype=torch.bfloat16)  # fmt: skip
             want = None
             for name, kw in ATTENTION.items():
-                op = attention.TritonPagedAttention(attention.SPLIT, **kw)
+                op = (
+                    InvariantPagedAttention()
+                    if kw is None
+                    else attention.TritonPagedAttention(attention.SPLIT, **kw)
+                )
                 row = dict(shape=shape, step=step, variant=name)
                 try:
                     got = op(q, cache.k, cache.v, meta, 0.07)

@@ -33,6 +33,10 @@ from deepserve.kernels.triton.lang import cdiv, constexpr, jit, next_power_of_2,
 
 BLOCK_H = 16  # query heads per program: the smallest row count of a tensor-core product
 TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
+# `--batch-invariant`'s decode: value columns split over programs (`value_runs`) until this
+# many; each run recomputes its split's scores, so one wave, not two
+INVARIANT_PROGRAMS = 132
+MIN_VALUE_RUN = 64
 # Splits a sequence uses: up to BASE_SPLITS as the length grows, then more once each of them would
 # hold MIN_SPLIT_KEYS keys, up to the launch's count (MAX_SPLITS at batch 1). Below
 # BASE_SPLITS * MIN_SPLIT_KEYS keys a split's fixed cost (its query load, partials, the fold) is
@@ -271,12 +275,16 @@ def _invariant_split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, pm_ptr, pl_ptr, pacc_ptr,
     s_qt, s_qh, s_qd, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, s_tb,
     s_pt, s_ph, s_ps, s_at, s_ah, s_as,
-    scale, HQ, DK, DV, block_size, GROUP, HEAD_BLOCKS,
+    scale, HQ, DK, DV, block_size, GROUP, HEAD_BLOCKS, DV_BLOCKS,
     SPLIT: constexpr, BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_D: constexpr,
     BLOCK_DV: constexpr, PRECISION: constexpr,
 ):  # fmt: skip
-    # attention.py's `_walk_split` with rows = the query heads of one token (one KV head)
-    t, hg, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    """attention.py's `_walk_split` with rows = the query heads of one token (one KV head), for
+    one split and one run of BLOCK_DV value columns (program_id(2) = split * DV_BLOCKS + run):
+    every run computes the split's same scores, max and sum, and its own columns of p @ V, each
+    column's chain over the keys the same whatever the run's width."""
+    t, hg, sd = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    split, dv_lo = sd // DV_BLOCKS, (sd % DV_BLOCKS) * BLOCK_DV
     kvh = hg // HEAD_BLOCKS
     heads = kvh * GROUP + (hg % HEAD_BLOCKS) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = (heads < (kvh + 1) * GROUP) & (heads < HQ)
@@ -286,15 +294,28 @@ def _invariant_split_kernel(
     key_hi = tl.minimum(key_lo + SPLIT, last_pos + 1)
     if key_lo >= key_hi:  # past the sequence: the combine never reads this split
         return
+    dv_run = tl.minimum(DV - dv_lo, BLOCK_DV)
     m_i, l_i, acc = attention._walk_split(
         q_ptr + t * s_qt + heads * s_qh, k_ptr, v_ptr, tables_ptr + t * s_tb, pos, row_ok,
-        key_lo, key_hi, kvh * s_kh, kvh * s_vh, s_qd, s_kb, s_ks, s_kd, s_vb, s_vs, s_vd,
-        scale, DK, DV, block_size, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION,
+        key_lo, key_hi, kvh * s_kh, kvh * s_vh + dv_lo * s_vd, s_qd, s_kb, s_ks, s_kd, s_vb,
+        s_vs, s_vd, scale, DK, dv_run, block_size, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
+        PRECISION,
     )  # fmt: skip
     attention._store_split(
         pm_ptr, pl_ptr, pacc_ptr, t * s_pt + heads * s_ph + split * s_ps,
-        t * s_at + heads * s_ah + split * s_as, row_ok, m_i, l_i, acc, DV, BLOCK_DV,
+        t * s_at + heads * s_ah + split * s_as + dv_lo, row_ok, m_i, l_i, acc, dv_run, BLOCK_DV,
     )  # fmt: skip
+
+
+def value_runs(programs: int, dv: int) -> int:
+    """BLOCK_DV for the invariant decode's (token, head group, split) programs: value columns
+    halved (down to 64) until the runs fill INVARIANT_PROGRAMS. At batch 1 a 512-key split of
+    a 128-token context is one program per layer; its runs recompute the scores (half of its
+    work on MLA) and split p @ V."""
+    block_dv = next_power_of_2(dv)
+    while block_dv > MIN_VALUE_RUN and programs * cdiv(dv, block_dv) < INVARIANT_PROGRAMS:
+        block_dv //= 2
+    return block_dv
 
 
 def invariant_decode_attention(
@@ -320,14 +341,15 @@ def invariant_decode_attention(
     block_dv = next_power_of_2(dv)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     head_blocks = cdiv(group, attention.BLOCK_M)
+    run = value_runs(tokens * hkv * head_blocks, dv)
     tables = attn.block_tables
-    _invariant_split_kernel[(tokens, hkv * head_blocks, splits)](
+    _invariant_split_kernel[(tokens, hkv * head_blocks, splits * cdiv(dv, run))](
         q, k_cache, v_cache, tables, attn.seq_lens, part_m, part_l, part_acc,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), tables.stride(0),
         *part_m.stride(), *part_acc.stride()[:3],
-        scale, hq, dk, dv, attn.block_size, group, head_blocks,
+        scale, hq, dk, dv, attn.block_size, group, head_blocks, cdiv(dv, run),
         SPLIT=split, BLOCK_M=attention.BLOCK_M, BLOCK_N=attention.BLOCK_N,
-        BLOCK_D=attention.BLOCK_D, BLOCK_DV=block_dv, PRECISION=precision,
+        BLOCK_D=attention.BLOCK_D, BLOCK_DV=run, PRECISION=precision,
         num_warps=4, num_stages=2,
     )  # fmt: skip
     positions = (attn.seq_lens - 1).to(torch.int32)

@@ -10,13 +10,14 @@ wgmma from 64). benchmarks/gpu/tile_bits.py checked that bit for bit on an H100,
 32- to 256-column tiles and BLOCK_K 64 / 128 against the weight's own tile at 1 / 17 / 64 /
 2,000 rows. So those follow M (`for_rows`) with the chunk length pinned. Two launch modes
 compute exactly that sum:
-- split: one program per (tile, chunk) writes its partial in float32; a second pass adds the
-  partials in chunk order. Used when the tiles alone cannot fill the GPU (decode: few rows),
-  so the weight is streamed by S times more programs.
+- split: one program per (tile, chunk) writes its partial in float32, and the tile's last
+  program to finish (a counter per tile, fp8_gemv.py's) adds the partials in chunk order. Used
+  when the tiles alone cannot fill the GPU (decode: few rows), so the weight is streamed by S
+  times more programs; no second launch.
 - inline: one program per tile walks its chunks in order and adds each partial as it ends.
   Used when there are enough tiles (prefill); no workspace.
-Both run the same compiled kernel (the mode is a runtime argument), so which one a launch takes
-(it follows M) cannot change a bit. Rows past M read row M - 1 again (never stored) and columns
+The two modes compile apart (the split mode's epilogue would crowd the wide prefill tiles'
+registers), from the same K loop: like the tile, the mode (it follows M) cannot change a bit. Rows past M read row M - 1 again (never stored) and columns
 past N read column N - 1 (unless BLOCK_N divides N), so the K loop has no masks when BLOCK_K
 divides K. Nothing that varies with M is specialised on, so a new row count never triggers a
 compile.
@@ -28,6 +29,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from deepserve.kernels.triton import fp8_gemv
 from deepserve.kernels.triton.lang import cdiv, constexpr, jit, tl
 
 SMEM_BYTES = 200 * 1024  # shared memory a config's pipeline may take (the H200 has 227 KB a block)
@@ -122,10 +124,11 @@ def config_for(k: int, n: int, dtype: torch.dtype, rows: int | None = None) -> T
 
 @jit(do_not_specialize=["M", "CHUNKS_PER_PROGRAM", "s_ab", "s_cb", "s_wb", "s_ws", "s_wm"])
 def _matmul_kernel(
-    a_ptr, b_ptr, c_ptr, ws_ptr, M, N, K, KC, CHUNKS_PER_PROGRAM,
+    a_ptr, b_ptr, c_ptr, ws_ptr, count_ptr, M, N, K, KC, CHUNKS_PER_PROGRAM,
     s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn, s_wb, s_ws, s_wm,
     BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_K: constexpr,
     GROUP_M: constexpr, EVEN_K: constexpr, EVEN_N: constexpr, PRECISION: constexpr,
+    SPLIT_MODE: constexpr,
 ):  # fmt: skip
     pid, part, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -159,27 +162,22 @@ def _matmul_kernel(
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
         total = total + acc  # chunk partials in chunk order, from 0 (split mode: 0 + p_c)
     keep = (rm[:, None] < M) & (rn[None, :] < N)
-    if (CHUNKS_PER_PROGRAM == 1) & (tl.num_programs(1) > 1):  # split mode: the partial
-        w = ws_ptr + batch * s_wb + part * s_ws + rm[:, None] * s_wm + rn[None, :]
-        tl.store(w, total, mask=keep)
+    out = c_ptr + batch * s_cb + rm[:, None] * s_cm + rn[None, :] * s_cn
+    if SPLIT_MODE:  # the partial
+        ws = ws_ptr + batch * s_wb + rm[:, None] * s_wm + rn[None, :]
+        tl.store(ws + part * s_ws, total, mask=keep)
+        tl.debug_barrier()  # every thread's partial stored before the count releases them
+        count = count_ptr + batch * tl.num_programs(0) + pid
+        chunks = tl.num_programs(1)
+        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == chunks - 1:
+            # the tile's last program adds the partials in chunk order, from 0, as inline does
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for c in range(0, chunks):
+                total = total + tl.load(ws + c * s_ws, mask=keep, other=0.0, cache_modifier=".cg")
+            tl.store(out, total.to(c_ptr.dtype.element_ty), mask=keep)
+            tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
     else:
-        out = c_ptr + batch * s_cb + rm[:, None] * s_cm + rn[None, :] * s_cn
         tl.store(out, total.to(c_ptr.dtype.element_ty), mask=keep)
-
-
-@jit(do_not_specialize=["MN", "s_wb", "s_ws", "s_cb"])
-def _sum_chunks_kernel(
-    ws_ptr, c_ptr, MN, N, SPLITS, s_wb, s_ws, s_cb, s_cm, s_cn, BLOCK: constexpr
-):  # fmt: skip
-    """c = ((0 + p_0) + p_1) + ... in chunk order, as the inline mode adds them."""
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    batch = tl.program_id(1)
-    ok = i < MN
-    total = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(0, SPLITS):
-        total = total + tl.load(ws_ptr + batch * s_wb + s * s_ws + i, mask=ok, other=0.0)
-    c = c_ptr + batch * s_cb + (i // N) * s_cm + (i % N) * s_cn
-    tl.store(c, total.to(c_ptr.dtype.element_ty), mask=ok)
 
 
 def _launch(
@@ -202,26 +200,21 @@ def _launch(
         split_mode = chunks > 1 and tiles * batch < FILL_PROGRAMS
     split_mode = split_mode and chunks > 1
     parts = chunks if split_mode else 1
-    # float32 in both modes (a 1-element stand-in inline), so both launch the same binary
+    # inline mode: 1-element stand-ins for the partials and counters it never touches
     ws_shape = (batch, chunks, m, n) if split_mode else (1, 1, 1, 1)
     ws = torch.empty(ws_shape, device=a.device, dtype=torch.float32)
+    count = fp8_gemv.counters(a.device, tiles * batch) if split_mode else ws
     precision = "ieee" if a.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
     _matmul_kernel[(tiles, parts, batch)](
-        a, b, c, ws, m, n, k, kc, chunks // parts,
+        a, b, c, ws, count, m, n, k, kc, chunks // parts,
         a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
         c.stride(0), c.stride(1), c.stride(2),
         ws.stride(0), ws.stride(1), ws.stride(2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0,
-        PRECISION=precision,
+        PRECISION=precision, SPLIT_MODE=split_mode,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if split_mode:
-        block = 1024
-        _sum_chunks_kernel[(cdiv(m * n, block), batch)](
-            ws, c, m * n, n, chunks, ws.stride(0), ws.stride(1),
-            c.stride(0), c.stride(1), c.stride(2), BLOCK=block, num_warps=4,
-        )  # fmt: skip
     return c
 
 
