@@ -102,16 +102,15 @@ def default_config(pairs: int, num_experts: int, mxfp4: bool = False) -> MoeConf
 
 
 def invariant_config(pairs: int, w: ExpertWeight) -> MoeConfig:
-    """`--batch-invariant`'s tile for a call of `pairs` pairs against experts `w`:
-    `default_config`'s shapes, but K always in 128-steps and FP8 experts always on quantized
-    activations, the two things that enter a row's arithmetic. A tile's rows, columns, warps and
-    stages do not for 16-bit dots (bf16 and MXFP4 experts: benchmarks/gpu/tile_bits.py, H100),
-    but e4m3 dots do: from 64 rows Triton issues FP8 wgmma, whose sums differ from the 16-row
-    mma's (fp8_matmul.py's MEDIUM / LARGE tiles against DECODE's), so FP8 experts keep DECODE."""
-    if isinstance(w, Fp8Weight):
+    """`--batch-invariant`'s tile for a call of `pairs` pairs against experts `w`. For 16-bit
+    experts `default_config`'s shapes with K always in 128-steps: a tile's rows, columns, warps
+    and stages do not enter a bf16 row's bits (benchmarks/gpu/tile_bits.py, H100). Other experts
+    keep DECODE at every size: e4m3 dots do change with the tile (from 64 rows Triton issues FP8
+    wgmma, whose sums differ from the 16-row mma's: fp8_matmul.py's MEDIUM / LARGE against
+    DECODE), and MXFP4 and float32 experts have not been checked on the GPU."""
+    if not (isinstance(w, torch.Tensor) and w.element_size() == 2):
         return DECODE
-    cfg = default_config(pairs, w.shape[0], isinstance(w, Mxfp4Weight))
-    return replace(cfg, block_k=DECODE.block_k, fp8_inputs=True)
+    return replace(default_config(pairs, w.shape[0]), block_k=DECODE.block_k, fp8_inputs=True)
 
 
 # the expert weights' format, the GEMM kernel's WFMT (written as literals inside the kernel:
