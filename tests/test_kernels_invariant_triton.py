@@ -126,23 +126,24 @@ def test_bf16_rows_keep_their_bits_across_the_row_count_tiles():
         assert torch.equal(matmul.linear(x[:m], w, tile), full[:m]), m
 
 
-def test_invariant_moe_tiles_follow_the_size_only_for_16_bit_experts():
-    """bf16 experts take the default tiles with K in 128-steps; FP8 (e4m3 dots differ by tile
-    on the GPU), MXFP4 and float32 experts keep the decode tile at every size."""
+def test_invariant_moe_tiles_are_the_ones_the_gpu_found_bitwise_equal():
+    """bf16 experts take the default tiles with K in 128-steps; MXFP4 experts DECODE, then the
+    32-row MXFP4_PREFILL; FP8 (e4m3 dots differ by tile on the GPU) and float32 experts keep
+    the decode tile at every size."""
     from deepserve.kernels.block_quant import quantize_fp8, quantize_mxfp4
     from deepserve.kernels.triton import fused_moe
 
     bf16 = torch.zeros(64, 256, 128, dtype=torch.bfloat16)
-    others = (
-        quantize_fp8(torch.randn(64, 256, 128)),
-        quantize_mxfp4(torch.randn(64, 256, 128)),
-        torch.zeros(64, 256, 128),
-    )
+    mxfp4 = quantize_mxfp4(torch.randn(64, 256, 128))
+    others = (quantize_fp8(torch.randn(64, 256, 128)), torch.zeros(64, 256, 128))
     tiles = set()
     for pairs in (1, 384, 1024, 12000, 100000):
         cfg = fused_moe.invariant_config(pairs, bf16)
         assert (cfg.block_k, cfg.fp8_inputs) == (fused_moe.DECODE.block_k, True), pairs
         tiles.add((cfg.block_m, cfg.block_n))
+        big = pairs >= fused_moe.PREFILL_MIN_PAIRS
+        want = fused_moe.MXFP4_PREFILL if big else fused_moe.DECODE
+        assert fused_moe.invariant_config(pairs, mxfp4) == want
         assert all(fused_moe.invariant_config(pairs, w) == fused_moe.DECODE for w in others)
     assert len(tiles) == 3  # DECODE's, PREFILL's and LARGE's shapes
 

@@ -211,13 +211,14 @@ def test_batch_sized_calls_split_k_where_whole_k_tiles_leave_sms_idle():
     assert f.decode_config(1024).waves == 0  # --batch-invariant's tile
 
 
-def test_the_invariant_tiles_keep_16_rows_and_never_split_k():
-    """--batch-invariant: a row's K steps stay one chain in K order at every row count, on the
-    16-row tiles whose e4m3 mma sums as the decode tile's (wgmma, from 64 rows, does not)."""
+def test_the_invariant_tiles_stay_on_mma_rows_and_never_split_k():
+    """--batch-invariant: a row's K steps stay one chain in K order at every row count, on 16-
+    and 32-row tiles, whose e4m3 mma sums as the decode tile's (wgmma, from 64 rows, does not)."""
     f = fp8_matmul
     for n in (1024, 4096, 2048, 32768):
-        tiles = {f.invariant_config(m, n) for m in (1, 16, 17, 64, 128, 129, 4096)}
-        assert all(cfg.waves == 0 and cfg.block_m == f.DECODE.block_m for cfg in tiles), n
+        tiles = {f.invariant_config(m, n) for m in (1, 16, 17, 64, 65, 128, 4096)}
+        assert all(cfg.waves == 0 and cfg.block_m in (16, 32) for cfg in tiles), n
+        assert f.invariant_config(4096, n) == f.INVARIANT_PREFILL
 
 
 def test_the_decode_tile_narrows_until_a_weights_n_tiles_fill_the_gpu():

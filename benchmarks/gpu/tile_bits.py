@@ -108,13 +108,17 @@ def linear_rows(out: dict, deadline: float) -> None:
         print(json.dumps(row), flush=True)
 
 
-def moe_rows(out: dict) -> None:
-    """V2-Lite's routed experts (64 x [2 x 1408, 2048], top-6), bf16: every tile's rows against
-    DECODE's at 2,000 tokens, bitwise."""
+def moe_rows(out: dict, experts: str = "bf16") -> None:
+    """V2-Lite's routed experts (64 x [2 x 1408, 2048], top-6), bf16 or MXFP4 (e2m1 decoded to
+    bf16 in the K loop): every tile's rows against DECODE's at 2,000 tokens, bitwise."""
+    from deepserve.kernels.block_quant import quantize_mxfp4
+
     g = torch.Generator(device="cuda").manual_seed(8)
     e, h, inter, topk, t = 64, 2048, 1408, 6, 2000
     gate_up = torch.randn(e, 2 * inter, h, device="cuda", generator=g, dtype=torch.bfloat16) / 45
     down = torch.randn(e, h, inter, device="cuda", generator=g, dtype=torch.bfloat16) / 38
+    if experts == "mxfp4":
+        gate_up, down = quantize_mxfp4(gate_up), quantize_mxfp4(down)
     x = torch.randn(t, h, device="cuda", generator=g, dtype=torch.bfloat16)
     ids = torch.stack([torch.randperm(e, device="cuda", generator=g)[:topk] for _ in range(t)])
     wts = torch.rand(t, topk, device="cuda", generator=g)
@@ -130,7 +134,7 @@ def moe_rows(out: dict) -> None:
         "invariant 1,024 pairs": fused_moe.invariant_config(1024, gate_up).fitted(2),
     }
     for name, cfg in tiles.items():
-        row = dict(tile=name, cfg=str(cfg))
+        row = dict(experts=experts, tile=name, cfg=str(cfg))
         for m in ROWS:
             o = fused_moe.fused_moe(x[:m], gate_up, down, wts[:m], ids[:m], cfg)
             us = _graph_us(
@@ -217,7 +221,8 @@ def fp8_rows(out: dict) -> None:
         ref = f8.fp8_linear(x, w, f8.decode_config(n))
         tiles = {"decode_config(n)": f8.decode_config(n), "DECODE": f8.DECODE,
                  "MEDIUM": f8.MEDIUM, "LARGE": f8.LARGE,
-                 "decode_config(n, 64)": f8.decode_config(n, 64)}  # fmt: skip
+                 "decode_config(n, 64)": f8.decode_config(n, 64),
+                 "32 x 64": f8.Fp8TileConfig(block_m=32)}  # fmt: skip
         for name, cfg in tiles.items():
             row = dict(k=k, n=n, tile=name)
             for m in ROWS:
@@ -239,6 +244,7 @@ def main() -> None:
     out: dict = {"gpu": torch.cuda.get_device_name(), "errors": [], "linear": [], "moe": []}
     out["attention"], out["fp8"] = [], []
     sections = dict(linear=lambda: linear_rows(out, deadline), moe=lambda: moe_rows(out),
+                    moe_mxfp4=lambda: moe_rows(out, "mxfp4"),
                     attention=lambda: attention_rows(out), fp8=lambda: fp8_rows(out))  # fmt: skip
     for section in (sections[name] for name in args.only):
         if time.time() > deadline:

@@ -74,6 +74,9 @@ SPLIT = Fp8TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=4, waves=1
 SPLIT_NARROW = Fp8TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=4, waves=2)
 SPLIT_MIN_K = 4096  # up to 64 rows, shorter K runs whole (16-row tiles): a split gained nothing
 NARROW_N = 1024
+# `--batch-invariant` past 64 rows: mma's largest e4m3 tile that sums as DECODE's (tile_bits.py:
+# 20-22% under DECODE's time at 2,000 rows, V2-Lite's and V4's projections)
+INVARIANT_PREFILL = Fp8TileConfig(block_m=32)
 
 
 def decode_config(n: int, m: int = 1) -> Fp8TileConfig:
@@ -227,11 +230,12 @@ def _sum_runs(acc, part_ptr, count_ptr, tile, out, offs, run_size, n_split, keep
 
 
 def invariant_config(m: int, n: int) -> Fp8TileConfig:
-    """`--batch-invariant`'s tile: DECODE's 16 rows with columns by M (`decode_config(n, m)`),
-    never split-K, so a row's K steps stay one chain from 0 in K order. A tile's columns do not
-    enter a row's bits, its rows do: from 64 rows Triton issues e4m3 wgmma, whose sums differ
-    from the 16-row mma's (benchmarks/gpu/tile_bits.py, H100: MEDIUM and LARGE against DECODE)."""
-    return decode_config(n, m)
+    """`--batch-invariant`'s tile: up to 64 rows DECODE's 16 rows with columns by M
+    (`decode_config(n, m)`), past them INVARIANT_PREFILL's 32 rows; never split-K, so a row's K
+    steps stay one chain from 0 in K order. A tile's columns do not enter a row's bits, its rows
+    do from 64 on, where Triton issues e4m3 wgmma, whose sums differ from the mma's (16 and 32
+    rows agree: benchmarks/gpu/tile_bits.py on an H100, MEDIUM and LARGE against DECODE)."""
+    return INVARIANT_PREFILL if m > 64 else decode_config(n, m)
 
 
 def supports(w: Fp8Weight) -> bool:

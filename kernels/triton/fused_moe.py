@@ -102,12 +102,15 @@ def default_config(pairs: int, num_experts: int, mxfp4: bool = False) -> MoeConf
 
 
 def invariant_config(pairs: int, w: ExpertWeight) -> MoeConfig:
-    """`--batch-invariant`'s tile for a call of `pairs` pairs against experts `w`. For 16-bit
-    experts `default_config`'s shapes with K always in 128-steps: a tile's rows, columns, warps
-    and stages do not enter a bf16 row's bits (benchmarks/gpu/tile_bits.py, H100). Other experts
-    keep DECODE at every size: e4m3 dots do change with the tile (from 64 rows Triton issues FP8
-    wgmma, whose sums differ from the 16-row mma's: fp8_matmul.py's MEDIUM / LARGE against
-    DECODE), and MXFP4 and float32 experts have not been checked on the GPU."""
+    """`--batch-invariant`'s tile for a call of `pairs` pairs against experts `w`, from what
+    benchmarks/gpu/tile_bits.py found to keep a row's bits on an H100 (against DECODE, 1 to
+    2,000 tokens). bf16 experts: `default_config`'s shapes with K always in 128-steps (a tile's
+    rows, columns, warps and stages do not enter a bf16 row's bits). MXFP4 experts: 64-row tiles
+    and 64-deep K steps change them, so DECODE, and MXFP4_PREFILL's 32 x 128-deep tiles from
+    PREFILL_MIN_PAIRS. FP8 experts: DECODE at every size (e4m3 dots differ from 64 rows, where
+    Triton issues FP8 wgmma). float32 experts: DECODE (not checked)."""
+    if isinstance(w, Mxfp4Weight):
+        return MXFP4_PREFILL if pairs >= PREFILL_MIN_PAIRS else DECODE
     if not (isinstance(w, torch.Tensor) and w.element_size() == 2):
         return DECODE
     return replace(default_config(pairs, w.shape[0]), block_k=DECODE.block_k, fp8_inputs=True)
