@@ -17,9 +17,9 @@ compute exactly that sum:
 - inline: one program per tile walks its chunks in order and adds each partial as it ends.
   Used when there are enough tiles (prefill); no workspace.
 The two modes compile apart (the split mode's epilogue would crowd the wide prefill tiles'
-registers), from the same K loop: like the tile, the mode (it follows M) cannot change a bit. Rows past M read row M - 1 again (never stored) and columns
-past N read column N - 1 (unless BLOCK_N divides N), so the K loop has no masks when BLOCK_K
-divides K. Nothing that varies with M is specialised on, so a new row count never triggers a
+registers), from the same K loop: like the tile, the mode (it follows M) cannot change a bit.
+Rows past M read row M - 1 again (never stored) and columns past N read column N - 1 (unless
+BLOCK_N divides N), so the K loop has no masks when BLOCK_K divides K. Nothing that varies with M is specialised on, so a new row count never triggers a
 compile.
 """
 
