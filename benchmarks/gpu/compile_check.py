@@ -65,6 +65,7 @@ def compile_matmul(k: int, n: int, bmm: bool, dtype: str, rows: int | None = Non
     import torch
 
     cfg = matmul.config_for(k, n, getattr(torch, TORCH_DTYPE[dtype]), rows)
+    tiles = triton.cdiv(rows or 1, cfg.block_m) * triton.cdiv(n, cfg.block_n)  # _launch's mode
     fn = matmul._matmul_kernel
     names = fn.arg_names
     sig = {name: "i32" for name in names}
@@ -75,8 +76,7 @@ def compile_matmul(k: int, n: int, bmm: bool, dtype: str, rows: int | None = Non
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0,
         PRECISION="ieee" if dtype == "fp32" else "tf32", s_ak=1,
-        SPLIT_MODE=cfg.splits > 1
-        and -(-(rows or 1) // cfg.block_m) * -(-n // cfg.block_n) < matmul.FILL_PROGRAMS,
+        SPLIT_MODE=cfg.splits > 1 and tiles < matmul.FILL_PROGRAMS,
     )  # fmt: skip
     const["s_bn" if bmm else "s_bk"] = 1  # linear's B is w.t(): K contiguous
     sig.update({name: "constexpr" for name in const})

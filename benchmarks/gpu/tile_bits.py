@@ -130,8 +130,8 @@ def moe_rows(out: dict, experts: str = "bf16") -> None:
         "MXFP4_PREFILL": fused_moe.MXFP4_PREFILL,
         "m64n64k128w4s4": fused_moe.MoeConfig(64, 64, 128, 4, 4),
         "m16n128k64w4s4": fused_moe.MoeConfig(16, 128, 64, 4, 4),
-        "invariant 2,000 tokens": fused_moe.invariant_config(12000, gate_up).fitted(2),
-        "invariant 1,024 pairs": fused_moe.invariant_config(1024, gate_up).fitted(2),
+        "invariant 2,000 tokens": fused_moe.invariant_config(12000, gate_up),
+        "invariant 1,024 pairs": fused_moe.invariant_config(1024, gate_up),
     }
     for name, cfg in tiles.items():
         row = dict(experts=experts, tile=name, cfg=str(cfg))

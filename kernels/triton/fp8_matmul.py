@@ -10,7 +10,7 @@ DeepGEMM / vLLM `w8a8_block_fp8_matmul` scheme.
   same formula as `quantize_groups` (so the same bits): one launch, not two, where every
   program's redundant quantization of a few rows costs less than a launch. UE8M0 weight scales
   (DeepSeek-V4) are float32 powers of two after load: the same kernel. With K walked whole
-  in 128-steps on 16-row tiles (`--batch-invariant` takes `invariant_config`: columns by M,
+  in 128-steps on mma-sized tiles (`--batch-invariant` takes `invariant_config`: 16 or 32 rows,
   never split-K) a row's sum is the same chain of K steps for any M, so rows are batch invariant.
 - Split-K (the default set's `SPLIT` tiles, 17-128 rows where whole-K tiles leave SMs idle): K is
   cut into runs fixed by the shape, each program sums one run in float32 and the last of a

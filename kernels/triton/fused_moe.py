@@ -66,13 +66,6 @@ class MoeConfig:
     # it (`E2M1_BF16_PTX_FOLDED`, `Mxfp4Weight.small_scales`): the same bits, fewer instructions
     e2m1_fold: bool = True
 
-    def fitted(self, itemsize: int) -> MoeConfig:
-        """The same tile with a pipeline shallow enough for the shared memory at this dtype."""
-        stage = (self.block_m + self.block_n) * self.block_k * itemsize
-        return replace(self, num_stages=max(2, min(self.num_stages, SMEM_BYTES // stage)))
-
-
-SMEM_BYTES = 200 * 1024  # a config's pipeline (the H100 / H200 have 227 KB a block)
 
 DECODE = MoeConfig()
 # the default set's decode-sized calls: memory bound, so w8a16 costs nothing and saves the two
@@ -513,7 +506,7 @@ def fused_moe(
         if configs is None:
             cfg = default_config(pairs, gate_up.shape[0], isinstance(gate_up, Mxfp4Weight))
         else:
-            cfg = configs(pairs, gate_up).fitted(x.element_size())
+            cfg = configs(pairs, gate_up)
     if add is not None and (add.shape != x.shape or add.dtype != x.dtype or add.stride(-1) != 1):
         return fused_moe(x, gate_up, down, weights, ids, cfg, swiglu_limit=swiglu_limit) + add
     if pairs == 0:

@@ -25,6 +25,7 @@ compile.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -53,7 +54,7 @@ class TileConfig:
         """K per chunk: a multiple of block_k, from K alone."""
         return self.chunk_k or cdiv(cdiv(k, self.splits), self.block_k) * self.block_k
 
-    def for_rows(self, m: int, k: int, n: int) -> TileConfig:
+    def for_rows(self, m: float, k: int, n: int) -> TileConfig:
         """These K chunks of a (K, N) weight with the tile M rows run fastest on (`ROW_TILES`):
         its BLOCK_K only where it divides the chunk, its columns only where they divide N."""
         kc = self.chunk(k)
@@ -116,8 +117,17 @@ def heuristic(k: int, n: int) -> TileConfig:
 def config_for(k: int, n: int, dtype: torch.dtype, rows: int | None = None) -> TileConfig:
     """The configuration of a (K, N) weight: its K chunks a function of the weight alone, never
     of M; with `rows`, the tile shape for that many rows (`TileConfig.for_rows`)."""
+    bucket = None  # float32's FMA chains: checked at one tile only
+    if rows is not None and dtype.itemsize == 2:
+        bucket = next(bound for bound, _ in ROW_TILES if rows <= bound)
+    return _bucket_config(k, n, dtype, bucket)
+
+
+@functools.cache
+def _bucket_config(k: int, n: int, dtype: torch.dtype, rows: float | None) -> TileConfig:
+    """`config_for` per ROW_TILES bucket, built once: every launch asks for one."""
     cfg = TUNED.get((k, n)) or heuristic(k, n)
-    if rows is not None and dtype.itemsize == 2:  # float32's FMA chains: checked at one tile only
+    if rows is not None:
         cfg = cfg.for_rows(rows, k, n)
     return cfg.fitted(dtype.itemsize)
 
