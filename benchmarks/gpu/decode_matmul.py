@@ -220,6 +220,8 @@ def section_attention(out: dict) -> None:
         for warps in (4, 8):
             for stages in (1, 2, 3, 4):
                 variants[f"w{warps} s{stages}"] = dict(num_warps=warps, num_stages=stages)
+        for split in (128, 256):  # other arithmetic (not equal): what a smaller SPLIT would buy
+            variants[f"split {split}"] = dict(split=split)
         for name, kw in variants.items():
             row = dict(batch=batch, ctx=ctx, variant=name)
             try:
@@ -230,6 +232,32 @@ def section_attention(out: dict) -> None:
                 row["error"] = str(e)[:160]
             res.append(row)
             print(row, flush=True)
+
+
+def section_prefill_split(out: dict) -> None:
+    """What the flag's prefill attention (32 (token, head) rows, 8 warps) costs at SPLIT 512 /
+    256 / 128: one 2,000-token prompt over MLA's latent, one layer."""
+    from deepserve.kernels.attention_metadata import AttentionMetadata
+    from deepserve.kernels.triton import attention
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    n, block = 2000, 64
+    width = -(-n // block)
+    cache = torch.randn(width, block, 1, 576, device="cuda", generator=g).bfloat16()
+    q = torch.randn(n, 16, 576, device="cuda", generator=g).bfloat16()
+    i32 = dict(device="cuda", dtype=torch.int32)
+    attn = AttentionMetadata(
+        query_start_loc=torch.tensor([0, n], **i32), seq_lens=torch.tensor([n], **i32),
+        context_lens=torch.tensor([0], **i32),
+        slot_mapping=torch.zeros(n, device="cuda", dtype=torch.int64),
+        block_tables=torch.arange(width, **i32)[None], block_size=block, query_lens_cpu=[n],
+        seq_lens_cpu=[n], context_lens_cpu=[0],
+    )  # fmt: skip
+    for split in (512, 256, 128):
+        op = attention.TritonPagedAttention(split, grouped_rows=32, grouped_warps=8)
+        us = graph_us([lambda op=op: op(q, cache, cache[..., :512], attn, 0.1)] * 3)
+        out.setdefault("prefill_split", []).append(dict(split=split, us=round(us, 1)))
+        print(out["prefill_split"][-1], flush=True)
 
 
 def section_step(out: dict) -> None:
@@ -273,13 +301,14 @@ def section_step(out: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--only", nargs="*", default=["matmul", "attention", "step"])
+    p.add_argument("--only", nargs="*", default=["attention", "prefill_split", "matmul", "step"])
     p.add_argument("--budget-s", type=float, default=200)
     args = p.parse_args()
     deadline = time.time() + args.budget_s
     out: dict = {"errors": [], "gpu": torch.cuda.get_device_name()}
     for name, fn in (
         ("attention", lambda: section_attention(out)),
+        ("prefill_split", lambda: section_prefill_split(out)),
         ("matmul", lambda: section_matmul(out, deadline)),
         ("step", lambda: section_step(out)),
     ):
