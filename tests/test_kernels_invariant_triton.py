@@ -19,7 +19,9 @@ def _patch_interpreter() -> None:
     """Two fixes to Triton's CPU interpreter, for this test harness only (CUDA never runs them):
     loop bounds are 1-element arrays that NumPy >= 2.4 refuses to int(); and its tl.dot is one
     np.matmul whose BLAS rounds a row differently by its position in the tile, so it is done row
-    by row here, the way a GPU's matrix instructions treat every row alike."""
+    by row here, the way a GPU's matrix instructions treat every row alike. A float32 dot is a
+    chain over K in order for each element, as the GPU's `ieee` FMA dot is (BLAS's vector-matrix
+    product would also round an element by the tile's width)."""
     import numpy as np
     from triton.runtime import interpreter
 
@@ -30,6 +32,11 @@ def _patch_interpreter() -> None:
         tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
 
     def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.data.dtype == np.float32:
+            acc = d.data.copy()
+            for k in range(a.data.shape[1]):
+                acc += a.data[:, k, None] * b.data[None, k, :]
+            return interpreter.TensorHandle(acc, d.dtype.scalar)
         rows = [np.matmul(a.data[i], b.data, dtype=d.data.dtype) for i in range(a.data.shape[0])]
         return interpreter.TensorHandle(np.stack(rows) + d.data, d.dtype.scalar)
 
@@ -105,8 +112,18 @@ def test_row_count_changes_a_16_bit_weights_tiles_never_its_k_chunks():
             assert cfg.chunk(k) == own.chunk(k) and cfg.chunk(k) % cfg.block_k == 0, (k, m)
             shapes.add((cfg.block_m, cfg.block_n))
         assert len(shapes) == (3 if n % 256 else 4), (k, n)  # 64 x 256 only where it divides N
-    fp32 = matmul.config_for(2048, 64, torch.float32)
-    assert matmul.config_for(2048, 64, torch.float32, 1) == fp32  # one tile: FMA chains unchecked
+
+
+def test_float32_weights_take_small_tiles_to_64_rows_with_their_own_k_chunks():
+    """The router's float32 gate: 16 x 16 FMA tiles up to 64 rows (a decode step's 64 experts
+    were 8 programs), the weight's own tile past them, one chunk length at every M."""
+    from deepserve.kernels.triton import matmul
+
+    own = matmul.config_for(2048, 64, torch.float32)
+    for m in (1, 17, 64, 65, 2000):
+        cfg = matmul.config_for(2048, 64, torch.float32, m)
+        assert cfg.chunk(2048) == own.chunk(2048) and cfg.chunk(2048) % cfg.block_k == 0, m
+        assert (cfg.block_m, cfg.block_n) == ((16, 16) if m <= 64 else (own.block_m, own.block_n))
 
 
 def test_bf16_rows_keep_their_bits_across_the_row_count_tiles():

@@ -185,6 +185,84 @@ def section_matmul(out: dict, deadline: float) -> None:
         torch.cuda.empty_cache()
 
 
+ROUTER = (2048, 64)  # V2-Lite's float32 gate over 64 experts
+ROUTER_TILES = (  # (block_m, block_n, block_k, warps, stages)
+    (64, 64, 64, 4, 4),
+    (16, 16, 32, 4, 3),
+    (16, 16, 64, 4, 3),
+    (16, 32, 32, 4, 3),
+    (16, 64, 32, 4, 3),
+    (16, 16, 32, 2, 3),
+    (16, 16, 16, 1, 3),
+)
+
+
+def section_policy(out: dict) -> None:
+    """The landed policy (`matmul.linear` / `bmm` as the flag calls them) on every decode weight
+    and the router's float32 gate: each row of a 1 / 17 / 64 / 65-row call bit for bit against
+    the same row of a 2,000-row call, and the 1-row call timed cold beside cuBLAS."""
+    g = torch.Generator(device="cuda").manual_seed(13)
+    res = out.setdefault("policy", [])
+    shapes = {**LINEARS, (*ROUTER, 0): ("router (float32)", 26)}
+    for (k, n, heads), (layer, per_step) in shapes.items():
+        dtype = torch.float32 if (k, n) == ROUTER else torch.bfloat16
+        w = torch.randn(max(heads, 1), k, n, device="cuda", generator=g).to(dtype)
+        t = torch.randn(2000, max(heads, 1), k, device="cuda", generator=g).to(dtype)
+        if heads:
+            call = lambda m, w=w, t=t: matmul.bmm(t[:m].transpose(0, 1), w)  # noqa: E731
+        else:
+            wt = w[0].t().contiguous()
+            call = lambda m, wt=wt, t=t: matmul.linear(t[:m, 0], wt)[:, None].transpose(0, 1)  # noqa: E731
+        full = call(2000)
+        equal = {m: bool(torch.equal(call(m), full[:, :m])) for m in (1, 17, 64, 65)}
+        row = dict(layer=layer, k=k, n=n, heads=heads, per_step=per_step, equal=equal)
+        copies = max(2, -(-L2_PASS_BYTES // w.numel() // w.element_size()))
+        ws = [w.clone() for _ in range(copies)]
+        x1 = t[:1].transpose(0, 1)
+        if heads:
+            row["us"] = graph_us([lambda v=v, x1=x1: matmul.bmm(x1, v) for v in ws])
+            row["cublas_us"] = graph_us([lambda v=v, x1=x1: torch.bmm(x1, v) for v in ws])
+        else:
+            wts = [v[0].t().contiguous() for v in ws]
+            row["us"] = graph_us([lambda v=v, x1=x1: matmul.linear(x1[0], v) for v in wts])
+            row["cublas_us"] = graph_us(
+                [lambda v=v, x1=x1: torch.nn.functional.linear(x1[0], v) for v in wts]
+            )
+        res.append(row)
+        print(row, flush=True)
+        del ws
+    torch.cuda.empty_cache()
+
+
+def section_router(out: dict) -> None:
+    """The float32 gate's tiles at 1 / 64 rows, each chunk's row bits against the 64 x 64 tile
+    at 2,000 rows (FMA chains over K in order: the tile should not enter them)."""
+    g = torch.Generator(device="cuda").manual_seed(17)
+    k, n = ROUTER
+    ops = Operands(k, n, 0, g)
+    ops.w = [w.float() for w in ops.w]
+    ops.x = {m: x.float() for m, x in ops.x.items()}
+    ops.out = {m: o.float() for m, o in ops.out.items()}
+    res = out.setdefault("router", [])
+    res.append(dict(tile="cublas", m=1, us=round(graph_us(ops.cublas(1)), 2)))
+    for kc in (128, 256, 512, 2048):
+        big = matmul.TileConfig(64, 64, 64, 8, 4, 4, chunk_k=kc)
+        matmul._launch(ops.x[2000], ops.w[0], ops.out[2000], big, split_mode=False)
+        want = ops.out[2000][:, :64].clone()
+        for bm, bn, bk, warps, stages in ROUTER_TILES:
+            cfg = matmul.TileConfig(bm, bn, bk, 8, warps, stages, chunk_k=kc)
+            for m in (1, 64):
+                row = dict(chunk=kc, m=m, tile=f"{bm}x{bn} k{bk} w{warps} s{stages}")
+                try:
+                    matmul._launch(ops.x[m], ops.w[0], ops.out[m], cfg)
+                    row["equal"] = bool(torch.equal(ops.out[m], want[:, :m]))
+                    row["us"] = round(graph_us(ops.calls(m, cfg, None)), 2)
+                except Exception as e:
+                    row["error"] = str(e)[:160]
+                res.append(row)
+                print(row, flush=True)
+
+
 def section_attention(out: dict) -> None:
     """The invariant decode over MLA's latent at batch 1 / 64, contexts 200 and 2,000: launch
     variants against the landed one, bits and cold-ish us (each layer's cache is its own)."""
@@ -217,11 +295,8 @@ def section_attention(out: dict) -> None:
 
         want = run(caches[0])
         variants = {"landed": {}}
-        for warps in (4, 8):
-            for stages in (1, 2, 3, 4):
-                variants[f"w{warps} s{stages}"] = dict(num_warps=warps, num_stages=stages)
-        for split in (128, 256):  # other arithmetic (not equal): what a smaller SPLIT would buy
-            variants[f"split {split}"] = dict(split=split)
+        for stages in (2, 5, 6):
+            variants[f"w4 s{stages}"] = dict(num_warps=4, num_stages=stages)
         for name, kw in variants.items():
             row = dict(batch=batch, ctx=ctx, variant=name)
             try:
@@ -301,12 +376,18 @@ def section_step(out: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--only", nargs="*", default=["attention", "prefill_split", "matmul", "step"])
+    p.add_argument(
+        "--only",
+        nargs="*",
+        default=["policy", "router", "attention", "prefill_split", "matmul", "step"],
+    )
     p.add_argument("--budget-s", type=float, default=200)
     args = p.parse_args()
     deadline = time.time() + args.budget_s
     out: dict = {"errors": [], "gpu": torch.cuda.get_device_name()}
     for name, fn in (
+        ("policy", lambda: section_policy(out)),
+        ("router", lambda: section_router(out)),
         ("attention", lambda: section_attention(out)),
         ("prefill_split", lambda: section_prefill_split(out)),
         ("matmul", lambda: section_matmul(out, deadline)),

@@ -54,18 +54,20 @@ class TileConfig:
         """K per chunk: a multiple of block_k, from K alone."""
         return self.chunk_k or cdiv(cdiv(k, self.splits), self.block_k) * self.block_k
 
-    def for_rows(self, m: float, k: int, n: int) -> TileConfig:
-        """These K chunks of a (K, N) weight with the tile M rows run fastest on (`ROW_TILES`):
-        its BLOCK_K only where it divides the chunk, its columns only where they divide N."""
+    def for_rows(self, m: float, k: int, n: int, tiles: RowTiles | None = None) -> TileConfig:
+        """These K chunks of a (K, N) weight with the tile M rows run fastest on (`tiles`, 16-bit
+        `ROW_TILES` by default): its BLOCK_K only where it divides the chunk, its columns only
+        where they divide N."""
         kc = self.chunk(k)
-        for rows, shape in ROW_TILES:
+        for rows, shape in ROW_TILES if tiles is None else tiles:
             if m > rows:
                 continue
             if not shape or n % shape["block_n"]:
                 return self
-            if kc % shape["block_k"]:
-                shape = {**shape, "block_k": self.block_k}
-            return replace(self, **shape, chunk_k=kc)
+            block_k = shape["block_k"]
+            while kc % block_k and block_k > self.block_k:
+                block_k //= 2
+            return replace(self, **{**shape, "block_k": block_k}, chunk_k=kc)
         return self
 
     def fitted(self, itemsize: int) -> TileConfig:
@@ -77,29 +79,38 @@ class TileConfig:
 DEFAULT = TileConfig()
 
 # Tile shapes by row count (`TileConfig.for_rows`): the first bucket whose bound M is within;
-# {} keeps the weight's own shape. The fastest of tile_bits.py's candidates on V2-Lite's six
-# projections (H100, benchmarks/RESULTS.md "Tiles by row count"): 16 x 64 and 32 x 64 beat the
-# weight's 64 x 128 by 15-35% at 1-32 rows, 64 x 256 by 10-22% at 2,000 rows; at 64 rows none
-# wins on every weight.
-ROW_TILES: tuple[tuple[float, dict], ...] = (
-    (16, dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)),
+# {} keeps the weight's own shape; BLOCK_K halves until it divides the chunk. The fastest of
+# tile_bits.py's candidates on V2-Lite's six projections (H100, benchmarks/RESULTS.md "Tiles by
+# row count"): 32 x 64 beats the weight's 64 x 128 by 15-35% at 17-32 rows, 64 x 256 by 10-22% at
+# 2,000 rows; at 64 rows none wins on every weight. Up to 16 rows: 16 x 32 with 256-deep K steps,
+# within 2% of the best tile of each of V2-Lite's decode weights read cold (decode_matmul.py).
+RowTiles = tuple[tuple[float, dict], ...]
+ROW_TILES: RowTiles = (
+    (16, dict(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3)),
     (32, dict(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=4)),
     (512, {}),
     (float("inf"), dict(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=3)),
 )
+# float32 (the router's gate): `ieee` dots are FMA chains over K in order, one per element, so as
+# with the MMA the chunks alone order the sums. The weight's 64 x 64 tile over a 64-expert gate
+# was 8 programs at a decode step (27 us a layer on the H100); 16 x 16 tiles make 32 of them.
+FP32_ROW_TILES: RowTiles = (
+    (64, dict(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=3)),
+    (float("inf"), {}),
+)
 
-# Measured winners per weight shape (K, N) on the H200 (benchmarks/gpu/kernel_checks.py
-# `tune_matmul`, run 8-2: benchmarks/gpu/results/run8-2.md, the fastest at M=1 and M=64 among the
-# candidates with rows bitwise equal at every M); shapes not listed take `heuristic`. V2-Lite's
-# shapes only: the tuning ran out of its time before the bmm and SmolLM2 shapes.
+# Measured per weight shape (K, N): the weight's own tile (32-512 rows) from
+# benchmarks/gpu/kernel_checks.py `tune_matmul` (H200, run 8-2), and the K chunks from
+# decode_matmul.py (H100, run-gpu26-1: the chunk whose 16-row tiles read the weight fastest
+# cold, where it costs 64 and 2,000 rows under 4%). Shapes not listed take `heuristic`.
 _WIDE = TileConfig(block_m=64, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=3)
 TUNED: dict[tuple[int, int], TileConfig] = {
-    (2048, 3072): replace(_WIDE, splits=4),  # q_proj (no q_lora)
-    (2048, 576): replace(_WIDE, splits=4),  # kv_a
+    (2048, 3648): TileConfig(splits=4),  # V2-Lite's x_proj: [q | kv_a] (no q_lora)
     (2048, 2048): replace(_WIDE, splits=4),  # o_proj
-    (2048, 2816): replace(_WIDE, splits=4),  # shared experts' gate_up
-    (1408, 2048): replace(_WIDE, splits=2),  # a dense layer's down
-    (2816, 2048): replace(_WIDE, splits=4),  # shared experts' down
+    (2048, 5632): TileConfig(splits=2),  # the shared experts' gate_up
+    (2816, 2048): replace(_WIDE, splits=4),  # the shared experts' down
+    (10944, 2048): TileConfig(splits=11),  # the dense layer's down: 1,024-deep chunks
+    (512, 128): TileConfig(),  # the absorbed W_UV per head (bmm): one chunk
     (2048, 64): TileConfig(block_n=64, block_k=64, num_warps=4, num_stages=4, splits=8),  # router
 }
 
@@ -117,18 +128,21 @@ def heuristic(k: int, n: int) -> TileConfig:
 def config_for(k: int, n: int, dtype: torch.dtype, rows: int | None = None) -> TileConfig:
     """The configuration of a (K, N) weight: its K chunks a function of the weight alone, never
     of M; with `rows`, the tile shape for that many rows (`TileConfig.for_rows`)."""
-    bucket = None  # float32's FMA chains: checked at one tile only
-    if rows is not None and dtype.itemsize == 2:
-        bucket = next(bound for bound, _ in ROW_TILES if rows <= bound)
+    tiles = _row_tiles(dtype)
+    bucket = None if rows is None else next(bound for bound, _ in tiles if rows <= bound)
     return _bucket_config(k, n, dtype, bucket)
+
+
+def _row_tiles(dtype: torch.dtype) -> RowTiles:
+    return ROW_TILES if dtype.itemsize == 2 else FP32_ROW_TILES
 
 
 @functools.cache
 def _bucket_config(k: int, n: int, dtype: torch.dtype, rows: float | None) -> TileConfig:
-    """`config_for` per ROW_TILES bucket, built once: every launch asks for one."""
+    """`config_for` per row bucket, built once: every launch asks for one."""
     cfg = TUNED.get((k, n)) or heuristic(k, n)
     if rows is not None:
-        cfg = cfg.for_rows(rows, k, n)
+        cfg = cfg.for_rows(rows, k, n, _row_tiles(dtype))
     return cfg.fitted(dtype.itemsize)
 
 
