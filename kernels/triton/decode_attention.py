@@ -356,13 +356,22 @@ def invariant_decode_attention(
         BLOCK_D=attention.BLOCK_D, BLOCK_DV=run, PRECISION=precision,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    positions = (attn.seq_lens - 1).to(torch.int32)
+    positions = _last_positions(attn)
     attention._combine_kernel[(tokens, hq)](
         part_m, part_l, part_acc, positions, out,
         *part_m.stride(), *part_acc.stride()[:3], out.stride(0), out.stride(1), dv,
         SPLIT=split, BLOCK_DV=block_dv, num_warps=4,
     )  # fmt: skip
     return out
+
+
+def _last_positions(attn: AttentionMetadata) -> torch.Tensor:
+    """Each sequence's query position, made once a step for every layer (a launch each was 27
+    a step on V2-Lite)."""
+    positions = attn.scratch.get("decode_positions")
+    if positions is None:
+        positions = attn.scratch["decode_positions"] = (attn.seq_lens - 1).to(torch.int32)
+    return positions
 
 
 class DecodeOrVarlen:
