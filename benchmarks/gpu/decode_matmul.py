@@ -335,6 +335,29 @@ def section_prefill_split(out: dict) -> None:
         print(out["prefill_split"][-1], flush=True)
 
 
+def section_speed(out: dict) -> None:
+    """V2-Lite shape, bf16: decode tokens/s at batch 1 and 64 and a 2,000-token prefill, the
+    default set and the flag side by side (speed.py's measurements, without its profiles and
+    transformers' rows: the short form of run_all.sh's `speed` section)."""
+    import speed
+
+    config = speed.SHAPES["v2-lite"]
+    hf = speed.build_hf(config)
+    vocab = config["vocab_size"]
+    for flag in (False, True):
+        rng = random.Random(3)
+        llm = speed.build_llm(config, hf, flag, "bf16", max_model_len=4096)
+        row = dict(batch_invariant=flag)
+        for b in (1, 64):
+            row[f"decode_b{b}_tok_s"] = round(speed.engine_decode_tok_s(llm, b, vocab, rng, 128), 1)
+        row["prefill_2000_tok_s"] = round(speed.engine_prefill_tok_s(llm, vocab, rng, 2000))
+        out.setdefault("speed", []).append(row)
+        print(row, flush=True)
+        llm.engine.runner.close()
+        del llm
+        torch.cuda.empty_cache()
+
+
 def section_step(out: dict) -> None:
     """One batch-1 decode step of the V2-Lite shape, flag off and on: every kernel in order."""
     import speed
@@ -391,6 +414,7 @@ def main() -> None:
         ("attention", lambda: section_attention(out)),
         ("prefill_split", lambda: section_prefill_split(out)),
         ("matmul", lambda: section_matmul(out, deadline)),
+        ("speed", lambda: section_speed(out)),
         ("step", lambda: section_step(out)),
     ):
         if name not in args.only:
