@@ -114,16 +114,14 @@ def test_row_count_changes_a_16_bit_weights_tiles_never_its_k_chunks():
         assert len(shapes) == (3 if n % 256 else 4), (k, n)  # 64 x 256 only where it divides N
 
 
-def test_float32_weights_take_small_tiles_to_64_rows_with_their_own_k_chunks():
-    """The router's float32 gate: 16 x 16 FMA tiles up to 64 rows (a decode step's 64 experts
-    were 8 programs), the weight's own tile past them, one chunk length at every M."""
+def test_float32_weights_keep_their_own_tile_and_chunks_at_every_row_count():
+    """The router's float32 gate: one tile at every M until the GPU shows smaller FMA tiles
+    keep a row's bits (`matmul.FP32_ROW_TILES`)."""
     from deepserve.kernels.triton import matmul
 
     own = matmul.config_for(2048, 64, torch.float32)
     for m in (1, 17, 64, 65, 2000):
-        cfg = matmul.config_for(2048, 64, torch.float32, m)
-        assert cfg.chunk(2048) == own.chunk(2048) and cfg.chunk(2048) % cfg.block_k == 0, m
-        assert (cfg.block_m, cfg.block_n) == ((16, 16) if m <= 64 else (own.block_m, own.block_n))
+        assert matmul.config_for(2048, 64, torch.float32, m) == own, m
 
 
 def test_bf16_rows_keep_their_bits_across_the_row_count_tiles():
