@@ -3,15 +3,20 @@
 tile_bits.py times one weight over and over in a CUDA graph, so a 12 MB projection sits in the
 H100's 50 MB L2 and reads at L2 speed; a decode step reads each weight once, from HBM. Here every
 candidate runs over enough copies of its weight to pass L2, in one graph, beside cuBLAS over the
-same copies. What is swept:
+same copies. Sections (`--only`):
+- policy: the landed `matmul.linear` / `bmm` on every decode weight and the router's float32
+  gate, rows of 1 / 17 / 64 / 65-row calls bit for bit against a 2,000-row call, timed cold;
+- router: the float32 gate's candidate tiles per chunk, bits against its own tile at 2,000 rows;
 - matmul: the K chunk (the weight's own property: any chunk keeps a row's bits as long as every
   M uses it) x the decode tile (rows, columns, BLOCK_K, warps, stages) x split or inline mode,
   at M = 1 on V2-Lite's decode weights; each chunk's M = 1 row is compared bit for bit with the
   prefill tile's at 2,000 rows, and the chunk is also timed at M = 64 and 2,000 (the weight's own
   and the prefill tile);
-- decode attention: `_invariant_split_kernel`'s warps and stages and the value-run width at batch
-  1 and 64 (MLA's 16 x 576 latent), each output compared bit for bit with the landed launch;
-- the engine: one batch-1 decode step of the V2-Lite shape under the flag and without, profiled
+- attention: `_invariant_split_kernel`'s stages at batch 1 and 64 (MLA's 16 x 576 latent),
+  each output compared bit for bit with the landed launch; prefill_split: the flag's prefill
+  attention at SPLIT 512 / 256 / 128;
+- speed: V2-Lite decode at batch 1 / 64 and a 2,000-token prefill, flag off and on;
+- step: the engine: one batch-1 decode step of the V2-Lite shape under the flag and without, profiled
   launch by launch (name and device us, in order), so a step's matmul time splits by weight.
 
 From the repo root on the GPU machine:
