@@ -116,7 +116,7 @@ def test_row_count_changes_a_16_bit_weights_tiles_never_its_k_chunks():
 
 def test_float32_weights_keep_their_own_tile_and_chunks_at_every_row_count():
     """The router's float32 gate: one tile at every M until the GPU shows smaller FMA tiles
-    keep a row's bits (`matmul.FP32_ROW_TILES`)."""
+    keep a row's bits (matmul.py's note on float32)."""
     from deepserve.kernels.triton import matmul
 
     own = matmul.config_for(2048, 64, torch.float32)

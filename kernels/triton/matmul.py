@@ -54,12 +54,11 @@ class TileConfig:
         """K per chunk: a multiple of block_k, from K alone."""
         return self.chunk_k or cdiv(cdiv(k, self.splits), self.block_k) * self.block_k
 
-    def for_rows(self, m: float, k: int, n: int, tiles: RowTiles | None = None) -> TileConfig:
-        """These K chunks of a (K, N) weight with the tile M rows run fastest on (`tiles`, 16-bit
-        `ROW_TILES` by default): its BLOCK_K only where it divides the chunk, its columns only
-        where they divide N."""
+    def for_rows(self, m: float, k: int, n: int) -> TileConfig:
+        """These K chunks of a (K, N) weight with the tile M rows run fastest on (`ROW_TILES`):
+        its BLOCK_K only where it divides the chunk, its columns only where they divide N."""
         kc = self.chunk(k)
-        for rows, shape in ROW_TILES if tiles is None else tiles:
+        for rows, shape in ROW_TILES:
             if m > rows:
                 continue
             if not shape or n % shape["block_n"]:
@@ -84,19 +83,16 @@ DEFAULT = TileConfig()
 # row count"): 32 x 64 beats the weight's 64 x 128 by 15-35% at 17-32 rows, 64 x 256 by 10-22% at
 # 2,000 rows; at 64 rows none wins on every weight. Up to 16 rows: 16 x 32 with 256-deep K steps,
 # within 2% of the best tile of each of V2-Lite's decode weights read cold (decode_matmul.py).
-RowTiles = tuple[tuple[float, dict], ...]
-ROW_TILES: RowTiles = (
+ROW_TILES: tuple[tuple[float, dict], ...] = (
     (16, dict(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3)),
     (32, dict(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=4)),
     (512, {}),
     (float("inf"), dict(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=3)),
 )
-# float32 (the router's gate): the weight's own tile at every M. Its 64 x 64 tile over a
+# float32 (the router's gate) keeps the weight's own tile at every M. Its 64 x 64 tile over a
 # 64-expert gate is 8 programs at a decode step, 27 us a layer on the H100 (0.70 ms of a V2-Lite
 # step). `ieee` dots should be FMA chains over K in order, so 16 x 16 tiles up to 64 rows should
-# keep the bits; that is unchecked on a GPU (decode_matmul.py `--only policy router` checks it),
-# so the table keeps one tile until it is.
-FP32_ROW_TILES: RowTiles = ((float("inf"), {}),)
+# keep the bits; no GPU has checked that yet (decode_matmul.py `--only policy router` does).
 
 # Measured per weight shape (K, N): the weight's own tile (32-512 rows) from
 # benchmarks/gpu/kernel_checks.py `tune_matmul` (H200, run 8-2), and the K chunks from
@@ -127,13 +123,10 @@ def heuristic(k: int, n: int) -> TileConfig:
 def config_for(k: int, n: int, dtype: torch.dtype, rows: int | None = None) -> TileConfig:
     """The configuration of a (K, N) weight: its K chunks a function of the weight alone, never
     of M; with `rows`, the tile shape for that many rows (`TileConfig.for_rows`)."""
-    tiles = _row_tiles(dtype)
-    bucket = None if rows is None else next(bound for bound, _ in tiles if rows <= bound)
+    bucket = None  # float32: one tile (the note under ROW_TILES)
+    if rows is not None and dtype.itemsize == 2:
+        bucket = next(bound for bound, _ in ROW_TILES if rows <= bound)
     return _bucket_config(k, n, dtype, bucket)
-
-
-def _row_tiles(dtype: torch.dtype) -> RowTiles:
-    return ROW_TILES if dtype.itemsize == 2 else FP32_ROW_TILES
 
 
 @functools.cache
@@ -141,7 +134,7 @@ def _bucket_config(k: int, n: int, dtype: torch.dtype, rows: float | None) -> Ti
     """`config_for` per row bucket, built once: every launch asks for one."""
     cfg = TUNED.get((k, n)) or heuristic(k, n)
     if rows is not None:
-        cfg = cfg.for_rows(rows, k, n, _row_tiles(dtype))
+        cfg = cfg.for_rows(rows, k, n)
     return cfg.fitted(dtype.itemsize)
 
 
