@@ -114,14 +114,30 @@ def test_row_count_changes_a_16_bit_weights_tiles_never_its_k_chunks():
         assert len(shapes) == (3 if n % 256 else 4), (k, n)  # 64 x 256 only where it divides N
 
 
-def test_float32_weights_keep_their_own_tile_and_chunks_at_every_row_count():
-    """The router's float32 gate: one tile at every M until the GPU shows smaller FMA tiles
-    keep a row's bits (matmul.py's note on float32)."""
+def test_float32_weights_take_small_tiles_for_decode_and_keep_their_chunks():
+    """The router's float32 gate: 16 x 16 tiles up to 64 rows (FMA chains over K in order, so
+    the tile does not enter a row's sum), its own tile past that, the same K chunks at every M."""
     from deepserve.kernels.triton import matmul
 
     own = matmul.config_for(2048, 64, torch.float32)
-    for m in (1, 17, 64, 65, 2000):
+    for m in (1, 17, 64):
+        cfg = matmul.config_for(2048, 64, torch.float32, m)
+        assert (cfg.block_m, cfg.block_n) == (16, 16), m
+        assert cfg.chunk(2048) == own.chunk(2048) and cfg.chunk(2048) % cfg.block_k == 0, m
+    for m in (65, 2000):
         assert matmul.config_for(2048, 64, torch.float32, m) == own, m
+
+
+def test_float32_rows_keep_their_bits_across_the_row_count_tiles():
+    """A float32 row is the same from a 1-, 17- or 64-row launch (16 x 16 tiles) as from a
+    100-row one (the weight's own tile)."""
+    from deepserve.kernels.triton import matmul
+
+    w = _rand(64, 512, seed=21)
+    x = _rand(100, 512, seed=22)
+    full = matmul.linear(x, w)
+    for m in (1, 17, 64):
+        assert torch.equal(matmul.linear(x[:m], w), full[:m]), m
 
 
 def test_bf16_rows_keep_their_bits_across_the_row_count_tiles():

@@ -54,11 +54,12 @@ class TileConfig:
         """K per chunk: a multiple of block_k, from K alone."""
         return self.chunk_k or cdiv(cdiv(k, self.splits), self.block_k) * self.block_k
 
-    def for_rows(self, m: float, k: int, n: int) -> TileConfig:
-        """These K chunks of a (K, N) weight with the tile M rows run fastest on (`ROW_TILES`):
-        its BLOCK_K only where it divides the chunk, its columns only where they divide N."""
+    def for_rows(self, m: float, k: int, n: int, tiles: tuple | None = None) -> TileConfig:
+        """These K chunks of a (K, N) weight with the tile M rows run fastest on (`tiles`, by
+        default `ROW_TILES`): its BLOCK_K only where it divides the chunk, its columns only where
+        they divide N."""
         kc = self.chunk(k)
-        for rows, shape in ROW_TILES:
+        for rows, shape in tiles or ROW_TILES:
             if m > rows:
                 continue
             if not shape or n % shape["block_n"]:
@@ -89,10 +90,15 @@ ROW_TILES: tuple[tuple[float, dict], ...] = (
     (512, {}),
     (float("inf"), dict(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=3)),
 )
-# float32 (the router's gate) keeps the weight's own tile at every M. Its 64 x 64 tile over a
-# 64-expert gate is 8 programs at a decode step, 27 us a layer on the H100 (0.70 ms of a V2-Lite
-# step). `ieee` dots should be FMA chains over K in order, so 16 x 16 tiles up to 64 rows should
-# keep the bits; no GPU has checked that yet (decode_matmul.py `--only policy router` does).
+# float32 (the router's gate): `ieee` dots are FMA chains over K in order, so the tile does not
+# enter a row's sum (decode_matmul.py `router`: seven tiles, four chunk lengths, all bit-equal at
+# 1 and 64 rows with 64 x 64 at 2,000; H100, run-gpu27-1). The weight's own 64 x 64 tile over a
+# 64-expert gate is 8 programs a decode step, 27 us a layer; 16 x 16 K64 tiles over 128-deep
+# chunks, 6.6 us (cuBLAS 4.4).
+FP32_ROW_TILES: tuple[tuple[float, dict], ...] = (
+    (64, dict(block_m=16, block_n=16, block_k=64, num_warps=4, num_stages=3)),
+    (float("inf"), {}),
+)
 
 # Measured per weight shape (K, N): the weight's own tile (32-512 rows) from
 # benchmarks/gpu/kernel_checks.py `tune_matmul` (H200, run 8-2), and the K chunks from
@@ -106,7 +112,7 @@ TUNED: dict[tuple[int, int], TileConfig] = {
     (2816, 2048): replace(_WIDE, splits=4),  # the shared experts' down
     (10944, 2048): TileConfig(splits=11),  # the dense layer's down: 1,024-deep chunks
     (512, 128): TileConfig(),  # the absorbed W_UV per head (bmm): one chunk
-    (2048, 64): TileConfig(block_n=64, block_k=64, num_warps=4, num_stages=4, splits=8),  # router
+    (2048, 64): TileConfig(block_n=64, block_k=64, num_warps=4, num_stages=4, splits=16),  # router
 }
 
 
@@ -123,10 +129,14 @@ def heuristic(k: int, n: int) -> TileConfig:
 def config_for(k: int, n: int, dtype: torch.dtype, rows: int | None = None) -> TileConfig:
     """The configuration of a (K, N) weight: its K chunks a function of the weight alone, never
     of M; with `rows`, the tile shape for that many rows (`TileConfig.for_rows`)."""
-    bucket = None  # float32: one tile (the note under ROW_TILES)
-    if rows is not None and dtype.itemsize == 2:
-        bucket = next(bound for bound, _ in ROW_TILES if rows <= bound)
+    bucket = None
+    if rows is not None:
+        bucket = next(bound for bound, _ in _row_tiles(dtype) if rows <= bound)
     return _bucket_config(k, n, dtype, bucket)
+
+
+def _row_tiles(dtype: torch.dtype) -> tuple[tuple[float, dict], ...]:
+    return FP32_ROW_TILES if dtype == torch.float32 else ROW_TILES
 
 
 @functools.cache
@@ -134,7 +144,7 @@ def _bucket_config(k: int, n: int, dtype: torch.dtype, rows: float | None) -> Ti
     """`config_for` per row bucket, built once: every launch asks for one."""
     cfg = TUNED.get((k, n)) or heuristic(k, n)
     if rows is not None:
-        cfg = cfg.for_rows(rows, k, n)
+        cfg = cfg.for_rows(rows, k, n, _row_tiles(dtype))
     return cfg.fitted(dtype.itemsize)
 
 
