@@ -97,6 +97,12 @@ def block_key(parent: bytes, token_ids: list[int] | tuple[int, ...]) -> bytes:
     return xxhash.xxh3_128_digest(parent + array("I", token_ids).tobytes())
 
 
+def role_key(parent: bytes, prompt_rows: int) -> bytes:
+    """The parent key of a block whose first `prompt_rows` tokens were prompt rows and the rest
+    generated ones: blocks of the same tokens computed in other roles never share a key."""
+    return xxhash.xxh3_128_digest(parent + b"generated_from\0" + prompt_rows.to_bytes(4, "little"))
+
+
 def root_key(fingerprint: str, cache_salt: str | None = None) -> bytes:
     """The parent key of a sequence's first block: the model, and the request's salt."""
     root = xxhash.xxh3_128_digest(fingerprint.encode())
@@ -125,6 +131,7 @@ class BlockManager:
         fingerprint: str,
         enable_prefix_caching: bool = True,
         tier: KVTierHooks | None = None,
+        role_keys: bool = False,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
@@ -132,6 +139,10 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.tier = tier
+        # True where a token's KV depends on whether it was computed as a prompt or a generated
+        # row (MLA under --batch-invariant, `kv_follows_row_role`): a block holding generated
+        # tokens is keyed apart, so it is never served to a prompt that holds the same tokens
+        self.role_keys = role_keys
         self.fingerprint = fingerprint
         self._root = root_key(fingerprint)
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -186,6 +197,9 @@ class BlockManager:
         hashes = seq.block_hashes
         for i in range(len(hashes), seq.num_tokens // bs):
             parent = hashes[i - 1] if i else self._root_of(seq)
+            prompt_rows = seq.num_prompt_tokens - i * bs
+            if self.role_keys and prompt_rows < bs:  # the block holds generated rows
+                parent = role_key(parent, max(prompt_rows, 0))
             hashes.append(block_key(parent, seq.token_ids[i * bs : (i + 1) * bs]))
 
     def _root_of(self, seq: Sequence) -> bytes:

@@ -113,6 +113,7 @@ class LLMEngine:
             loaded.info.fingerprint,
             config.enable_prefix_caching,
             tier=self.kv_tiering,
+            role_keys=getattr(self.model, "kv_follows_row_role", False),
         )
         self.spec = _make_speculative(config, self.model, self.block_manager, self.max_model_len)
         graphs = _graphs_wanted(config, self.model)

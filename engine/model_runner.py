@@ -242,6 +242,7 @@ class ModelRunner:
             query_lens_cpu=[item.num_new_tokens for item in out.scheduled],
             seq_lens_cpu=seq_lens,
             context_lens_cpu=context_lens,
+            prompt_lens_cpu=[item.seq.num_prompt_tokens for item in out.scheduled],
         )
         return StepInputs(
             input_ids=self._to_device(input_ids, torch.int64),
@@ -310,10 +311,14 @@ def _sampling_views(seq: Sequence) -> list[Sequence]:
 
 
 def _is_decode_row(item) -> bool:
-    """A sampled chunk of a sequence's last token and all its drafts (maybe none)."""
+    """A sampled chunk of a sequence's last token and all its drafts (maybe none), past its
+    prompt: a prompt's last token, alone in its chunk after a prefix hit, is a prompt row, which
+    a graph's decode rows are not (AttentionMetadata.prompt_lens_cpu)."""
     seq = item.seq
     drafts = len(seq.spec_token_ids)
     if not item.sample or item.num_new_tokens != 1 + drafts:
+        return False
+    if seq.num_computed_tokens < seq.num_prompt_tokens:
         return False
     return drafts == 0 or seq.num_computed_tokens == seq.num_tokens - 1
 

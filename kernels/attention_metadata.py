@@ -25,6 +25,11 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     context_lens_cpu: list[int]
+    # Per sequence, its prompt's length: rows at positions below it are prompt rows, the rest
+    # generated ones (a decode, a draft, a recompute after preemption). None: not told (the
+    # graphs' decode steps, MTP's drafts), every row generated. Read where a row's arithmetic
+    # follows its role (engine/models/mla_prefill.py `plan_by_role`).
+    prompt_lens_cpu: list[int] | None = None
     # Values an attention backend derives from the fields above once per step and reuses in every
     # layer (e.g. the reference's gathered block ids and padding mask). Build a new
     # AttentionMetadata per step rather than mutating one, or this goes stale.

@@ -107,6 +107,10 @@ class KernelSet:
     # prefills in the absorbed form through `paged_attention`, as decode does. Prefill chunks
     # only, which are never captured in a graph: it may build its tile layout on the host.
     flash_prefill: Callable[..., Tensor] | None = None
+    # Which rows take `flash_prefill`: False, the long chunks (where decompressing pays); True,
+    # every prompt row and no generated one (`--batch-invariant`: a row's form then follows its
+    # position in its sequence, never the chunking; engine/models/mla_prefill.py `plan_by_role`).
+    flash_prefill_by_role: bool = False
     # DeepSeek-V4's hyper-connections (kernels/triton/hyper_connections.py states the contracts):
     # (h, fn, eps) -> the mixes, the normed streams times fn; (mixes, scale, base, h, iters,
     # eps) -> (post, comb, the block's input), the Sinkhorn mix included; (h, out, post, comb) ->

@@ -24,6 +24,7 @@ class SequenceLoop:
         self.blocks = (torch.randperm(nblocks - 1, generator=gen) + 1).to(torch.int32)
         self.length = 0
         self.device = device
+        self.prompt_len: int | None = None  # set: the metadata's prompt_lens_cpu (row roles)
 
     def metadata(self, n: int) -> AttentionMetadata:
         ctx, total = self.length, self.length + n
@@ -40,6 +41,7 @@ class SequenceLoop:
             query_lens_cpu=[n],
             seq_lens_cpu=[total],
             context_lens_cpu=[ctx],
+            prompt_lens_cpu=None if self.prompt_len is None else [self.prompt_len],
         )
 
     @torch.inference_mode()

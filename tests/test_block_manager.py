@@ -227,3 +227,49 @@ def test_stats_count_lookups_hits_and_evictions():
     run_prefill(bm, make_seq(list(range(9)), 1))
     assert (bm.stats.queries, bm.stats.hits) == (18, 8)
     assert bm.stats.hit_rate == 8 / 18
+
+
+def _generate(bm: BlockManager, seq: Sequence, tokens: list[int]) -> None:
+    """Decode steps appending `tokens` to a prefilled sequence."""
+    for t in tokens:
+        seq.token_ids.append(t)
+        assert bm.allocate(seq, 1)
+        compute(bm, seq)
+
+
+def test_role_keys_keep_blocks_of_generated_tokens_from_prompts_of_the_same_tokens():
+    """Under role keys a block holding generated tokens is keyed apart: a later prompt made of
+    the same tokens (a chat's next turn) matches only the blocks its first prompt filled."""
+    bm = BlockManager(16, BS, "fp", role_keys=True)
+    first = make_seq(list(range(6)), 0)
+    run_prefill(bm, first)
+    _generate(bm, first, [40, 41, 42, 43, 44, 45])
+    second = make_seq([*range(6), 40, 41, 42, 43, 44, 45, 7], 1)
+    assert run_prefill(bm, second) == 4  # block 0 only: block 1 held prompt and generated rows
+
+
+def test_without_role_keys_a_next_turn_reuses_the_generated_blocks():
+    bm = BlockManager(16, BS, "fp")
+    first = make_seq(list(range(6)), 0)
+    run_prefill(bm, first)
+    _generate(bm, first, [40, 41, 42, 43, 44, 45])
+    assert run_prefill(bm, make_seq([*range(6), 40, 41, 42, 43, 44, 45, 7], 1)) == 12
+
+
+def test_role_keys_leave_a_prompts_own_blocks_and_hand_off_keys_unchanged():
+    plain, roles = BlockManager(8, BS, "fp"), BlockManager(8, BS, "fp", role_keys=True)
+    a, b = make_seq(list(range(9)), 0), make_seq(list(range(9)), 1)
+    plain.update_hashes(a)
+    roles.update_hashes(b)
+    assert a.block_hashes == b.block_hashes
+    assert prompt_block_keys("fp", list(range(9)), BS) == [k.hex() for k in b.block_hashes]
+
+
+def test_role_keys_let_a_sequence_recomputed_after_preemption_find_its_own_blocks():
+    bm = BlockManager(16, BS, "fp", role_keys=True)
+    seq = make_seq(list(range(6)), 0)
+    run_prefill(bm, seq)
+    _generate(bm, seq, [40, 41, 42, 43, 44, 45])
+    bm.free(seq)
+    seq.num_computed_tokens, seq.block_hashes, seq.num_registered_blocks = 0, [], 0
+    assert run_prefill(bm, seq) == 8  # (12 - 1) // 4 full blocks: its last token is recomputed

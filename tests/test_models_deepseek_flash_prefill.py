@@ -21,7 +21,7 @@ from model_loop import SequenceLoop, batched_step_logits  # noqa: E402
 
 from deepserve.engine.models.common import WeightStore  # noqa: E402
 from deepserve.engine.models.deepseek_v3 import DeepseekV3ForCausalLM  # noqa: E402
-from deepserve.engine.models.mla_prefill import plan_step  # noqa: E402
+from deepserve.engine.models.mla_prefill import plan_by_role, plan_step  # noqa: E402
 from deepserve.engine.testmodels.tiny_deepseek import TINY_CONFIG, _tensors  # noqa: E402
 from deepserve.kernels.attention_metadata import AttentionMetadata  # noqa: E402
 from deepserve.kernels.registry import fast_kernels  # noqa: E402
@@ -117,11 +117,92 @@ def test_a_step_without_a_long_chunk_has_no_plan_and_an_all_long_step_no_split()
     assert plan.rows is None and plan.short_rows is None and plan.short_attn is None
 
 
-def test_only_the_default_cuda_set_decompresses_batch_invariant_keeps_the_absorbed_prefill():
-    """Which rows take the decompressed form follows the chunking, so their bits would too."""
+def test_only_the_cuda_sets_decompress_and_batch_invariant_does_so_by_role():
     from deepserve.kernels.reference import KERNELS
     from deepserve.kernels.registry import triton_kernels
 
-    assert fast_kernels().flash_prefill is not None
-    assert triton_kernels().flash_prefill is None
+    assert fast_kernels().flash_prefill is not None and not fast_kernels().flash_prefill_by_role
+    assert triton_kernels().flash_prefill is not None and triton_kernels().flash_prefill_by_role
     assert KERNELS.flash_prefill is None
+
+
+def test_the_role_plan_decompresses_prompt_rows_and_keeps_generated_rows_absorbed():
+    # a 3-token chunk inside a 9-token prompt, a decode past its prompt, and a recompute after
+    # preemption: 6 prompt rows from 0, then 2 generated ones
+    attn = _metadata(qlens=[3, 1, 8], ctx=[2, 6, 0])
+    attn.prompt_lens_cpu = [9, 4, 6]
+    plan = plan_by_role(attn)
+    assert plan.rows.tolist() == [0, 1, 2, 4, 5, 6, 7, 8, 9]
+    assert plan.short_rows.tolist() == [3, 10, 11]
+    assert plan.varlen.query_lens_cpu == [3, 6]
+    assert plan.varlen.context_lens.tolist() == [2, 0]
+    assert plan.varlen.key_start_loc.tolist() == [0, 5, 11]
+    short = plan.short_attn
+    assert short.query_lens_cpu == [1, 2]
+    assert short.context_lens_cpu == [6, 6] and short.seq_lens_cpu == [7, 8]
+    assert short.block_tables.tolist() == [[0, 4, 5], [6, 7, 8]]
+
+
+def test_the_role_plan_is_none_without_prompt_rows():
+    attn = _metadata(qlens=[1, 1, 2], ctx=[6, 2, 3])
+    assert plan_by_role(attn) is None  # not told: every row generated
+    attn = _metadata(qlens=[1, 1, 2], ctx=[6, 2, 3])
+    attn.prompt_lens_cpu = [6, 2, 3]
+    assert plan_by_role(attn) is None
+
+
+# on a GPU bf16 too: tensor-core tiles, where a row's bits could follow its tile
+ROLE_DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+# and a prompt long enough for the prefill-sized matmul tiles (past 512 rows)
+ROLE_CHUNKINGS = [[20], [7, 1, 12], [19, 1]]
+if DEVICE == "cuda":
+    ROLE_CHUNKINGS += [[700], [300, 1, 399], [699, 1]]
+
+
+def _invariant_model(dtype: torch.dtype = torch.float32):
+    from deepserve.kernels.registry import triton_kernels
+
+    weights = _tensors(CONFIG, torch.Generator().manual_seed(0))
+    counter = CountingFlash(triton_kernels().flash_prefill)
+    kernels = replace(triton_kernels(), flash_prefill=counter)
+    store = WeightStore(weights, torch.device(DEVICE), dtype)
+    return DeepseekV3ForCausalLM(CONFIG, store, kernels, "t"), counter
+
+
+def _run(model, prompt: list[int], chunks: list[int], generated: list[int]) -> list[torch.Tensor]:
+    """The prompt fed in `chunks`, then `generated` one decode at a time: each step's logits."""
+    loop = SequenceLoop(model, len(prompt) + len(generated), block_size=4)
+    loop.prompt_len = len(prompt)
+    out, fed = [], 0
+    for n in chunks:
+        out.append(loop.logits(prompt[fed : fed + n]))
+        fed += n
+    return out[-1:] + [loop.logits([t]) for t in generated]
+
+
+@pytest.mark.parametrize("dtype", ROLE_DTYPES)
+def test_batch_invariant_prompt_rows_give_the_same_bits_at_every_chunking(dtype):
+    """Every prompt row takes the decompressed form whatever its chunk (one of 1 token, as after
+    a prefix hit, included), so the chunking changes no bit of the prompt's or the decodes'."""
+    model, counter = _invariant_model(dtype)
+    generated, runs = [7, 1, 9], {}
+    for chunks in ROLE_CHUNKINGS:
+        prompt = [3 + i % 290 for i in range(sum(chunks))]
+        counter.rows = 0
+        runs.setdefault(len(prompt), []).append(_run(model, prompt, chunks, generated))
+        assert counter.rows == len(prompt) * CONFIG["num_hidden_layers"]  # no decode row
+    for want, *others in runs.values():
+        for got in others:
+            assert all(torch.equal(w, g) for w, g in zip(want, got, strict=True))
+
+
+@pytest.mark.parametrize("dtype", ROLE_DTYPES)
+def test_batch_invariant_generated_rows_recomputed_with_their_prompt_keep_their_decode_bits(dtype):
+    """A recompute after preemption feeds prompt and generated tokens as one chunk: the
+    generated rows stay absorbed, so the last one's logits are its decode's, bit for bit."""
+    model, _ = _invariant_model(dtype)
+    prompt, generated = list(range(3, 23)), [7, 1, 9]
+    decoded = _run(model, prompt, [20], generated)
+    loop = SequenceLoop(model, 48, block_size=4)
+    loop.prompt_len = len(prompt)
+    assert torch.equal(loop.logits(prompt + generated), decoded[-1])

@@ -6,6 +6,10 @@ bytes on every layer are `cache[:, block_id]`, which is what kvcache/ moves betw
 stores K and V concatenated on the last dim (width = 2 * kv_heads * head_dim); DeepSeek MLA stores
 the compressed latent plus the rope key (width = kv_lora_rank + qk_rope_head_dim). MTP layers are
 counted in `num_layers` so their KV is cached and restored like any other layer's.
+
+A model whose cached KV for a token depends on whether the token was computed as a prompt row or
+a generated one says so with `kv_follows_row_role = True` (DeepSeek MLA under `--batch-invariant`);
+the block manager then keys blocks holding generated tokens apart. Absent means False.
 """
 
 from __future__ import annotations

@@ -39,7 +39,12 @@ from deepserve.engine.errors import UnsupportedModelError
 from deepserve.engine.models.base import KVCacheSpec
 from deepserve.engine.models.common import WeightStore, add_rms_norm, require, swiglu
 from deepserve.engine.models.kv_scales import read_kv_scales, scaled
-from deepserve.engine.models.mla_prefill import DECOMPRESS_MIN_TOKENS, DecompressPlan, plan_step
+from deepserve.engine.models.mla_prefill import (
+    DECOMPRESS_MIN_TOKENS,
+    DecompressPlan,
+    plan_by_role,
+    plan_step,
+)
 from deepserve.engine.parallel.plan import ModelShard
 from deepserve.kernels import kv_quant
 from deepserve.kernels.attention_metadata import AttentionMetadata
@@ -416,12 +421,26 @@ class DeepseekV3ForCausalLM:
             q = k.linear(k.rms_norm(q, w.q_a_norm, eps), w.q_b)
         q = q.view(tokens, heads, a.qk_head_dim)
         q_full = self._absorbed_query_and_kv_write(w, q, ckv, cos, sin, attn, cache)
-        plan = None if k.flash_prefill is None else plan_step(attn, self.decompress_min_tokens)
+        plan = self._decompress_plan(attn)
         if plan is None:
             out = self._absorbed(w, q_full, attn, cache)
         else:
             out = self._split_attention(w, q, q_full, plan, cache)
         return k.linear(out.reshape(tokens, heads * a.v_head_dim), w.o)
+
+    def _decompress_plan(self, attn: AttentionMetadata) -> DecompressPlan | None:
+        """Which of the step's rows take the decompressed form (mla_prefill.py); None: none."""
+        if self.k.flash_prefill is None:
+            return None
+        if self.k.flash_prefill_by_role:
+            return plan_by_role(attn)
+        return plan_step(attn, self.decompress_min_tokens)
+
+    @property
+    def kv_follows_row_role(self) -> bool:
+        """Whether a cached token's KV depends on whether it was a prompt or a generated row
+        (the block manager keys blocks past a prompt apart, engine/block_manager.py)."""
+        return self.k.flash_prefill is not None and self.k.flash_prefill_by_role
 
     def _absorbed_query_and_kv_write(
         self,

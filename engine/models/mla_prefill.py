@@ -1,7 +1,8 @@
-"""Which sequences of a step take MLA's prefill in the decompressed form, and the per-step plan for
-them (`plan_step`): the chunks of at least `DECOMPRESS_MIN_TOKENS` fresh tokens, their query rows,
-the cache rows of their whole contexts (gathered, then decompressed by the model), and the
-metadata of the other rows (decodes and small chunks), which stay in the absorbed form.
+"""Which rows of a step take MLA's prefill in the decompressed form, and the per-step plan for
+them: by default (`plan_step`) the chunks of at least `DECOMPRESS_MIN_TOKENS` fresh tokens; under
+`--batch-invariant` (`plan_by_role`) every prompt row. A plan holds their query rows, the cache
+rows of their whole contexts (gathered, then decompressed by the model), and the metadata of the
+other rows (decodes, drafts, small chunks), which stay in the absorbed form.
 
 What does not live here: the attention itself (engine/models/deepseek_v3.py composes it from the
 KernelSet's `flash_prefill` and `paged_attention`).
@@ -37,62 +38,108 @@ class DecompressPlan:
     short_attn: AttentionMetadata | None  # the other sequences' metadata (absorbed form)
 
 
+@dataclass(frozen=True)
+class _Piece:
+    """Query rows `skip .. skip + count - 1` of sequence `seq`'s rows in the step."""
+
+    seq: int
+    skip: int
+    count: int
+
+
 def plan_step(attn: AttentionMetadata, min_tokens: int) -> DecompressPlan | None:
     """The step's plan, or None when no sequence brings `min_tokens` fresh tokens."""
     key = ("mla_decompress", min_tokens)
     if key not in attn.scratch:
-        long = [i for i, n in enumerate(attn.query_lens_cpu) if n >= min_tokens]
-        attn.scratch[key] = _build(attn, long) if long else None
+        lens = attn.query_lens_cpu
+        long = [_Piece(i, 0, n) for i, n in enumerate(lens) if n >= min_tokens]
+        short = [_Piece(i, 0, n) for i, n in enumerate(lens) if n < min_tokens]
+        attn.scratch[key] = _build(attn, long, short) if long else None
     return attn.scratch[key]
 
 
-def _build(attn: AttentionMetadata, long: list[int]) -> DecompressPlan:
+def plan_by_role(attn: AttentionMetadata) -> DecompressPlan | None:
+    """`--batch-invariant`'s plan: every prompt row decompressed and every generated row absorbed
+    (`attn.prompt_lens_cpu`), whatever the chunk's length, so that a row's arithmetic is a
+    function of its sequence and position alone, never of the chunking or the batch around it.
+    A chunk that crosses its prompt's end (a recompute after preemption) is cut there. None when
+    the step has no prompt row."""
+    key = ("mla_decompress", "role")
+    if key not in attn.scratch:
+        long, short = [], []
+        prompts = attn.prompt_lens_cpu or [0] * attn.num_seqs
+        for i, (n, ctx, prompt) in enumerate(
+            zip(attn.query_lens_cpu, attn.context_lens_cpu, prompts, strict=True)
+        ):
+            fresh = min(max(prompt - ctx, 0), n)  # this step's prompt rows, its first ones
+            if fresh:
+                long.append(_Piece(i, 0, fresh))
+            if n > fresh:
+                short.append(_Piece(i, fresh, n - fresh))
+        attn.scratch[key] = _build(attn, long, short) if long else None
+    return attn.scratch[key]
+
+
+def _build(attn: AttentionMetadata, long: list[_Piece], short: list[_Piece]) -> DecompressPlan:
     device = attn.query_start_loc.device
-    starts = [0, *accumulate(attn.query_lens_cpu)]
-    short = [i for i in range(attn.num_seqs) if i not in set(long)]
-    rows = [r for i in long for r in range(starts[i], starts[i + 1])]
-    short_rows = [r for i in short for r in range(starts[i], starts[i + 1])]
+    starts = list(accumulate(attn.query_lens_cpu, initial=0))
+
+    def step_rows(pieces: list[_Piece]) -> list[int]:
+        return [
+            r
+            for p in pieces
+            for r in range(starts[p.seq] + p.skip, starts[p.seq] + p.skip + p.count)
+        ]
 
     def on_device(values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
-    qlens = [attn.query_lens_cpu[i] for i in long]
+    contexts = [attn.context_lens_cpu[p.seq] + p.skip for p in long]
+    qlens = [p.count for p in long]
     varlen = CausalVarlen(
         query_start_loc=on_device([0, *accumulate(qlens)]),
-        key_start_loc=on_device([0, *accumulate(attn.seq_lens_cpu[i] for i in long)]),
-        context_lens=on_device([attn.context_lens_cpu[i] for i in long]),
+        key_start_loc=on_device(
+            [0, *accumulate(c + n for c, n in zip(contexts, qlens, strict=True))]
+        ),
+        context_lens=on_device(contexts),
         query_lens_cpu=qlens,
     )
+    rows, short_rows = step_rows(long), step_rows(short)
     return DecompressPlan(
         varlen=varlen,
-        key_slots=torch.cat([_context_slots(attn, i) for i in long]),
+        key_slots=torch.cat(
+            [_context_slots(attn, p.seq, c + p.count) for p, c in zip(long, contexts, strict=True)]
+        ),
         rows=on_device(rows, torch.int64) if short else None,
         short_rows=on_device(short_rows, torch.int64) if short else None,
         short_attn=_subset(attn, short, short_rows, on_device) if short else None,
     )
 
 
-def _context_slots(attn: AttentionMetadata, seq: int) -> torch.Tensor:
-    """Cache rows of sequence `seq`'s keys 0 .. seq_len - 1 (its cached context and this step's)."""
-    pos = torch.arange(attn.seq_lens_cpu[seq], device=attn.block_tables.device)
+def _context_slots(attn: AttentionMetadata, seq: int, keys: int) -> torch.Tensor:
+    """Cache rows of sequence `seq`'s keys 0 .. keys - 1 (its cached context and this step's)."""
+    pos = torch.arange(keys, device=attn.block_tables.device)
     blocks = attn.block_tables[seq].long()[pos // attn.block_size]
     return blocks * attn.block_size + pos % attn.block_size
 
 
 def _subset(
-    attn: AttentionMetadata, seqs: list[int], rows: list[int], on_device
+    attn: AttentionMetadata, pieces: list[_Piece], rows: list[int], on_device
 ) -> AttentionMetadata:
-    """The metadata of sequences `seqs` alone, their query rows `rows` renumbered from 0."""
-    qlens = [attn.query_lens_cpu[i] for i in seqs]
-    index = on_device(seqs, torch.int64)
+    """The metadata of `pieces` alone, their query rows `rows` renumbered from 0 (a piece that
+    skips its sequence's first rows has them as context: they are in the cache by now)."""
+    qlens = [p.count for p in pieces]
+    contexts = [attn.context_lens_cpu[p.seq] + p.skip for p in pieces]
+    seq_lens = [c + n for c, n in zip(contexts, qlens, strict=True)]
+    index = on_device([p.seq for p in pieces], torch.int64)
     return AttentionMetadata(
         query_start_loc=on_device([0, *accumulate(qlens)]),
-        seq_lens=attn.seq_lens[index],
-        context_lens=attn.context_lens[index],
+        seq_lens=on_device(seq_lens),
+        context_lens=on_device(contexts),
         slot_mapping=attn.slot_mapping[on_device(rows, torch.int64)],
         block_tables=attn.block_tables[index],
         block_size=attn.block_size,
         query_lens_cpu=qlens,
-        seq_lens_cpu=[attn.seq_lens_cpu[i] for i in seqs],
-        context_lens_cpu=[attn.context_lens_cpu[i] for i in seqs],
+        seq_lens_cpu=seq_lens,
+        context_lens_cpu=contexts,
     )

@@ -51,4 +51,5 @@ def _attn_to(a: AttentionMetadata, device) -> AttentionMetadata:
         query_lens_cpu=list(a.query_lens_cpu),
         seq_lens_cpu=list(a.seq_lens_cpu),
         context_lens_cpu=list(a.context_lens_cpu),
+        prompt_lens_cpu=None if a.prompt_lens_cpu is None else list(a.prompt_lens_cpu),
     )

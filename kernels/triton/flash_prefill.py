@@ -70,12 +70,16 @@ def _key_block(
         other=0.0,
     )
     scores = tl.dot(qr, tl.trans(kr), scores, input_precision=PRECISION) * scale_log2
+    # the mask is applied around the arithmetic, never inside it, so that a key a row sees gets
+    # the same instructions (FMA contraction included) in a masked block as in an unmasked one
     if MASKED:
         visible = (keys[None, :] <= pos[:, None]) & key_ok[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_new = tl.maximum(m_i, tl.max(tl.where(visible, scores, float("-inf")), axis=1))
+        p = tl.where(visible, tl.math.exp2(scores - m_new[:, None]), 0.0)
+    else:
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        p = tl.math.exp2(scores - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(scores - m_new[:, None])
     v = tl.load(
         v_ptr + krow[:, None] * s_vt + dv[None, :],
         mask=key_ok[:, None] & (dv[None, :] < DV),

@@ -108,7 +108,6 @@ def triton_kernels(base: KernelSet) -> KernelSet:
         log_softmax=rows.log_softmax,
         bmm=matmul.bmm,
         paged_attention=InvariantPagedAttention(),  # decode steps: heads share a KV read
-        # no flash_prefill: which rows take it follows the chunking, so their bits would too
         sigmoid=torch.sigmoid,  # CUDA elementwise ops compute every element the same way
         moe=partial(fused_moe.fused_moe, configs=fused_moe.invariant_config),  # K steps fixed
         mla_kv_write_=mla.kv_write_,
@@ -121,5 +120,9 @@ def triton_kernels(base: KernelSet) -> KernelSet:
         graph_safe=True,
         fp8_weights=True,
         grouped_linear=fp8_matmul.grouped_linear_or_none(batch_invariant=True),
+        # MLA's prompt rows in the decompressed form at every chunk length, generated rows
+        # absorbed: a row's form follows its role, so the chunking cannot change its bits
+        flash_prefill=flash_prefill,
+        flash_prefill_by_role=True,
     )
     return _with_v4_ops(invariant)  # fixed splits and tiles: invariant by construction
