@@ -340,10 +340,11 @@ def section_prefill_split(out: dict) -> None:
         print(out["prefill_split"][-1], flush=True)
 
 
-def section_speed(out: dict) -> None:
+def section_speed(out: dict, profile_prefill: bool = False) -> None:
     """V2-Lite shape, bf16: decode tokens/s at batch 1 and 64 and a 2,000-token prefill, the
-    default set and the flag side by side (speed.py's measurements, without its profiles and
-    transformers' rows: the short form of run_all.sh's `speed` section)."""
+    default set and the flag side by side (speed.py's measurements, without transformers' rows:
+    the short form of run_all.sh's `speed` section); with `profile_prefill`, the prefill's
+    kernels too."""
     import speed
 
     config = speed.SHAPES["v2-lite"]
@@ -356,6 +357,8 @@ def section_speed(out: dict) -> None:
         for b in (1, 64):
             row[f"decode_b{b}_tok_s"] = round(speed.engine_decode_tok_s(llm, b, vocab, rng, 128), 1)
         row["prefill_2000_tok_s"] = round(speed.engine_prefill_tok_s(llm, vocab, rng, 2000))
+        if profile_prefill:
+            row["prefill_profile"] = speed.profile_prefill(llm, vocab, rng, 2000)
         out.setdefault("speed", []).append(row)
         print(row, flush=True)
         llm.engine.runner.close()
@@ -410,6 +413,7 @@ def main() -> None:
         default=["policy", "router", "attention", "prefill_split", "matmul", "step"],
     )
     p.add_argument("--budget-s", type=float, default=200)
+    p.add_argument("--prefill-profile", action="store_true", help="speed: profile the prefill")
     args = p.parse_args()
     deadline = time.time() + args.budget_s
     out: dict = {"errors": [], "gpu": torch.cuda.get_device_name()}
@@ -419,7 +423,7 @@ def main() -> None:
         ("attention", lambda: section_attention(out)),
         ("prefill_split", lambda: section_prefill_split(out)),
         ("matmul", lambda: section_matmul(out, deadline)),
-        ("speed", lambda: section_speed(out)),
+        ("speed", lambda: section_speed(out, args.prefill_profile)),
         ("step", lambda: section_step(out)),
     ):
         if name not in args.only:

@@ -420,12 +420,12 @@ class DeepseekV3ForCausalLM:
         if w.q_b is not None:
             q = k.linear(k.rms_norm(q, w.q_a_norm, eps), w.q_b)
         q = q.view(tokens, heads, a.qk_head_dim)
-        q_full = self._absorbed_query_and_kv_write(w, q, ckv, cos, sin, attn, cache)
+        fused = self._write_kv(w, ckv, cos, sin, attn, cache)
         plan = self._decompress_plan(attn)
         if plan is None:
-            out = self._absorbed(w, q_full, attn, cache)
+            out = self._absorbed(w, self._absorbed_query(w, q, cos, sin, fused), attn, cache)
         else:
-            out = self._split_attention(w, q, q_full, plan, cache)
+            out = self._split_attention(w, q, cos, sin, fused, plan, cache)
         return k.linear(out.reshape(tokens, heads * a.v_head_dim), w.o)
 
     def _decompress_plan(self, attn: AttentionMetadata) -> DecompressPlan | None:
@@ -442,40 +442,54 @@ class DeepseekV3ForCausalLM:
         (the block manager keys blocks past a prompt apart, engine/block_manager.py)."""
         return self.k.flash_prefill is not None and self.k.flash_prefill_by_role
 
-    def _absorbed_query_and_kv_write(
+    def _write_kv(
         self,
         w: _Attention,
-        q: torch.Tensor,
         ckv: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         attn: AttentionMetadata,
         cache: torch.Tensor,
-    ) -> torch.Tensor:
-        """Writes the step's latent rows to the cache; returns the absorbed query
-        `[T, H, lora + rope]`, `[W_UK q_nope | rope(q_pe)]`."""
-        a, k, eps = self.args, self.k, self.args.rms_norm_eps
-        tokens, heads, nope, lora = q.shape[0], a.num_heads, a.qk_nope_head_dim, a.kv_lora_rank
-        q_latent = k.bmm(q[..., :nope].transpose(0, 1), w.w_uk)  # [H, T, lora]
-        # the fused write cannot divide by a scale
-        fused = w.kv_scale == 1.0 and self._fused_kv_write(w, ckv, cos, sin, attn, cache)
-        if fused:  # 2-3 launches, not ~16
-            q_full = q.new_empty(tokens, heads, lora + a.qk_rope_head_dim)
-            q_pe, latent = q[..., nope:], q_latent.transpose(0, 1)
-            whole = k.absorbed_query_ is not None and k.absorbed_query_(
-                latent, q_pe, cos, sin, q_full
-            )
-            if not whole:
-                if not k.rope_into_(q_pe, cos, sin, q_full[..., lora:]):
-                    q_full[..., lora:] = apply_rope(q_pe, cos, sin)
-                q_full[..., :lora] = latent
-            return q_full
-        latent = k.rms_norm(ckv[:, :lora], w.kv_a_norm, eps)
+    ) -> bool:
+        """Writes the step's latent rows `[normed latent | rope(k_pe)]` to the cache; True when
+        the KernelSet's fused write did (its query ops then take the query's rope part too)."""
+        if w.kv_scale == 1.0 and self._fused_kv_write(w, ckv, cos, sin, attn, cache):
+            return True  # 1 launch, not ~10; the fused write cannot divide by a scale
+        lora, eps = self.args.kv_lora_rank, self.args.rms_norm_eps
+        latent = self.k.rms_norm(ckv[:, :lora], w.kv_a_norm, eps)
         k_pe = apply_rope(ckv[:, lora:].unsqueeze(1), cos, sin)
         rows = scaled(torch.cat([latent, k_pe[:, 0]], dim=-1), w.kv_scale)
-        k.write_kv(cache, attn.slot_mapping, rows)
-        q_pe = apply_rope(q[..., nope:], cos, sin)
-        return torch.cat([q_latent.transpose(0, 1), q_pe], dim=-1)
+        self.k.write_kv(cache, attn.slot_mapping, rows)
+        return False
+
+    def _absorbed_query(
+        self, w: _Attention, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool
+    ) -> torch.Tensor:
+        """The absorbed query `[T, H, lora + rope]`, `[W_UK q_nope | rope(q_pe)]`."""
+        a, k = self.args, self.k
+        tokens, heads, nope, lora = q.shape[0], a.num_heads, a.qk_nope_head_dim, a.kv_lora_rank
+        latent = k.bmm(q[..., :nope].transpose(0, 1), w.w_uk).transpose(0, 1)  # [T, H, lora]
+        if not fused:
+            return torch.cat([latent, apply_rope(q[..., nope:], cos, sin)], dim=-1)
+        q_full = q.new_empty(tokens, heads, lora + a.qk_rope_head_dim)
+        if not (
+            k.absorbed_query_ is not None
+            and k.absorbed_query_(latent, q[..., nope:], cos, sin, q_full)
+        ):
+            q_full[..., lora:] = self._query_rope(q[..., nope:], cos, sin, fused)
+            q_full[..., :lora] = latent
+        return q_full
+
+    def _query_rope(
+        self, q_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool
+    ) -> torch.Tensor:
+        """rope(q_pe) `[T, H, rope]`, with the ops `_absorbed_query` rotates it with (the same
+        bits for a row either way)."""
+        if fused:
+            out = torch.empty_like(q_pe)
+            if self.k.rope_into_(q_pe, cos, sin, out):
+                return out
+        return apply_rope(q_pe, cos, sin)
 
     def _absorbed(
         self, w: _Attention, q_full: torch.Tensor, attn: AttentionMetadata, cache: torch.Tensor
@@ -493,24 +507,31 @@ class DeepseekV3ForCausalLM:
         self,
         w: _Attention,
         q: torch.Tensor,
-        q_full: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        fused: bool,
         plan: DecompressPlan,
         cache: torch.Tensor,
     ) -> torch.Tensor:
-        """The plan's long chunks in the decompressed form, the other rows absorbed: `[T, H, v]`."""
+        """The plan's rows in the decompressed form (no W_UK product for them), the other rows
+        absorbed: `[T, H, v]`."""
         if plan.rows is None:
-            return self._decompressed(w, q, q_full, plan, cache)
-        long = self._decompressed(w, q[plan.rows], q_full[plan.rows], plan, cache)
+            return self._decompressed(w, q, cos, sin, fused, plan, cache)
+        r, s = plan.rows, plan.short_rows
+        long = self._decompressed(w, q[r], cos[r], sin[r], fused, plan, cache)
         out = long.new_empty(q.shape[0], *long.shape[1:])
-        out[plan.rows] = long
-        out[plan.short_rows] = self._absorbed(w, q_full[plan.short_rows], plan.short_attn, cache)
+        out[r] = long
+        q_full = self._absorbed_query(w, q[s], cos[s], sin[s], fused)
+        out[s] = self._absorbed(w, q_full, plan.short_attn, cache)
         return out
 
     def _decompressed(
         self,
         w: _Attention,
         q: torch.Tensor,
-        q_full: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        fused: bool,
         plan: DecompressPlan,
         cache: torch.Tensor,
     ) -> torch.Tensor:
@@ -524,10 +545,10 @@ class DeepseekV3ForCausalLM:
         keys = kv_quant.dequantize(keys, self.dtype, w.kv_scale)
         kv = self.k.linear(keys[:, :lora], w.kv_b).view(-1, heads, nope + a.v_head_dim)
         k_rope = keys[:, None, lora:].expand(-1, heads, -1)
+        q_rope = self._query_rope(q[..., nope:], cos, sin, fused)
         return self.k.flash_prefill(
-            q[..., :nope], q_full[..., lora:], kv[..., :nope], k_rope, kv[..., nope:],
-            plan.varlen, self.scale,
-        )  # fmt: skip
+            q[..., :nope], q_rope, kv[..., :nope], k_rope, kv[..., nope:], plan.varlen, self.scale
+        )
 
     def _fused_kv_write(
         self,
