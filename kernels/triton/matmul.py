@@ -54,12 +54,12 @@ class TileConfig:
         """K per chunk: a multiple of block_k, from K alone."""
         return self.chunk_k or cdiv(cdiv(k, self.splits), self.block_k) * self.block_k
 
-    def for_rows(self, m: float, k: int, n: int, tiles: tuple | None = None) -> TileConfig:
+    def for_rows(self, m: float, k: int, n: int, tiles: RowTiles | None = None) -> TileConfig:
         """These K chunks of a (K, N) weight with the tile M rows run fastest on (`tiles`, by
         default `ROW_TILES`): its BLOCK_K only where it divides the chunk, its columns only where
         they divide N."""
         kc = self.chunk(k)
-        for rows, shape in tiles or ROW_TILES:
+        for rows, shape in ROW_TILES if tiles is None else tiles:
             if m > rows:
                 continue
             if not shape or n % shape["block_n"]:
@@ -84,7 +84,8 @@ DEFAULT = TileConfig()
 # row count"): 32 x 64 beats the weight's 64 x 128 by 15-35% at 17-32 rows, 64 x 256 by 10-22% at
 # 2,000 rows; at 64 rows none wins on every weight. Up to 16 rows: 16 x 32 with 256-deep K steps,
 # within 2% of the best tile of each of V2-Lite's decode weights read cold (decode_matmul.py).
-ROW_TILES: tuple[tuple[float, dict], ...] = (
+RowTiles = tuple[tuple[float, dict], ...]  # (largest M, tile shape) buckets, smallest M first
+ROW_TILES: RowTiles = (
     (16, dict(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3)),
     (32, dict(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=4)),
     (512, {}),
@@ -95,7 +96,7 @@ ROW_TILES: tuple[tuple[float, dict], ...] = (
 # 1 and 64 rows with 64 x 64 at 2,000; H100, run-gpu27-1). The weight's own 64 x 64 tile over a
 # 64-expert gate is 8 programs a decode step, 27 us a layer; 16 x 16 K64 tiles over 128-deep
 # chunks, 6.6 us (cuBLAS 4.4).
-FP32_ROW_TILES: tuple[tuple[float, dict], ...] = (
+FP32_ROW_TILES: RowTiles = (
     (64, dict(block_m=16, block_n=16, block_k=64, num_warps=4, num_stages=3)),
     (float("inf"), {}),
 )
@@ -129,13 +130,12 @@ def heuristic(k: int, n: int) -> TileConfig:
 def config_for(k: int, n: int, dtype: torch.dtype, rows: int | None = None) -> TileConfig:
     """The configuration of a (K, N) weight: its K chunks a function of the weight alone, never
     of M; with `rows`, the tile shape for that many rows (`TileConfig.for_rows`)."""
-    bucket = None
-    if rows is not None:
-        bucket = next(bound for bound, _ in _row_tiles(dtype) if rows <= bound)
+    tiles = _row_tiles(dtype)
+    bucket = None if rows is None else next(bound for bound, _ in tiles if rows <= bound)
     return _bucket_config(k, n, dtype, bucket)
 
 
-def _row_tiles(dtype: torch.dtype) -> tuple[tuple[float, dict], ...]:
+def _row_tiles(dtype: torch.dtype) -> RowTiles:
     return FP32_ROW_TILES if dtype == torch.float32 else ROW_TILES
 
 
